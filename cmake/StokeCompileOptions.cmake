@@ -1,0 +1,26 @@
+# Warnings and sanitizers for stoke's own targets only (never global flags).
+add_library(stoke_compile_options INTERFACE)
+target_compile_options(stoke_compile_options INTERFACE
+  $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic -Wundef -Werror -Wno-clobbered>)
+target_include_directories(stoke_compile_options INTERFACE ${PROJECT_SOURCE_DIR})
+target_compile_definitions(stoke_compile_options INTERFACE
+  STOKE_VERSION="${PROJECT_VERSION}" STOKE_WITH_CUDA=$<BOOL:${STOKE_WITH_CUDA}>)
+
+if(STOKE_SANITIZE STREQUAL "address")
+  set(_stoke_san -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer)
+elseif(STOKE_SANITIZE STREQUAL "thread")
+  set(_stoke_san -fsanitize=thread -fno-omit-frame-pointer)
+elseif(NOT STOKE_SANITIZE STREQUAL "")
+  message(FATAL_ERROR "STOKE_SANITIZE must be '', 'address' or 'thread', not '${STOKE_SANITIZE}'")
+endif()
+if(_stoke_san)
+  target_compile_options(stoke_compile_options INTERFACE $<$<COMPILE_LANGUAGE:CXX>:${_stoke_san}>)
+  target_link_options(stoke_compile_options INTERFACE ${_stoke_san})
+endif()
+
+# The source revision, for manifests and logs.
+execute_process(COMMAND git rev-parse --short=12 HEAD WORKING_DIRECTORY ${PROJECT_SOURCE_DIR}
+                OUTPUT_VARIABLE STOKE_GIT_SHA OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+if(NOT STOKE_GIT_SHA)
+  set(STOKE_GIT_SHA unknown)
+endif()

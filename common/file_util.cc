@@ -1,0 +1,97 @@
+#include "common/file_util.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include <fmt/format.h>
+
+namespace stoke {
+namespace {
+
+Status ErrnoStatus(int err, const std::filesystem::path& path, const char* what) {
+  std::string m = fmt::format("{}: {}: {}", path.string(), what, std::strerror(err));
+  if (err == ENOENT) return NotFoundError(std::move(m));
+  return IoError(std::move(m));
+}
+
+// Closes an fd on scope exit.
+struct FdCloser {
+  int fd;
+  ~FdCloser() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+}  // namespace
+
+Result<std::vector<std::byte>> ReadFileBytes(const std::filesystem::path& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus(errno, path, "open");
+  FdCloser closer{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return ErrnoStatus(errno, path, "stat");
+  if (!S_ISREG(st.st_mode)) return IoError(path.string() + ": not a regular file");
+  std::vector<std::byte> data(static_cast<size_t>(st.st_size));
+  size_t got = 0;
+  while (got < data.size()) {
+    ssize_t n = ::read(fd, data.data() + got, data.size() - got);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, path, "read");
+    }
+    if (n == 0) break;  // file shrank while reading
+    got += static_cast<size_t>(n);
+  }
+  data.resize(got);
+  return data;
+}
+
+Status WriteFileAtomic(const std::filesystem::path& path, std::span<const std::byte> data) {
+  std::filesystem::path tmp = path;
+  tmp += fmt::format(".tmp.{}", ::getpid());
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoStatus(errno, tmp, "create");
+  size_t put = 0;
+  while (put < data.size()) {
+    ssize_t n = ::write(fd, data.data() + put, data.size() - put);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      int err = errno;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      return ErrnoStatus(err, tmp, "write");
+    }
+    put += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    int err = errno;
+    ::unlink(tmp.c_str());
+    return ErrnoStatus(err, tmp, "sync");
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    int err = errno;
+    ::unlink(tmp.c_str());
+    return ErrnoStatus(err, path, "rename");
+  }
+  return OkStatus();
+}
+
+Status WriteFileAtomic(const std::filesystem::path& path, const std::string& text) {
+  return WriteFileAtomic(path, std::as_bytes(std::span(text.data(), text.size())));
+}
+
+std::string HumanBytes(double bytes) {
+  const char* units[] = {"B", "KB", "MB", "GB", "TB"};
+  int u = 0;
+  while (bytes >= 1000 && u < 4) {
+    bytes /= 1000;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{:.0f} {}", bytes, units[u]) : fmt::format("{:.1f} {}", bytes, units[u]);
+}
+
+}  // namespace stoke

@@ -1,0 +1,25 @@
+// Small file-system helpers with Status errors that name the path.
+#pragma once
+
+#include <cstddef>
+#include <filesystem>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace stoke {
+
+// Reads a whole file. kNotFound if missing, kIoError if unreadable or a directory.
+Result<std::vector<std::byte>> ReadFileBytes(const std::filesystem::path& path);
+
+// Writes `data` to `path` atomically: a temporary file in the same directory, fsync, rename.
+// Readers see the old file or the new one, never a half-written one.
+Status WriteFileAtomic(const std::filesystem::path& path, std::span<const std::byte> data);
+Status WriteFileAtomic(const std::filesystem::path& path, const std::string& text);
+
+// "1.5 MB", "312 KB", "17 B" (powers of 1000).
+std::string HumanBytes(double bytes);
+
+}  // namespace stoke

@@ -1,0 +1,184 @@
+#include "dataset/dataset.h"
+
+#include <array>
+#include <cstring>
+#include <system_error>
+
+#include <fmt/format.h>
+
+#include "dataset/writer.h"
+
+namespace stoke::dataset {
+namespace {
+
+MDB_val Val(const void* p, size_t n) { return MDB_val{n, const_cast<void*>(p)}; }
+
+std::span<const std::byte> Bytes(const MDB_val& v) {
+  return {static_cast<const std::byte*>(v.mv_data), v.mv_size};
+}
+
+}  // namespace
+
+Result<Dataset> Dataset::Open(const std::filesystem::path& path) {
+  const std::string where = "dataset: " + path.string();
+  std::error_code ec;
+  auto st = std::filesystem::status(path, ec);
+  if (!std::filesystem::exists(st)) return NotFoundError(where + ": no such file or directory");
+  unsigned flags = MDB_RDONLY | MDB_NOTLS | MDB_NOLOCK;
+  std::filesystem::path data_file = path;
+  if (std::filesystem::is_directory(st)) {
+    data_file = path / "data.mdb";
+    if (!std::filesystem::exists(data_file, ec)) {
+      return InvalidArgumentError(where + ": not a stoke dataset (no data.mdb inside)");
+    }
+  } else {
+    flags |= MDB_NOSUBDIR;
+  }
+  const auto file_bytes = std::filesystem::file_size(data_file, ec);
+  if (ec) return IoError(fmt::format("{}: {}", where, ec.message()));
+
+  Dataset d;
+  d.path_ = path;
+  MDB_env* raw = nullptr;
+  int rc = mdb_env_create(&raw);
+  if (rc != MDB_SUCCESS) return MdbStatus(rc, where + ": create environment");
+  d.env_.reset(raw);
+  mdb_env_set_maxdbs(raw, 4);
+  rc = mdb_env_open(raw, path.c_str(), flags, 0444);
+  if (rc == MDB_INVALID) {
+    return InvalidArgumentError(where + ": not an LMDB data file (is this a stoke dataset?)");
+  }
+  if (rc != MDB_SUCCESS) return MdbStatus(rc, where + ": open");
+
+  // A data file shorter than its last page would make the map fault (SIGBUS) on access.
+  MDB_envinfo info;
+  MDB_stat env_stat;
+  mdb_env_info(raw, &info);
+  mdb_env_stat(raw, &env_stat);
+  const uint64_t needed = (uint64_t{info.me_last_pgno} + 1) * env_stat.ms_psize;
+  if (file_bytes < needed) {
+    return CorruptError(fmt::format("{}: data file truncated: {} bytes, its pages need {}", where,
+                                    file_bytes, needed));
+  }
+
+  STOKE_ASSIGN_OR_RETURN(MdbTxn txn, BeginTxn(raw, MDB_RDONLY, where));
+  MDB_dbi meta = 0;
+  rc = mdb_dbi_open(txn.get(), kMetaDb, 0, &meta);
+  if (rc == MDB_NOTFOUND) return InvalidArgumentError(where + ": not a stoke dataset (no meta table)");
+  if (rc != MDB_SUCCESS) return MdbStatus(rc, where + ": open meta table");
+  MDB_val k = Val(kManifestKey, std::strlen(kManifestKey)), v;
+  rc = mdb_get(txn.get(), meta, &k, &v);
+  if (rc == MDB_NOTFOUND) {
+    MDB_val sk = Val(kPackStateKey, std::strlen(kPackStateKey));
+    if (mdb_get(txn.get(), meta, &sk, &v) == MDB_SUCCESS) {
+      return InvalidArgumentError(where + ": unfinished pack (finish it with stoke pack --resume)");
+    }
+    return CorruptError(where + ": no manifest");
+  }
+  if (rc != MDB_SUCCESS) return MdbStatus(rc, where + ": read manifest");
+  auto manifest = Manifest::Parse(
+      std::string_view(static_cast<const char*>(v.mv_data), v.mv_size));
+  if (!manifest.ok()) return manifest.status().Prepend(where);
+  d.manifest_ = std::move(manifest).value();
+  if (d.manifest_.format_version != kFormatVersion) {
+    return InvalidArgumentError(fmt::format("{}: format v{}, this stoke reads v{} (re-pack it)",
+                                            where, d.manifest_.format_version, kFormatVersion));
+  }
+  rc = mdb_dbi_open(txn.get(), kRecordsDb, 0, &d.records_dbi_);
+  if (rc == MDB_NOTFOUND) return CorruptError(where + ": no records table");
+  if (rc != MDB_SUCCESS) return MdbStatus(rc, where + ": open records table");
+  MDB_stat rs;
+  rc = mdb_stat(txn.get(), d.records_dbi_, &rs);
+  if (rc != MDB_SUCCESS) return MdbStatus(rc, where + ": stat records");
+  if (static_cast<int64_t>(rs.ms_entries) != d.manifest_.records) {
+    return CorruptError(fmt::format("{}: records table holds {} records, manifest says {}", where,
+                                    rs.ms_entries, d.manifest_.records));
+  }
+  rc = mdb_dbi_open(txn.get(), kPathsDb, 0, &d.paths_dbi_);
+  d.has_paths_dbi_ = rc == MDB_SUCCESS;
+  // Committing (not aborting) keeps the table handles open for later transactions.
+  STOKE_RETURN_IF_ERROR(CommitTxn(txn, where));
+  return d;
+}
+
+Result<Reader> Dataset::NewReader(ReaderOptions options) const {
+  STOKE_ASSIGN_OR_RETURN(MdbTxn txn,
+                         BeginTxn(env_.get(), MDB_RDONLY, "dataset: " + path_.string()));
+  return Reader(this, std::move(txn), options);
+}
+
+Result<RecordView> Reader::Check(const MDB_val& value, int64_t index) const {
+  auto record = ParseRecord(Bytes(value), index);
+  if (!record.ok()) return record.status().Prepend("dataset: " + dataset_->path_.string());
+  if (options_.verify_crc) {
+    Status s = CheckCrc(*record);
+    if (!s.ok()) return s.Prepend("dataset: " + dataset_->path_.string());
+  }
+  return record;
+}
+
+Result<RecordView> Reader::Get(int64_t index) {
+  if (index < 0 || index >= dataset_->size()) {
+    return InvalidArgumentError(fmt::format("dataset: {}: record {} out of range [0, {})",
+                                            dataset_->path_.string(), index, dataset_->size()));
+  }
+  std::array<std::byte, 8> key;
+  EncodeKey(static_cast<uint64_t>(index), key);
+  MDB_val k = Val(key.data(), key.size()), v;
+  int rc = mdb_get(txn_.get(), dataset_->records_dbi_, &k, &v);
+  if (rc == MDB_NOTFOUND) {
+    return CorruptError(
+        fmt::format("dataset: {}: record {} missing", dataset_->path_.string(), index));
+  }
+  if (rc != MDB_SUCCESS) {
+    return MdbStatus(rc, fmt::format("dataset: {}: record {}", dataset_->path_.string(), index));
+  }
+  return Check(v, index);
+}
+
+Status Reader::Scan(int64_t begin, int64_t end,
+                    const std::function<Status(const RecordView&)>& fn) {
+  const std::string where = "dataset: " + dataset_->path_.string();
+  if (begin < 0 || end > dataset_->size() || begin > end) {
+    return InvalidArgumentError(fmt::format("{}: range [{}, {}) not within [0, {})", where, begin,
+                                            end, dataset_->size()));
+  }
+  if (begin == end) return OkStatus();
+  MDB_cursor* raw = nullptr;
+  int rc = mdb_cursor_open(txn_.get(), dataset_->records_dbi_, &raw);
+  if (rc != MDB_SUCCESS) return MdbStatus(rc, where + ": open cursor");
+  MdbCursor cursor(raw);
+  std::array<std::byte, 8> key;
+  EncodeKey(static_cast<uint64_t>(begin), key);
+  MDB_val k = Val(key.data(), key.size()), v;
+  rc = mdb_cursor_get(raw, &k, &v, MDB_SET_KEY);
+  for (int64_t index = begin; index < end; ++index) {
+    if (rc == MDB_NOTFOUND) return CorruptError(fmt::format("{}: record {} missing", where, index));
+    if (rc != MDB_SUCCESS) return MdbStatus(rc, fmt::format("{}: record {}", where, index));
+    if (k.mv_size != 8 ||
+        DecodeKey(std::span<const std::byte, 8>(static_cast<const std::byte*>(k.mv_data), 8)) !=
+            static_cast<uint64_t>(index)) {
+      return CorruptError(fmt::format("{}: record {} missing (keys out of sequence)", where, index));
+    }
+    STOKE_ASSIGN_OR_RETURN(RecordView record, Check(v, index));
+    STOKE_RETURN_IF_ERROR(fn(record));
+    if (index + 1 < end) rc = mdb_cursor_get(raw, &k, &v, MDB_NEXT);
+  }
+  return OkStatus();
+}
+
+Result<std::string> Reader::SourcePath(int64_t index) {
+  if (!dataset_->has_paths_dbi_) return std::string();
+  std::array<std::byte, 8> key;
+  EncodeKey(static_cast<uint64_t>(index), key);
+  MDB_val k = Val(key.data(), key.size()), v;
+  int rc = mdb_get(txn_.get(), dataset_->paths_dbi_, &k, &v);
+  if (rc == MDB_NOTFOUND) return std::string();
+  if (rc != MDB_SUCCESS) {
+    return MdbStatus(rc, fmt::format("dataset: {}: path of record {}", dataset_->path_.string(),
+                                     index));
+  }
+  return std::string(static_cast<const char*>(v.mv_data), v.mv_size);
+}
+
+}  // namespace stoke::dataset

@@ -1,0 +1,62 @@
+// The on-disk record: a fixed 32-byte little-endian header followed by the payload bytes.
+// docs/FORMAT.md is the specification; this header is its implementation.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string_view>
+
+#include "common/status.h"
+
+namespace stoke::dataset {
+
+// Format version written by this build and the only one it reads.
+inline constexpr uint16_t kFormatVersion = 1;
+// "STKR" as little-endian bytes 'S' 'T' 'K' 'R'.
+inline constexpr uint32_t kRecordMagic = 0x524B5453u;
+inline constexpr size_t kRecordHeaderSize = 32;
+
+enum class PayloadEncoding : uint8_t {
+  kJpeg = 1,  // a baseline or progressive 8-bit JPEG, 1 or 3 components, upright pixels
+  kRaw = 2,   // width*height*channels uint8 pixels, HWC, no padding
+};
+std::string_view EncodingName(PayloadEncoding e);
+
+// Decoded header fields. width/height/channels describe the upright image.
+struct RecordHeader {
+  uint16_t format_version = kFormatVersion;
+  PayloadEncoding encoding = PayloadEncoding::kJpeg;
+  uint8_t channels = 3;
+  int32_t label = 0;
+  uint32_t width = 0;
+  uint32_t height = 0;
+  uint32_t payload_crc32c = 0;
+  uint64_t payload_size = 0;
+};
+
+// A record read in place. `payload` points into the LMDB map (or whatever buffer was parsed) and
+// is valid as long as that memory is: for a dataset reader, until its read transaction ends.
+struct RecordView {
+  int64_t index = -1;
+  RecordHeader header;
+  std::span<const std::byte> payload;
+};
+
+// Serialises `header` into out[0..32). The caller fills payload_size and payload_crc32c.
+void EncodeRecordHeader(const RecordHeader& header, std::span<std::byte, kRecordHeaderSize> out);
+
+// Parses a stored value (header + payload) without copying. kCorrupt when the value is shorter
+// than the header, has the wrong magic, an unknown encoding, a payload length that does not match
+// the value, or a raw payload whose size disagrees with width*height*channels; kInvalidArgument
+// (with "re-pack" advice) for another format version. Does not check the CRC: see CheckCrc.
+Result<RecordView> ParseRecord(std::span<const std::byte> value, int64_t index);
+
+// kCorrupt naming the record index when the payload's CRC-32C differs from the header's.
+Status CheckCrc(const RecordView& record);
+
+// 8-byte big-endian key for a record index: byte order = index order in LMDB.
+void EncodeKey(uint64_t index, std::span<std::byte, 8> out);
+uint64_t DecodeKey(std::span<const std::byte, 8> key);
+
+}  // namespace stoke::dataset

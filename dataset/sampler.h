@@ -1,0 +1,55 @@
+// Sampler: the record indices one rank visits in one epoch.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace stoke::dataset {
+
+enum class ShuffleMode {
+  kSequential,  // 0, 1, 2, ... (evaluation; fastest reads)
+  kFull,        // a fresh uniform permutation every epoch (the usual choice when data fits in RAM)
+  kBlock,       // shuffle contiguous blocks, then samples within a window of blocks: near-random
+                // order with long sequential reads, for data larger than the page cache
+};
+Result<ShuffleMode> ParseShuffleMode(std::string_view name);  // "sequential" | "full" | "block"
+
+struct SamplerOptions {
+  ShuffleMode mode = ShuffleMode::kFull;
+  uint64_t seed = 0;
+  int64_t block_size = 256;   // kBlock: records per contiguous block; > 0
+  int64_t window_blocks = 16; // kBlock: blocks whose samples are mixed together; > 0
+  int rank = 0;               // this process's shard; 0 <= rank < world_size
+  int world_size = 1;         // number of shards; > 0
+  // When the record count is not a multiple of world_size: false pads the epoch with its first
+  // records so every rank gets ceil(n/world) (each record at least once, a few twice); true drops
+  // the last n % world records of the epoch order so ranks stay disjoint, at floor(n/world).
+  bool drop_last = false;
+};
+
+// Deterministic: Epoch(e) depends only on (n, options, e), never on threads or history, so every
+// rank computes the same global order and takes its own contiguous slice of it (contiguous keeps
+// block-shuffled reads sequential on each rank). Thread-safe (immutable).
+class Sampler {
+ public:
+  // kInvalidArgument naming the bad option.
+  static Result<Sampler> Create(int64_t num_records, SamplerOptions options);
+
+  // Records per rank per epoch (equal on every rank).
+  int64_t samples_per_rank() const { return per_rank_; }
+  // This rank's record indices for `epoch`, in visiting order.
+  std::vector<int64_t> Epoch(int64_t epoch) const;
+  // The whole epoch order before sharding (n records, a permutation of [0, n)).
+  std::vector<int64_t> GlobalOrder(int64_t epoch) const;
+
+ private:
+  Sampler(int64_t n, SamplerOptions o, int64_t per_rank) : n_(n), options_(o), per_rank_(per_rank) {}
+  int64_t n_;
+  SamplerOptions options_;
+  int64_t per_rank_;
+};
+
+}  // namespace stoke::dataset

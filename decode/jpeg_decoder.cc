@@ -1,0 +1,272 @@
+#include "decode/jpeg_decoder.h"
+
+// clang-format off
+#include <cstdio>   // jpeglib.h needs FILE and size_t first
+#include <jpeglib.h>
+// clang-format on
+
+#include <csetjmp>
+#include <cstring>
+#include <vector>
+
+#include <fmt/format.h>
+
+namespace stoke::decode {
+namespace {
+
+// libjpeg reports errors through callbacks; these longjmp back to the setjmp in Run*() below.
+// Everything between setjmp and longjmp is C (libjpeg) or trivially destructible, so skipping
+// those frames is well-defined.
+struct ErrorManager {
+  jpeg_error_mgr pub;
+  std::jmp_buf jump;
+  char message[JMSG_LENGTH_MAX + 32];  // room for a prefix before libjpeg's text
+  StatusCode code;
+};
+
+struct ProgressManager {
+  jpeg_progress_mgr pub;
+  int max_scans;
+};
+
+[[noreturn]] void OnError(j_common_ptr cinfo) {
+  auto* err = reinterpret_cast<ErrorManager*>(cinfo->err);
+  (*cinfo->err->format_message)(cinfo, err->message);
+  err->code = StatusCode::kCorrupt;
+  std::longjmp(err->jump, 1);
+}
+
+// msg_level -1 is a warning: the data is damaged even though libjpeg could go on (it pads
+// truncated images with gray, skips bad Huffman codes). Strict decoding treats it as an error.
+void OnMessage(j_common_ptr cinfo, int msg_level) {
+  if (msg_level >= 0) return;  // trace messages
+  auto* err = reinterpret_cast<ErrorManager*>(cinfo->err);
+  char buffer[JMSG_LENGTH_MAX];
+  (*cinfo->err->format_message)(cinfo, buffer);
+  std::snprintf(err->message, sizeof err->message, "libjpeg warning: %s", buffer);
+  err->code = StatusCode::kCorrupt;
+  std::longjmp(err->jump, 1);
+}
+
+// A progressive stream may hold thousands of tiny scans that each cost a full pass over the
+// coefficients; libjpeg-turbo 2.1 has no limit of its own, so count scans here.
+void OnProgress(j_common_ptr cinfo) {
+  if (!cinfo->is_decompressor) return;
+  auto* progress = reinterpret_cast<ProgressManager*>(cinfo->progress);
+  auto* dinfo = reinterpret_cast<j_decompress_ptr>(cinfo);
+  if (dinfo->input_scan_number > progress->max_scans) {
+    auto* err = reinterpret_cast<ErrorManager*>(cinfo->err);
+    std::snprintf(err->message, sizeof err->message, "more than %d progressive scans",
+                  progress->max_scans);
+    err->code = StatusCode::kCorrupt;
+    std::longjmp(err->jump, 1);
+  }
+}
+
+JpegColorSpace FromLibjpeg(J_COLOR_SPACE cs) {
+  switch (cs) {
+    case JCS_GRAYSCALE: return JpegColorSpace::kGray;
+    case JCS_YCbCr: return JpegColorSpace::kYCbCr;
+    case JCS_RGB: return JpegColorSpace::kRgb;
+    case JCS_CMYK: return JpegColorSpace::kCmyk;
+    case JCS_YCCK: return JpegColorSpace::kYcck;
+    default: return JpegColorSpace::kUnknown;
+  }
+}
+
+uint16_t Read16(const std::byte* p, bool little) {
+  auto b0 = static_cast<uint16_t>(p[0]), b1 = static_cast<uint16_t>(p[1]);
+  return little ? static_cast<uint16_t>(b0 | (b1 << 8)) : static_cast<uint16_t>((b0 << 8) | b1);
+}
+uint32_t Read32(const std::byte* p, bool little) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) {
+    uint32_t b = static_cast<uint8_t>(p[little ? 3 - i : i]);
+    v = (v << 8) | b;
+  }
+  return v;
+}
+
+}  // namespace
+
+std::string_view ColorSpaceName(JpegColorSpace cs) {
+  switch (cs) {
+    case JpegColorSpace::kGray: return "gray";
+    case JpegColorSpace::kYCbCr: return "ycbcr";
+    case JpegColorSpace::kRgb: return "rgb";
+    case JpegColorSpace::kCmyk: return "cmyk";
+    case JpegColorSpace::kYcck: return "ycck";
+    case JpegColorSpace::kUnknown: break;
+  }
+  return "unknown";
+}
+
+bool LooksLikeJpeg(std::span<const std::byte> data) {
+  return data.size() >= 3 && data[0] == std::byte{0xFF} && data[1] == std::byte{0xD8} &&
+         data[2] == std::byte{0xFF};
+}
+
+int ParseExifOrientation(std::span<const std::byte> app1) {
+  static constexpr char kExif[6] = {'E', 'x', 'i', 'f', 0, 0};
+  if (app1.size() < 14 || std::memcmp(app1.data(), kExif, 6) != 0) return 1;
+  std::span<const std::byte> tiff = app1.subspan(6);
+  bool little;
+  if (tiff[0] == std::byte{'I'} && tiff[1] == std::byte{'I'}) {
+    little = true;
+  } else if (tiff[0] == std::byte{'M'} && tiff[1] == std::byte{'M'}) {
+    little = false;
+  } else {
+    return 1;
+  }
+  if (Read16(tiff.data() + 2, little) != 42) return 1;
+  uint32_t ifd = Read32(tiff.data() + 4, little);
+  if (ifd > tiff.size() - 2 || ifd < 8) return 1;
+  uint16_t entries = Read16(tiff.data() + ifd, little);
+  for (uint32_t i = 0; i < entries; ++i) {
+    size_t at = ifd + 2 + size_t{i} * 12;
+    if (at + 12 > tiff.size()) return 1;
+    const std::byte* e = tiff.data() + at;
+    if (Read16(e, little) != 0x0112) continue;
+    // Type SHORT (3), count 1: the value sits in the first two bytes of the value field.
+    if (Read16(e + 2, little) != 3 || Read32(e + 4, little) != 1) return 1;
+    int v = Read16(e + 8, little);
+    return (v >= 1 && v <= 8) ? v : 1;
+  }
+  return 1;
+}
+
+struct JpegDecoder::State {
+  jpeg_decompress_struct cinfo;
+  ErrorManager err;
+  ProgressManager progress;
+  std::vector<uint8_t> cmyk_row;
+};
+
+namespace {
+
+// Starts a decompression of `data` and reads its header. Returns false after a libjpeg error
+// (message in state->err). Must be called inside a setjmp scope.
+void ReadHeaderInto(jpeg_decompress_struct* cinfo, const std::byte* data, size_t size,
+                    JpegInfo* info) {
+  jpeg_mem_src(cinfo, reinterpret_cast<const unsigned char*>(data), static_cast<unsigned long>(size));
+  jpeg_save_markers(cinfo, JPEG_APP0 + 1, 0xFFFF);
+  jpeg_read_header(cinfo, TRUE);
+  info->width = static_cast<int>(cinfo->image_width);
+  info->height = static_cast<int>(cinfo->image_height);
+  info->components = cinfo->num_components;
+  info->color_space = FromLibjpeg(cinfo->jpeg_color_space);
+  info->progressive = cinfo->progressive_mode != 0;
+  info->orientation = 1;
+  for (jpeg_saved_marker_ptr m = cinfo->marker_list; m != nullptr; m = m->next) {
+    if (m->marker != JPEG_APP0 + 1) continue;
+    int o = ParseExifOrientation(
+        std::span(reinterpret_cast<const std::byte*>(m->data), m->data_length));
+    if (o != 1) {
+      info->orientation = o;
+      break;
+    }
+  }
+}
+
+}  // namespace
+
+JpegDecoder::JpegDecoder(DecoderOptions options)
+    : options_(options), state_(std::make_unique<State>()) {
+  State* s = state_.get();
+  s->cinfo.err = jpeg_std_error(&s->err.pub);
+  s->err.pub.error_exit = OnError;
+  s->err.pub.emit_message = OnMessage;
+  jpeg_create_decompress(&s->cinfo);
+  s->progress.pub.progress_monitor = OnProgress;
+  s->progress.max_scans = options_.max_scans;
+  s->cinfo.progress = &s->progress.pub;
+}
+
+JpegDecoder::~JpegDecoder() { jpeg_destroy_decompress(&state_->cinfo); }
+
+Result<JpegInfo> JpegDecoder::ReadHeader(std::span<const std::byte> jpeg) {
+  State* s = state_.get();
+  JpegInfo info;
+  if (jpeg.empty()) return CorruptError("empty input");
+  if (setjmp(s->err.jump)) {
+    jpeg_abort_decompress(&s->cinfo);
+    return Status(s->err.code, s->err.message);
+  }
+  ReadHeaderInto(&s->cinfo, jpeg.data(), jpeg.size(), &info);
+  jpeg_abort_decompress(&s->cinfo);
+  if (static_cast<int64_t>(info.width) * info.height > options_.max_pixels) {
+    return ResourceExhaustedError(fmt::format("{}x{} image exceeds the {}-pixel limit", info.width,
+                                              info.height, options_.max_pixels));
+  }
+  return info;
+}
+
+Status JpegDecoder::Decode(std::span<const std::byte> jpeg, Image* out, int scale_denom,
+                           JpegInfo* info_out) {
+  if (scale_denom != 1 && scale_denom != 2 && scale_denom != 4 && scale_denom != 8) {
+    return InvalidArgumentError(fmt::format("scale 1/{} (expected 1/1, 1/2, 1/4 or 1/8)", scale_denom));
+  }
+  if (jpeg.empty()) return CorruptError("empty input");
+  State* s = state_.get();
+  JpegInfo info;
+  jpeg_decompress_struct* cinfo = &s->cinfo;
+  if (setjmp(s->err.jump)) {
+    jpeg_abort_decompress(cinfo);
+    return Status(s->err.code, s->err.message);
+  }
+  ReadHeaderInto(cinfo, jpeg.data(), jpeg.size(), &info);
+  if (static_cast<int64_t>(info.width) * info.height > options_.max_pixels) {
+    jpeg_abort_decompress(cinfo);
+    return ResourceExhaustedError(fmt::format("{}x{} image exceeds the {}-pixel limit", info.width,
+                                              info.height, options_.max_pixels));
+  }
+  const bool cmyk =
+      info.color_space == JpegColorSpace::kCmyk || info.color_space == JpegColorSpace::kYcck;
+  if (info.color_space == JpegColorSpace::kGray) {
+    cinfo->out_color_space = JCS_GRAYSCALE;
+  } else if (cmyk) {
+    cinfo->out_color_space = JCS_CMYK;  // libjpeg-turbo 2.1 cannot convert CMYK to RGB itself
+  } else {
+    cinfo->out_color_space = JCS_RGB;
+  }
+  cinfo->scale_num = 1;
+  cinfo->scale_denom = static_cast<unsigned>(scale_denom);
+  jpeg_start_decompress(cinfo);
+  const int w = static_cast<int>(cinfo->output_width);
+  const int h = static_cast<int>(cinfo->output_height);
+  out->Reshape(w, h, cmyk ? 3 : cinfo->output_components);
+  if (cmyk) {
+    s->cmyk_row.resize(static_cast<size_t>(w) * 4);
+    // Adobe writes CMYK inverted (0 = full ink); plain CMYK is not.
+    const bool inverted = cinfo->saw_Adobe_marker != 0;
+    while (cinfo->output_scanline < cinfo->output_height) {
+      uint8_t* dst = out->row(static_cast<int>(cinfo->output_scanline));
+      JSAMPROW row = s->cmyk_row.data();
+      jpeg_read_scanlines(cinfo, &row, 1);
+      for (int x = 0; x < w; ++x) {
+        int c = s->cmyk_row[4 * x], m = s->cmyk_row[4 * x + 1], y = s->cmyk_row[4 * x + 2],
+            k = s->cmyk_row[4 * x + 3];
+        if (!inverted) {
+          c = 255 - c, m = 255 - m, y = 255 - y, k = 255 - k;
+        }
+        dst[3 * x] = static_cast<uint8_t>((c * k + 127) / 255);
+        dst[3 * x + 1] = static_cast<uint8_t>((m * k + 127) / 255);
+        dst[3 * x + 2] = static_cast<uint8_t>((y * k + 127) / 255);
+      }
+    }
+  } else {
+    while (cinfo->output_scanline < cinfo->output_height) {
+      JSAMPROW rows[4];
+      int n = 0;
+      for (; n < 4 && cinfo->output_scanline + n < cinfo->output_height; ++n) {
+        rows[n] = out->row(static_cast<int>(cinfo->output_scanline) + n);
+      }
+      jpeg_read_scanlines(cinfo, rows, static_cast<JDIMENSION>(n));
+    }
+  }
+  jpeg_finish_decompress(cinfo);
+  if (info_out != nullptr) *info_out = info;
+  return OkStatus();
+}
+
+}  // namespace stoke::decode

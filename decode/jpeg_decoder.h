@@ -1,0 +1,71 @@
+// Strict JPEG decoding with libjpeg-turbo's libjpeg API: every warning is corruption, pixel and
+// scan counts are capped, EXIF orientation is reported.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+
+#include "common/image.h"
+#include "common/status.h"
+
+namespace stoke::decode {
+
+enum class JpegColorSpace { kGray, kYCbCr, kRgb, kCmyk, kYcck, kUnknown };
+std::string_view ColorSpaceName(JpegColorSpace cs);
+
+// What the header says. width/height are the stored (not EXIF-rotated) size.
+struct JpegInfo {
+  int width = 0;
+  int height = 0;
+  int components = 0;
+  JpegColorSpace color_space = JpegColorSpace::kUnknown;
+  bool progressive = false;
+  // EXIF orientation 1..8 (TIFF convention); 1 when absent or out of range.
+  int orientation = 1;
+};
+
+struct DecoderOptions {
+  int64_t max_pixels = 250'000'000;  // larger images are kResourceExhausted (decompression bombs)
+  int max_scans = 500;               // progressive scans beyond this are kCorrupt (CPU bombs)
+};
+
+// True when `data` starts with a JPEG SOI marker followed by a marker (FF D8 FF).
+bool LooksLikeJpeg(std::span<const std::byte> data);
+
+// Decodes JPEGs. Baseline, progressive, arithmetic, any chroma subsampling libjpeg supports,
+// grayscale, RGB, and CMYK/YCCK (converted to RGB). 12-bit and lossless JPEGs are kCorrupt with
+// the library's reason (libjpeg-turbo 2.1 is 8-bit only).
+// Not thread-safe: one decoder per worker thread. Reuses its libjpeg state between images.
+class JpegDecoder {
+ public:
+  explicit JpegDecoder(DecoderOptions options = {});
+  ~JpegDecoder();
+  JpegDecoder(const JpegDecoder&) = delete;
+  JpegDecoder& operator=(const JpegDecoder&) = delete;
+
+  // Parses markers up to the first scan. kCorrupt (with libjpeg's message) for a bad header;
+  // kResourceExhausted past max_pixels.
+  Result<JpegInfo> ReadHeader(std::span<const std::byte> jpeg);
+
+  // Decodes the whole image into `out`: 1 channel for grayscale JPEGs, 3 (RGB) for the rest.
+  // `scale_denom` (1, 2, 4 or 8) decodes at 1/scale_denom size in the DCT domain; every
+  // coefficient is still entropy-decoded, so corruption is still caught. Any libjpeg warning
+  // (premature end of data, corrupt Huffman code, extraneous bytes, ...) fails with kCorrupt.
+  // `out` keeps its capacity across calls. Fills `info` when not null.
+  Status Decode(std::span<const std::byte> jpeg, Image* out, int scale_denom = 1,
+                JpegInfo* info = nullptr);
+
+ private:
+  struct State;
+  DecoderOptions options_;
+  std::unique_ptr<State> state_;
+};
+
+// Parses an EXIF APP1 payload ("Exif\0\0" + TIFF) for the orientation tag (0x0112).
+// Returns 1..8, or 1 when the tag is absent, out of range or the block is malformed.
+int ParseExifOrientation(std::span<const std::byte> app1);
+
+}  // namespace stoke::decode

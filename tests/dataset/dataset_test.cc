@@ -1,0 +1,437 @@
+// Tests for dataset/: the record format, writer and reader (identity, zero-copy views, damaged
+// files), and the sampler (determinism, permutations, shards).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <fstream>
+#include <numeric>
+#include <set>
+#include <thread>
+#include <atomic>
+
+#include "common/random.h"
+#include "dataset/dataset.h"
+#include "dataset/manifest.h"
+#include "dataset/record.h"
+#include "dataset/sampler.h"
+#include "dataset/writer.h"
+#include "tests/testing/test_util.h"
+
+namespace stoke::dataset {
+namespace {
+namespace fs = std::filesystem;
+using testing::TempDir;
+
+std::vector<std::byte> RandomPayload(size_t n, uint64_t seed) {
+  std::vector<std::byte> p(n);
+  SplitMix64 g(seed);
+  for (auto& b : p) b = static_cast<std::byte>(g.Next());
+  return p;
+}
+
+struct Written {
+  std::vector<std::vector<std::byte>> payloads;
+  std::vector<int32_t> labels;
+};
+
+// Writes `n` records with random payloads (sizes vary, some span several pages).
+Written WriteDataset(const fs::path& dir, int n, WriterOptions options = {}) {
+  Written w;
+  auto writer = DatasetWriter::Create(dir, options);
+  EXPECT_TRUE(writer.ok()) << writer.status().ToString();
+  Manifest m;
+  m.format_version = kFormatVersion;
+  m.classes = {"cat", "dog", "eel"};
+  m.class_counts = {0, 0, 0};
+  for (int i = 0; i < n; ++i) {
+    auto payload = RandomPayload(100 + static_cast<size_t>(i) * 997 % 20000, static_cast<uint64_t>(i));
+    RecordHeader h;
+    h.label = i % 3;
+    h.width = 10 + i;
+    h.height = 20 + i;
+    h.channels = 3;
+    w.payloads.push_back(payload);
+    w.labels.push_back(h.label);
+    m.class_counts[h.label]++;
+    writer->Append(h, payload, "src/" + std::to_string(i) + ".jpg");
+    if (writer->ShouldCommit()) EXPECT_OK(writer->Commit("{}"));
+  }
+  m.records = n;
+  m.has_paths = true;
+  m.packing = {{"tool", "test"}};
+  EXPECT_OK(writer->Finish(m));
+  return w;
+}
+
+TEST(Record, HeaderRoundTrip) {
+  RecordHeader h;
+  h.encoding = PayloadEncoding::kRaw;
+  h.channels = 1;
+  h.label = 41;
+  h.width = 3;
+  h.height = 2;
+  std::vector<std::byte> value(kRecordHeaderSize + 6, std::byte{7});
+  h.payload_size = 6;
+  h.payload_crc32c = 0x12345678;
+  EncodeRecordHeader(h, std::span<std::byte, kRecordHeaderSize>(value.data(), kRecordHeaderSize));
+  ASSERT_OK_AND_ASSIGN(RecordView r, ParseRecord(value, 5));
+  EXPECT_EQ(r.index, 5);
+  EXPECT_EQ(r.header.label, 41);
+  EXPECT_EQ(r.header.encoding, PayloadEncoding::kRaw);
+  EXPECT_EQ(r.header.width, 3u);
+  EXPECT_EQ(r.header.payload_crc32c, 0x12345678u);
+  EXPECT_EQ(r.payload.data(), value.data() + kRecordHeaderSize);  // a view, not a copy
+  EXPECT_EQ(CheckCrc(r).code(), StatusCode::kCorrupt);
+}
+
+TEST(Record, RejectsMalformedValues) {
+  RecordHeader h;
+  h.payload_size = 4;
+  std::vector<std::byte> value(kRecordHeaderSize + 4);
+  EncodeRecordHeader(h, std::span<std::byte, kRecordHeaderSize>(value.data(), kRecordHeaderSize));
+  EXPECT_OK(ParseRecord(value, 0).status());
+  // Too short.
+  EXPECT_EQ(ParseRecord(std::span(value).first(10), 9).status().code(), StatusCode::kCorrupt);
+  EXPECT_NE(ParseRecord(std::span(value).first(10), 9).status().message().find("record 9"),
+            std::string::npos);
+  // Length mismatch.
+  EXPECT_EQ(ParseRecord(std::span(value).first(kRecordHeaderSize + 3), 0).status().code(),
+            StatusCode::kCorrupt);
+  // Bad magic.
+  auto bad = value;
+  bad[0] = std::byte{0};
+  EXPECT_EQ(ParseRecord(bad, 0).status().code(), StatusCode::kCorrupt);
+  // Another format version: a clear instruction, not "corrupt".
+  bad = value;
+  bad[4] = std::byte{9};
+  auto v = ParseRecord(bad, 0);
+  EXPECT_EQ(v.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(v.status().message().find("v9"), std::string::npos);
+  // Unknown encoding.
+  bad = value;
+  bad[6] = std::byte{77};
+  EXPECT_EQ(ParseRecord(bad, 0).status().code(), StatusCode::kCorrupt);
+}
+
+TEST(Record, KeysSortInIndexOrder) {
+  std::array<std::byte, 8> a, b;
+  for (uint64_t i : {0ull, 1ull, 255ull, 256ull, 65535ull, 1ull << 40}) {
+    EncodeKey(i, a);
+    EncodeKey(i + 1, b);
+    EXPECT_LT(std::memcmp(a.data(), b.data(), 8), 0);
+    EXPECT_EQ(DecodeKey(a), i);
+  }
+}
+
+TEST(Manifest, JsonRoundTripAndValidation) {
+  Manifest m;
+  m.format_version = 1;
+  m.records = 3;
+  m.classes = {"a", "b"};
+  m.class_counts = {1, 2};
+  m.packing = {{"seed", 4}};
+  ASSERT_OK_AND_ASSIGN(Manifest back, Manifest::Parse(m.ToJson().dump()));
+  EXPECT_EQ(back, m);
+  m.class_counts = {1, 1};
+  EXPECT_EQ(Manifest::Parse(m.ToJson().dump()).status().code(), StatusCode::kCorrupt);
+  EXPECT_EQ(Manifest::Parse("{\"records\": \"x\"").status().code(), StatusCode::kCorrupt);
+  EXPECT_EQ(Manifest::Parse("{\"records\": \"x\", \"format_version\": 1, \"classes\": [], "
+                            "\"class_counts\": []}").status().code(),
+            StatusCode::kCorrupt);
+}
+
+TEST(Dataset, WriteThenReadIsTheIdentity) {
+  TempDir dir;
+  const fs::path db = dir / "d.lmdb";
+  Written w = WriteDataset(db, 300, {.commit_every_records = 64});
+  ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(db));
+  EXPECT_EQ(ds.size(), 300);
+  EXPECT_EQ(ds.manifest().classes, (std::vector<std::string>{"cat", "dog", "eel"}));
+  EXPECT_EQ(ds.manifest().class_counts, (std::vector<int64_t>{100, 100, 100}));
+  ASSERT_OK_AND_ASSIGN(Reader reader, ds.NewReader());
+  // Random access.
+  for (int i : {299, 0, 150, 7}) {
+    ASSERT_OK_AND_ASSIGN(RecordView r, reader.Get(i));
+    EXPECT_EQ(r.index, i);
+    EXPECT_EQ(r.header.label, w.labels[i]);
+    EXPECT_EQ(r.header.width, static_cast<uint32_t>(10 + i));
+    ASSERT_EQ(r.payload.size(), w.payloads[i].size());
+    EXPECT_EQ(std::memcmp(r.payload.data(), w.payloads[i].data(), r.payload.size()), 0);
+    ASSERT_OK_AND_ASSIGN(std::string src, reader.SourcePath(i));
+    EXPECT_EQ(src, "src/" + std::to_string(i) + ".jpg");
+  }
+  // Sequential scan: every record, in order.
+  int64_t expected = 10;
+  ASSERT_OK(reader.Scan(10, 300, [&](const RecordView& r) {
+    EXPECT_EQ(r.index, expected);
+    EXPECT_EQ(r.payload.size(), w.payloads[expected].size());
+    EXPECT_EQ(std::memcmp(r.payload.data(), w.payloads[expected].data(), r.payload.size()), 0);
+    ++expected;
+    return OkStatus();
+  }));
+  EXPECT_EQ(expected, 300);
+  EXPECT_EQ(reader.Get(300).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(reader.Get(-1).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(reader.Scan(5, 301, [](const RecordView&) { return OkStatus(); }).code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(Dataset, ViewsPointIntoTheMap) {
+  TempDir dir;
+  WriteDataset(dir / "d", 3);
+  ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(dir / "d"));
+  ASSERT_OK_AND_ASSIGN(Reader reader, ds.NewReader());
+  ASSERT_OK_AND_ASSIGN(RecordView a, reader.Get(0));
+  ASSERT_OK_AND_ASSIGN(RecordView again, reader.Get(0));
+  EXPECT_EQ(a.payload.data(), again.payload.data());  // same bytes in the map, no copies
+}
+
+TEST(Dataset, MapGrowsWhenFull) {
+  TempDir dir;
+  // A 1 MiB initial map cannot hold 300 records of up to 20 KB: the writer must grow it.
+  Written w = WriteDataset(dir / "d", 300, {.commit_every_records = 1000, .initial_map_bytes = 1 << 20});
+  ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(dir / "d"));
+  ASSERT_OK_AND_ASSIGN(Reader reader, ds.NewReader());
+  ASSERT_OK_AND_ASSIGN(RecordView r, reader.Get(299));
+  EXPECT_EQ(r.payload.size(), w.payloads[299].size());
+}
+
+TEST(Dataset, ConcurrentReadersEachWithTheirOwnTransaction) {
+  TempDir dir;
+  Written w = WriteDataset(dir / "d", 200);
+  ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(dir / "d"));
+  std::vector<std::thread> threads;
+  std::atomic<int> errors{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      auto reader = ds.NewReader();
+      if (!reader.ok()) {
+        ++errors;
+        return;
+      }
+      SplitMix64 g(static_cast<uint64_t>(t));
+      for (int k = 0; k < 500; ++k) {
+        auto i = static_cast<int64_t>(g.Below(200));
+        auto r = reader->Get(i);
+        if (!r.ok() || r->payload.size() != w.payloads[i].size()) ++errors;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(errors.load(), 0);
+}
+
+// Finds `needle` in the file and flips one byte in the middle of it.
+void FlipByteOf(const fs::path& file, std::span<const std::byte> needle) {
+  auto bytes = testing::ReadBytes(file);
+  auto it = std::search(bytes.begin(), bytes.end(), needle.begin(), needle.end());
+  ASSERT_NE(it, bytes.end());
+  *(it + static_cast<ptrdiff_t>(needle.size() / 2)) ^= std::byte{0x01};
+  testing::WriteBytes(file, bytes);
+}
+
+TEST(Dataset, FlippedPayloadByteIsCaughtByTheCrc) {
+  TempDir dir;
+  Written w = WriteDataset(dir / "d", 20);
+  FlipByteOf(dir / "d" / "data.mdb", std::span(w.payloads[13]).first(64));
+  ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(dir / "d"));
+  ASSERT_OK_AND_ASSIGN(Reader reader, ds.NewReader());
+  EXPECT_OK(reader.Get(12).status());
+  auto bad = reader.Get(13);
+  ASSERT_EQ(bad.status().code(), StatusCode::kCorrupt);
+  EXPECT_NE(bad.status().message().find("record 13"), std::string::npos) << bad.status().ToString();
+  EXPECT_NE(bad.status().message().find("CRC"), std::string::npos);
+  // Scan stops at the damaged record and names it.
+  Status s = reader.Scan(0, 20, [](const RecordView&) { return OkStatus(); });
+  EXPECT_NE(s.message().find("record 13"), std::string::npos);
+  // Without CRC checks the view is returned (the decoder's strictness is then the guard).
+  ASSERT_OK_AND_ASSIGN(Reader unchecked, ds.NewReader({.verify_crc = false}));
+  EXPECT_OK(unchecked.Get(13).status());
+}
+
+TEST(Dataset, MissingPathIsNotFound) {
+  TempDir dir;
+  auto r = Dataset::Open(dir / "nothing.lmdb");
+  EXPECT_EQ(r.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(r.status().message().find("nothing.lmdb"), std::string::npos);
+}
+
+TEST(Dataset, DirectoryWithoutDataIsRejected) {
+  TempDir dir;
+  auto r = Dataset::Open(dir.path());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("no data.mdb"), std::string::npos);
+}
+
+TEST(Dataset, GarbageFileIsRejectedCleanly) {
+  TempDir dir;
+  for (size_t size : {0, 10, 5000, 100000}) {
+    SCOPED_TRACE(size);
+    fs::create_directories(dir / "g");
+    testing::WriteBytes(dir / "g" / "data.mdb", RandomPayload(size, size));
+    auto r = Dataset::Open(dir / "g");
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find(dir.path().string()), std::string::npos)
+        << r.status().ToString();
+    // Also as a bare file path.
+    auto f = Dataset::Open(dir / "g" / "data.mdb");
+    EXPECT_FALSE(f.ok());
+    fs::remove_all(dir / "g");
+  }
+}
+
+TEST(Dataset, TruncatedDataFileIsCorruptNotACrash) {
+  TempDir dir;
+  WriteDataset(dir / "d", 100);
+  const fs::path data = dir / "d" / "data.mdb";
+  const auto full = fs::file_size(data);
+  for (double keep : {0.9, 0.5, 0.2}) {
+    SCOPED_TRACE(keep);
+    fs::remove_all(dir / "t");
+    fs::copy(dir / "d", dir / "t");
+    fs::resize_file(dir / "t" / "data.mdb", static_cast<uintmax_t>(full * keep));
+    auto r = Dataset::Open(dir / "t");
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kCorrupt) << r.status().ToString();
+    EXPECT_NE(r.status().message().find("truncated"), std::string::npos);
+  }
+}
+
+TEST(Dataset, OtherFormatVersionIsRejectedWithAdvice) {
+  TempDir dir;
+  auto writer = DatasetWriter::Create(dir / "v2", {});
+  ASSERT_TRUE(writer.ok());
+  Manifest m;
+  m.format_version = kFormatVersion + 1;
+  ASSERT_OK(writer->Finish(m));
+  auto r = Dataset::Open(dir / "v2");
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("re-pack"), std::string::npos) << r.status().ToString();
+}
+
+TEST(Dataset, UnfinishedPackSaysHowToFinishIt) {
+  TempDir dir;
+  {
+    auto writer = DatasetWriter::Create(dir / "p", {});
+    ASSERT_TRUE(writer.ok());
+    writer->Append(RecordHeader{}, RandomPayload(10, 1), "a");
+    ASSERT_OK(writer->Commit("{\"next_input\": 1}"));
+  }  // dropped without Finish(): like a killed pack
+  auto r = Dataset::Open(dir / "p");
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("--resume"), std::string::npos);
+  ASSERT_OK_AND_ASSIGN(DatasetWriter again, DatasetWriter::OpenForAppend(dir / "p", {}));
+  EXPECT_EQ(again.committed_records(), 1);
+  EXPECT_EQ(again.resume_state(), "{\"next_input\": 1}");
+}
+
+TEST(Dataset, CreateRefusesNonEmptyDirectory) {
+  TempDir dir;
+  testing::WriteBytes(dir / "x" / "file", RandomPayload(3, 1));
+  EXPECT_EQ(DatasetWriter::Create(dir / "x", {}).status().code(), StatusCode::kInvalidArgument);
+}
+
+// ---- Sampler ----
+
+std::vector<int64_t> Sorted(std::vector<int64_t> v) {
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+std::vector<int64_t> Iota(int64_t n) {
+  std::vector<int64_t> v(static_cast<size_t>(n));
+  std::iota(v.begin(), v.end(), 0);
+  return v;
+}
+
+TEST(Sampler, SequentialIsIndexOrder) {
+  ASSERT_OK_AND_ASSIGN(Sampler s, Sampler::Create(10, {.mode = ShuffleMode::kSequential}));
+  EXPECT_EQ(s.Epoch(0), Iota(10));
+  EXPECT_EQ(s.Epoch(5), Iota(10));
+}
+
+TEST(Sampler, ShufflesAreDeterministicPermutations) {
+  for (ShuffleMode mode : {ShuffleMode::kFull, ShuffleMode::kBlock}) {
+    for (uint64_t seed : {0ull, 1ull, 977ull}) {
+      SCOPED_TRACE(::testing::Message() << "mode " << static_cast<int>(mode) << " seed " << seed);
+      SamplerOptions o{.mode = mode, .seed = seed, .block_size = 16, .window_blocks = 4};
+      ASSERT_OK_AND_ASSIGN(Sampler a, Sampler::Create(1003, o));
+      ASSERT_OK_AND_ASSIGN(Sampler b, Sampler::Create(1003, o));
+      auto e0 = a.Epoch(0);
+      EXPECT_EQ(e0, b.Epoch(0));               // same (seed, epoch): same order
+      EXPECT_EQ(Sorted(e0), Iota(1003));       // a permutation
+      EXPECT_NE(e0, a.Epoch(1));               // a new order each epoch
+      EXPECT_NE(e0, Iota(1003));               // actually shuffled
+      o.seed += 1;
+      ASSERT_OK_AND_ASSIGN(Sampler c, Sampler::Create(1003, o));
+      EXPECT_NE(e0, c.Epoch(0));               // another seed: another order
+    }
+  }
+}
+
+TEST(Sampler, BlockShuffleKeepsReadsLocal) {
+  // Within any window of window_blocks*block_size consecutive samples, indices come from at most
+  // window_blocks distinct blocks.
+  SamplerOptions o{.mode = ShuffleMode::kBlock, .seed = 3, .block_size = 32, .window_blocks = 4};
+  ASSERT_OK_AND_ASSIGN(Sampler s, Sampler::Create(4096, o));
+  auto order = s.Epoch(2);
+  for (size_t start = 0; start < order.size(); start += 128) {
+    std::set<int64_t> blocks;
+    for (size_t i = start; i < start + 128; ++i) blocks.insert(order[i] / 32);
+    EXPECT_LE(blocks.size(), 4u);
+  }
+}
+
+TEST(Sampler, ShardsAreDisjointEqualAndCoverTheEpoch) {
+  for (int64_t n : {1000, 1001, 1003, 7}) {
+    for (int world : {1, 2, 3, 4}) {
+      for (bool drop_last : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << "n " << n << " world " << world << " drop " << drop_last);
+        std::vector<std::vector<int64_t>> shards;
+        for (int rank = 0; rank < world; ++rank) {
+          SamplerOptions o{.mode = ShuffleMode::kFull, .seed = 11, .rank = rank,
+                           .world_size = world, .drop_last = drop_last};
+          ASSERT_OK_AND_ASSIGN(Sampler s, Sampler::Create(n, o));
+          shards.push_back(s.Epoch(4));
+        }
+        const size_t per = shards[0].size();
+        std::vector<int64_t> all;
+        for (const auto& sh : shards) {
+          EXPECT_EQ(sh.size(), per);  // equal-sized
+          all.insert(all.end(), sh.begin(), sh.end());
+        }
+        std::set<int64_t> distinct(all.begin(), all.end());
+        if (drop_last) {
+          EXPECT_EQ(distinct.size(), all.size());  // disjoint
+          EXPECT_EQ(per, static_cast<size_t>(n / world));
+        } else {
+          EXPECT_EQ(distinct.size(), static_cast<size_t>(n));  // covers the epoch
+          EXPECT_EQ(all.size() - distinct.size(), static_cast<size_t>((world - n % world) % world));
+        }
+        if (n % world == 0) {
+          EXPECT_EQ(distinct.size(), static_cast<size_t>(n));
+          EXPECT_EQ(all.size(), static_cast<size_t>(n));
+        }
+      }
+    }
+  }
+}
+
+TEST(Sampler, RejectsBadOptions) {
+  EXPECT_EQ(Sampler::Create(10, {.rank = 2, .world_size = 2}).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(Sampler::Create(10, {.world_size = 0}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Sampler::Create(10, {.block_size = 0}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Sampler::Create(3, {.world_size = 4, .drop_last = true}).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseShuffleMode("blocks").status().code(), StatusCode::kInvalidArgument);
+  ASSERT_OK_AND_ASSIGN(ShuffleMode m, ParseShuffleMode("block"));
+  EXPECT_EQ(m, ShuffleMode::kBlock);
+  ASSERT_OK_AND_ASSIGN(Sampler empty, Sampler::Create(0, {}));
+  EXPECT_TRUE(empty.Epoch(0).empty());
+}
+
+}  // namespace
+}  // namespace stoke::dataset

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# End-to-end checks of the stoke CLI: exit codes and messages as a user sees them.
+# Usage: cli_test.sh path/to/stoke
+set -u
+stoke=$1
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+failures=0
+passed=0
+
+check() {  # check NAME EXPECTED_RC PATTERN -- command...
+  local name=$1 want_rc=$2 pattern=$3
+  shift 4
+  local out rc
+  out=$("$@" 2>&1)
+  rc=$?
+  if [[ $rc -ne $want_rc ]] || ! grep -qE -- "$pattern" <<<"$out"; then
+    echo "FAIL $name: exit $rc (want $want_rc), output lacks /$pattern/:"
+    sed 's/^/    /' <<<"$out" | head -20
+    failures=$((failures + 1))
+  else
+    echo "ok   $name"
+    passed=$((passed + 1))
+  fi
+}
+
+check synth 0 "wrote 3 classes" -- "$stoke" synth "$work/src" --classes 3 --per-class 10
+printf 'not a jpeg' >"$work/src/class_01/broken.jpg"
+check pack 0 "train: 30 records" -- "$stoke" pack "$work/src" "$work/ds.lmdb" --threads 2 -q \
+  --report "$work/report.json"
+check pack_reports_bad 0 "skipped class_01/broken.jpg" -- "$stoke" pack "$work/src" "$work/ds2.lmdb" -q
+check report_file 0 "broken.jpg" -- cat "$work/report.json"
+check pack_exists 1 "already exists .*--overwrite" -- "$stoke" pack "$work/src" "$work/ds.lmdb" -q
+check pack_missing_src 1 "no-such-dir" -- "$stoke" pack "$work/no-such-dir" "$work/x.lmdb" -q
+check pack_bad_flag 105 "quality" -- "$stoke" pack "$work/src" "$work/y.lmdb" --quality 0
+check pack_on_error_fail 1 "broken.jpg.*--on-error fail" -- \
+  "$stoke" pack "$work/src" "$work/z.lmdb" -q --on-error fail
+check inspect 0 "records +30" -- "$stoke" inspect "$work/ds.lmdb"
+check inspect_json 0 '"records": 30' -- "$stoke" inspect "$work/ds.lmdb" --json
+check inspect_verify 0 "30 records checked, 0 bad" -- "$stoke" inspect "$work/ds.lmdb" --verify
+check extract 0 "record 4 ->" -- "$stoke" inspect "$work/ds.lmdb" --extract 4 --output "$work/r4.jpg"
+check extract_range 1 "record 99 out of range" -- \
+  "$stoke" inspect "$work/ds.lmdb" --extract 99 --output "$work/r99.jpg"
+check inspect_missing 1 "no-such.lmdb: no such file" -- "$stoke" inspect "$work/no-such.lmdb"
+mkdir -p "$work/garbage.lmdb" && head -c 100000 /dev/urandom >"$work/garbage.lmdb/data.mdb"
+check inspect_garbage 1 "garbage.lmdb" -- "$stoke" inspect "$work/garbage.lmdb"
+cp -r "$work/ds.lmdb" "$work/trunc.lmdb"
+truncate -s 50000 "$work/trunc.lmdb/data.mdb"
+check inspect_truncated 1 "truncated" -- "$stoke" inspect "$work/trunc.lmdb"
+
+echo "$passed passed, $failures failed"
+[[ $failures -eq 0 ]]

@@ -1,0 +1,516 @@
+// Tests for the pack and inspect tools: pack -> read is the identity, deterministic shuffles,
+// stratified splits, bad inputs skipped and reported, interrupted packs resumed exactly.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <set>
+
+#include <nlohmann/json.hpp>
+#include <opencv2/core.hpp>
+#include <opencv2/imgcodecs.hpp>
+
+#include "dataset/dataset.h"
+#include "decode/jpeg_decoder.h"
+#include "tests/testing/test_util.h"
+#include "tools/inspect/inspect.h"
+#include "tools/pack/packer.h"
+
+namespace stoke::pack {
+namespace {
+namespace fs = std::filesystem;
+using dataset::Dataset;
+using dataset::RecordView;
+using testing::TempDir;
+
+const std::vector<std::string> kClasses = {"ant", "bee", "cat", "dog"};
+
+PackOptions Options(const fs::path& src, const fs::path& out) {
+  PackOptions o;
+  o.source = src;
+  o.output = out;
+  o.threads = 2;
+  o.progress = false;
+  return o;
+}
+
+struct Rec {
+  std::vector<std::byte> payload;
+  int32_t label;
+  uint32_t width, height, channels;
+  std::string path;
+  bool operator==(const Rec&) const = default;
+};
+
+std::vector<Rec> ReadAll(const fs::path& db) {
+  auto ds = Dataset::Open(db);
+  EXPECT_TRUE(ds.ok()) << ds.status().ToString();
+  if (!ds.ok()) return {};
+  auto reader = ds->NewReader();
+  std::vector<Rec> out;
+  EXPECT_OK(reader->Scan(0, ds->size(), [&](const RecordView& r) {
+    out.push_back({std::vector<std::byte>(r.payload.begin(), r.payload.end()), r.header.label,
+                   r.header.width, r.header.height, r.header.channels, *reader->SourcePath(r.index)});
+    return OkStatus();
+  }));
+  return out;
+}
+
+TEST(Pack, FolderTreeRoundTripsBytesLabelsAndOrder) {
+  TempDir dir;
+  auto files = testing::MakeImageTree(dir / "src", kClasses, 6);
+  ASSERT_OK_AND_ASSIGN(PackSummary s, Pack(Options(dir / "src", dir / "out.lmdb")));
+  EXPECT_EQ(s.inputs, 24);
+  EXPECT_TRUE(s.bad.empty());
+  ASSERT_EQ(s.splits.size(), 1u);
+  EXPECT_EQ(s.splits[0].records, 24);
+  EXPECT_FALSE(fs::exists(dir / "out.lmdb.partial"));
+  auto recs = ReadAll(dir / "out.lmdb");
+  ASSERT_EQ(recs.size(), files.size());
+  for (size_t i = 0; i < files.size(); ++i) {
+    EXPECT_EQ(recs[i].payload, testing::ReadBytes(files[i])) << files[i];  // stored as is
+    EXPECT_EQ(recs[i].label, static_cast<int32_t>(i / 6));                // sorted class names
+    EXPECT_EQ(recs[i].path, fs::relative(files[i], dir / "src").string());
+  }
+  ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(dir / "out.lmdb"));
+  EXPECT_EQ(ds.manifest().classes, kClasses);
+  EXPECT_EQ(ds.manifest().class_counts, (std::vector<int64_t>{6, 6, 6, 6}));
+  EXPECT_EQ(ds.manifest().packing["tool"], "stoke pack");
+}
+
+TEST(Pack, ThreadCountDoesNotChangeTheDataset) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 9);
+  auto o1 = Options(dir / "src", dir / "one");
+  o1.threads = 1;
+  o1.shuffle = true;
+  o1.seed = 5;
+  auto o4 = o1;
+  o4.output = dir / "four";
+  o4.threads = 4;
+  ASSERT_OK(Pack(o1).status());
+  ASSERT_OK(Pack(o4).status());
+  EXPECT_EQ(ReadAll(dir / "one"), ReadAll(dir / "four"));
+}
+
+TEST(Pack, ListFileWithCaffeConvention) {
+  TempDir dir;
+  auto files = testing::MakeImageTree(dir / "src", {"a", "b"}, 3);
+  std::ofstream list(dir / "list.txt");
+  list << "# comment\n\n";
+  list << "b/b_101.jpg 7\n";
+  list << "a/a_100.jpg 2\r\n";
+  list << "a/a_102.jpg    0\n";
+  list.close();
+  auto o = Options(dir / "src", dir / "out");
+  o.list_file = dir / "list.txt";
+  ASSERT_OK_AND_ASSIGN(PackSummary s, Pack(o));
+  EXPECT_EQ(s.classes, 8);  // labels 0..7
+  auto recs = ReadAll(dir / "out");
+  ASSERT_EQ(recs.size(), 3u);
+  EXPECT_EQ(recs[0].path, "b/b_101.jpg");  // list order kept
+  EXPECT_EQ(recs[0].label, 7);
+  EXPECT_EQ(recs[1].label, 2);
+  EXPECT_EQ(recs[2].label, 0);
+}
+
+TEST(Pack, BadListLinesNameTheLine) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", {"a"}, 1);
+  for (std::string bad : {"a/a_100.jpg\n", "a/a_100.jpg x\n", "a/a_100.jpg -1\n"}) {
+    std::ofstream(dir / "list.txt") << "a/a_100.jpg 0\n" << bad;
+    auto o = Options(dir / "src", dir / "out");
+    o.list_file = dir / "list.txt";
+    auto r = Pack(o);
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find("list.txt:2"), std::string::npos) << r.status().ToString();
+  }
+}
+
+TEST(Pack, ShuffleIsADeterministicPermutation) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 10);
+  auto sorted = Options(dir / "src", dir / "sorted");
+  ASSERT_OK(Pack(sorted).status());
+  auto base = ReadAll(dir / "sorted");
+  std::vector<std::vector<Rec>> runs;
+  for (auto [name, seed] : std::vector<std::pair<std::string, int>>{{"s1", 1}, {"s1b", 1}, {"s2", 2}}) {
+    auto o = Options(dir / "src", dir / name);
+    o.shuffle = true;
+    o.seed = static_cast<uint64_t>(seed);
+    ASSERT_OK(Pack(o).status());
+    runs.push_back(ReadAll(dir / name));
+  }
+  EXPECT_EQ(runs[0], runs[1]);  // same seed, same order
+  EXPECT_NE(runs[0], runs[2]);  // other seed, other order
+  EXPECT_NE(runs[0], base);
+  auto key = [](const Rec& r) { return r.path; };
+  std::vector<std::string> a, b;
+  for (const auto& r : runs[0]) a.push_back(key(r));
+  for (const auto& r : base) b.push_back(key(r));
+  std::sort(a.begin(), a.end());
+  EXPECT_EQ(a, b);  // a permutation of the sorted set
+}
+
+TEST(Pack, ValidationSplitIsStratifiedAndDisjoint) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 10);
+  auto o = Options(dir / "src", dir / "train.lmdb");
+  o.val_fraction = 0.2;
+  o.seed = 3;
+  ASSERT_OK_AND_ASSIGN(PackSummary s, Pack(o));
+  ASSERT_EQ(s.splits.size(), 2u);
+  EXPECT_EQ(s.splits[1].output, dir / "train_val.lmdb");
+  ASSERT_OK_AND_ASSIGN(Dataset train, Dataset::Open(dir / "train.lmdb"));
+  ASSERT_OK_AND_ASSIGN(Dataset val, Dataset::Open(dir / "train_val.lmdb"));
+  EXPECT_EQ(train.manifest().class_counts, (std::vector<int64_t>{8, 8, 8, 8}));
+  EXPECT_EQ(val.manifest().class_counts, (std::vector<int64_t>{2, 2, 2, 2}));
+  EXPECT_EQ(val.manifest().classes, kClasses);
+  std::set<std::string> seen;
+  for (const auto& r : ReadAll(dir / "train.lmdb")) seen.insert(r.path);
+  for (const auto& r : ReadAll(dir / "train_val.lmdb")) EXPECT_TRUE(seen.insert(r.path).second);
+  EXPECT_EQ(seen.size(), 40u);
+}
+
+// Writes a few bad inputs into src/<class>/ and returns their relative paths.
+std::set<std::string> AddBadInputs(const fs::path& src) {
+  auto good = testing::EncodeJpeg(testing::MakeImage(64, 48, 3));
+  std::vector<std::byte> truncated(good.begin(), good.begin() + static_cast<ptrdiff_t>(good.size() / 2));
+  std::vector<std::byte> text(40, std::byte{'x'});
+  auto flipped = good;
+  flipped[flipped.size() - 2] = std::byte{0x00};  // EOI marker destroyed
+  testing::WriteBytes(src / "ant" / "zz_truncated.jpg", truncated);
+  testing::WriteBytes(src / "bee" / "zz_text.jpg", text);
+  testing::WriteBytes(src / "cat" / "zz_empty.jpg", {});
+  testing::WriteBytes(src / "dog" / "zz_no_eoi.jpg", flipped);
+  return {"ant/zz_truncated.jpg", "bee/zz_text.jpg", "cat/zz_empty.jpg", "dog/zz_no_eoi.jpg"};
+}
+
+TEST(Pack, CorruptInputsAreSkippedAndReported) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 3);
+  auto bad = AddBadInputs(dir / "src");
+  auto o = Options(dir / "src", dir / "out");
+  o.report_file = dir / "report.json";
+  ASSERT_OK_AND_ASSIGN(PackSummary s, Pack(o));
+  EXPECT_EQ(s.splits[0].records, 12);
+  std::set<std::string> reported;
+  for (const auto& b : s.bad) {
+    reported.insert(b.path);
+    EXPECT_FALSE(b.reason.empty());
+  }
+  EXPECT_EQ(reported, bad);
+  std::ifstream in(dir / "report.json");
+  auto report = nlohmann::json::parse(in);
+  EXPECT_EQ(report["skipped"].size(), 4u);
+  EXPECT_EQ(report["splits"][0]["records"], 12);
+  EXPECT_NE(FormatSummary(s).find("zz_truncated.jpg"), std::string::npos);
+  ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(dir / "out"));
+  EXPECT_EQ(ds.manifest().packing["bad"].size(), 4u);
+}
+
+TEST(Pack, OnErrorFailStopsAtTheFirstBadInput) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 3);
+  AddBadInputs(dir / "src");
+  auto o = Options(dir / "src", dir / "out");
+  o.on_error = OnError::kFail;
+  auto r = Pack(o);
+  EXPECT_EQ(r.status().code(), StatusCode::kCorrupt);
+  EXPECT_NE(r.status().message().find("ant/zz_truncated.jpg"), std::string::npos)
+      << r.status().ToString();
+  EXPECT_FALSE(fs::exists(dir / "out"));  // never a half-written dataset under the final name
+}
+
+TEST(Pack, RefusesToClobberWithoutOverwrite) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 2);
+  auto o = Options(dir / "src", dir / "out");
+  ASSERT_OK(Pack(o).status());
+  auto again = Pack(o);
+  EXPECT_EQ(again.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(again.status().message().find("--overwrite"), std::string::npos);
+  o.overwrite = true;
+  EXPECT_OK(Pack(o).status());
+}
+
+TEST(Pack, RejectsBadOptionsAndSources) {
+  TempDir dir;
+  auto o = Options(dir / "missing", dir / "out");
+  EXPECT_EQ(Pack(o).status().code(), StatusCode::kNotFound);
+  fs::create_directories(dir / "flat");
+  testing::WriteBytes(dir / "flat" / "x.jpg", testing::EncodeJpeg(testing::MakeImage(8, 8, 3)));
+  o.source = dir / "flat";
+  auto flat = Pack(o);
+  EXPECT_EQ(flat.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(flat.status().message().find("class sub-folders"), std::string::npos);
+  testing::MakeImageTree(dir / "src", kClasses, 1);
+  o.source = dir / "src";
+  o.val_fraction = 1.5;
+  EXPECT_EQ(Pack(o).status().code(), StatusCode::kInvalidArgument);
+  o.val_fraction = 0;
+  o.quality = 101;
+  EXPECT_EQ(Pack(o).status().code(), StatusCode::kInvalidArgument);
+}
+
+// Everything that defines a dataset except the creation date.
+nlohmann::json Comparable(const fs::path& db) {
+  auto ds = Dataset::Open(db);
+  EXPECT_TRUE(ds.ok()) << ds.status().ToString();
+  auto j = ds->manifest().ToJson();
+  j["packing"].erase("created");
+  j["packing"].erase("source");
+  return j;
+}
+
+TEST(Pack, StoppedPackResumesToTheSameDataset) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 25);
+  AddBadInputs(dir / "src");
+  auto full = Options(dir / "src", dir / "full");
+  full.shuffle = true;
+  full.seed = 9;
+  full.val_fraction = 0.2;
+  ASSERT_OK(Pack(full).status());
+
+  auto o = full;
+  o.output = dir / "part";
+  o.commit_every = 7;
+  std::atomic<bool> stop{false};
+  o.stop = &stop;
+  o.after_commit = [&](int64_t committed) {
+    if (committed >= 21) stop = true;
+  };
+  auto first = Pack(o);
+  EXPECT_EQ(first.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(first.status().message().find("--resume"), std::string::npos);
+  EXPECT_TRUE(fs::exists(dir / "part.partial"));
+  EXPECT_FALSE(fs::exists(dir / "part"));
+  // Without --resume, the partial pack is neither lost nor silently restarted.
+  o.stop = nullptr;
+  o.after_commit = nullptr;
+  EXPECT_EQ(Pack(o).status().code(), StatusCode::kInvalidArgument);
+  o.resume = true;
+  ASSERT_OK_AND_ASSIGN(PackSummary s, Pack(o));
+  EXPECT_EQ(s.bad.size(), 4u);
+  EXPECT_EQ(ReadAll(dir / "part"), ReadAll(dir / "full"));
+  EXPECT_EQ(ReadAll(dir / "part_val"), ReadAll(dir / "full_val"));
+  auto a = Comparable(dir / "part"), b = Comparable(dir / "full");
+  EXPECT_EQ(a, b);
+  // Resuming a finished pack is a no-op that reports it complete.
+  ASSERT_OK_AND_ASSIGN(PackSummary again, Pack(o));
+  EXPECT_TRUE(again.splits[0].already_complete);
+}
+
+TEST(Pack, KilledPackResumesToTheSameDataset) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 20);
+  auto full = Options(dir / "src", dir / "full");
+  ASSERT_OK(Pack(full).status());
+
+  auto o = Options(dir / "src", dir / "killed");
+  o.commit_every = 5;
+  pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // SIGKILL in the middle of the pack: no destructor, no final commit, as after `kill -9`.
+    o.after_commit = [](int64_t committed) {
+      if (committed >= 30) raise(SIGKILL);
+    };
+    auto r = Pack(o);
+    _exit(r.ok() ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFSIGNALED(status)) << "the child was meant to be killed";
+  EXPECT_FALSE(fs::exists(dir / "killed"));
+  o.resume = true;
+  ASSERT_OK(Pack(o).status());
+  EXPECT_EQ(ReadAll(dir / "killed"), ReadAll(dir / "full"));
+  EXPECT_EQ(Comparable(dir / "killed"), Comparable(dir / "full"));
+}
+
+TEST(Pack, ResumeWithOtherOptionsIsRefused) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 10);
+  auto o = Options(dir / "src", dir / "out");
+  o.commit_every = 4;
+  std::atomic<bool> stop{false};
+  o.stop = &stop;
+  o.after_commit = [&](int64_t) { stop = true; };
+  EXPECT_EQ(Pack(o).status().code(), StatusCode::kUnavailable);
+  o.stop = nullptr;
+  o.after_commit = nullptr;
+  o.resume = true;
+  o.shuffle = true;  // not what the partial pack was made with
+  auto r = Pack(o);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("other inputs or options"), std::string::npos);
+}
+
+TEST(Pack, ExifOrientationIsApplied) {
+  TempDir dir;
+  // A 40x20 image, stored with orientation 6 (display rotated 90 degrees clockwise).
+  Image src = testing::MakeImage(40, 20, 3, 0);
+  auto jpeg = testing::WithExifOrientation(testing::EncodeJpeg(src, 95, false, true), 6);
+  testing::WriteBytes(dir / "src" / "c" / "rot.jpg", jpeg);
+  auto o = Options(dir / "src", dir / "out");
+  ASSERT_OK_AND_ASSIGN(PackSummary s, Pack(o));
+  EXPECT_EQ(s.reoriented, 1);
+  auto recs = ReadAll(dir / "out");
+  ASSERT_EQ(recs.size(), 1u);
+  EXPECT_EQ(recs[0].width, 20u);
+  EXPECT_EQ(recs[0].height, 40u);
+  decode::JpegDecoder decoder;
+  Image out;
+  decode::JpegInfo info;
+  ASSERT_OK(decoder.Decode(recs[0].payload, &out, 1, &info));
+  EXPECT_EQ(info.orientation, 1);  // the stored pixels are upright; no tag left to apply
+  // Rotating 90 degrees clockwise: out(x, y) = src(y, H - 1 - x) with H = 20.
+  Image expected;
+  expected.Reshape(20, 40, 3);
+  for (int y = 0; y < 40; ++y) {
+    for (int x = 0; x < 20; ++x) {
+      for (int c = 0; c < 3; ++c) expected.row(y)[x * 3 + c] = src.row(19 - x)[y * 3 + c];
+    }
+  }
+  EXPECT_LT(testing::MeanAbsDiff(out, expected), 4.0);
+}
+
+TEST(Pack, OtherFormatsAreConvertedToJpeg) {
+  TempDir dir;
+  Image src = testing::MakeImage(30, 22, 3, 2);
+  cv::Mat bgr(22, 30, CV_8UC3);
+  for (int y = 0; y < 22; ++y) {
+    for (int x = 0; x < 30; ++x) {
+      for (int c = 0; c < 3; ++c) bgr.at<cv::Vec3b>(y, x)[2 - c] = src.row(y)[x * 3 + c];
+    }
+  }
+  fs::create_directories(dir / "src" / "c");
+  ASSERT_TRUE(cv::imwrite((dir / "src" / "c" / "a.png").string(), bgr));
+  ASSERT_TRUE(cv::imwrite((dir / "src" / "c" / "b.bmp").string(), bgr));
+  ASSERT_OK_AND_ASSIGN(PackSummary s, Pack(Options(dir / "src", dir / "out")));
+  EXPECT_EQ(s.converted, 2);
+  for (const auto& r : ReadAll(dir / "out")) {
+    decode::JpegDecoder decoder;
+    Image out;
+    ASSERT_OK(decoder.Decode(r.payload, &out));
+    EXPECT_LT(testing::MeanAbsDiff(out, src), 6.0);  // RGB order kept through the conversion
+  }
+}
+
+TEST(Pack, MaxSideAndQualityAndRaw) {
+  TempDir dir;
+  testing::WriteBytes(dir / "src" / "c" / "big.jpg", testing::EncodeJpeg(testing::MakeImage(200, 100, 3)));
+  testing::WriteBytes(dir / "src" / "c" / "small.jpg", testing::EncodeJpeg(testing::MakeImage(40, 30, 3)));
+  auto o = Options(dir / "src", dir / "resized");
+  o.max_side = 64;
+  ASSERT_OK(Pack(o).status());
+  auto recs = ReadAll(dir / "resized");
+  ASSERT_EQ(recs.size(), 2u);
+  EXPECT_EQ(recs[0].width, 64u);
+  EXPECT_EQ(recs[0].height, 32u);
+  EXPECT_EQ(recs[1].width, 40u);  // already within the limit: bytes kept
+  EXPECT_EQ(recs[1].payload, testing::ReadBytes(dir / "src" / "c" / "small.jpg"));
+
+  o.output = dir / "raw";
+  o.encoding = dataset::PayloadEncoding::kRaw;
+  ASSERT_OK(Pack(o).status());
+  ASSERT_OK_AND_ASSIGN(Dataset raw, Dataset::Open(dir / "raw"));
+  ASSERT_OK_AND_ASSIGN(auto reader, raw.NewReader());
+  ASSERT_OK_AND_ASSIGN(RecordView r, reader.Get(1));
+  EXPECT_EQ(r.header.encoding, dataset::PayloadEncoding::kRaw);
+  EXPECT_EQ(r.payload.size(), 40u * 30u * 3u);
+
+  o.output = dir / "q";
+  o.encoding = dataset::PayloadEncoding::kJpeg;
+  o.max_side = 0;
+  o.quality = 30;
+  ASSERT_OK_AND_ASSIGN(PackSummary s, Pack(o));
+  EXPECT_EQ(s.reencoded, 2);
+  auto q = ReadAll(dir / "q");
+  EXPECT_LT(q[0].payload.size(), testing::ReadBytes(dir / "src" / "c" / "big.jpg").size());
+}
+
+// ---- inspect ----
+
+TEST(Inspect, SummaryVerifyAndExtract) {
+  TempDir dir;
+  auto files = testing::MakeImageTree(dir / "src", kClasses, 5);
+  ASSERT_OK(Pack(Options(dir / "src", dir / "out")).status());
+  inspect::InspectOptions io{.verify = true, .threads = 2, .progress = false};
+  ASSERT_OK_AND_ASSIGN(auto report, inspect::Inspect(dir / "out", io));
+  EXPECT_TRUE(report.bad.empty());
+  auto j = inspect::ReportJson(report);
+  EXPECT_EQ(j["records"], 20);
+  EXPECT_EQ(j["classes"], 4);
+  EXPECT_EQ(j["verify"]["bad"].size(), 0u);
+  std::string text = inspect::FormatReport(report);
+  EXPECT_NE(text.find("records        20"), std::string::npos) << text;
+
+  ASSERT_OK(inspect::ExtractRecord(dir / "out", 7, dir / "seven.jpg"));
+  EXPECT_EQ(testing::ReadBytes(dir / "seven.jpg"), testing::ReadBytes(files[7]));
+  EXPECT_EQ(inspect::ExtractRecord(dir / "out", 20, dir / "x.jpg").code(), StatusCode::kInvalidArgument);
+}
+
+TEST(Inspect, VerifyNamesTheDamagedRecord) {
+  TempDir dir;
+  auto files = testing::MakeImageTree(dir / "src", kClasses, 5);
+  ASSERT_OK(Pack(Options(dir / "src", dir / "out")).status());
+  // Damage record 11's payload inside the data file.
+  auto payload = testing::ReadBytes(files[11]);
+  auto data = testing::ReadBytes(dir / "out" / "data.mdb");
+  // Entropy-coded bytes near the end are unique to this image (the tables before are shared).
+  auto it = std::search(data.begin(), data.end(), payload.end() - 80, payload.end() - 16);
+  ASSERT_NE(it, data.end());
+  *(it + 10) ^= std::byte{0x40};
+  testing::WriteBytes(dir / "out" / "data.mdb", data);
+  ASSERT_OK_AND_ASSIGN(auto report,
+                       inspect::Inspect(dir / "out", {.verify = true, .threads = 2, .progress = false}));
+  ASSERT_EQ(report.bad.size(), 1u);
+  EXPECT_EQ(report.bad[0].index, 11);
+  EXPECT_EQ(report.bad[0].source_path, "cat/cat_101.jpg");
+  EXPECT_NE(report.bad[0].reason.find("CRC"), std::string::npos);
+}
+
+// ---- Shared corpus ----
+
+TEST(PackCorpus, EdgeAndBadSetsPackWithoutCrashing) {
+  STOKE_REQUIRE_SHARED_DATA(data);
+  TempDir dir;
+  auto o = Options(data / "edge", dir / "edge");
+  o.max_side = 2048;  // keeps the 108-Mpixel bomb's re-encode small
+  ASSERT_OK_AND_ASSIGN(PackSummary edge, Pack(o));
+  EXPECT_EQ(edge.splits[0].records, 98);
+  EXPECT_EQ(edge.bad.size(), 8u);
+  for (const auto& b : edge.bad) EXPECT_EQ(b.path.rfind("unsupported_by_ljt2/", 0), 0u) << b.path;
+  ASSERT_OK_AND_ASSIGN(auto report, inspect::Inspect(dir / "edge", {.verify = true, .progress = false}));
+  EXPECT_TRUE(report.bad.empty());
+
+  ASSERT_OK_AND_ASSIGN(PackSummary bad, Pack(Options(data / "bad", dir / "bad")));
+  // Every JPEG in bad/ is rejected; what is kept is only non-JPEG payloads OpenCV can read.
+  EXPECT_EQ(bad.splits[0].records, bad.converted);
+  EXPECT_EQ(static_cast<int64_t>(bad.bad.size()) + bad.splits[0].records, 271);
+  ASSERT_OK_AND_ASSIGN(auto bad_report, inspect::Inspect(dir / "bad", {.verify = true, .progress = false}));
+  EXPECT_TRUE(bad_report.bad.empty());
+}
+
+TEST(PackCorpus, ImagenetLikePacksAndVerifies) {
+  STOKE_REQUIRE_SHARED_DATA(data);
+  TempDir dir;
+  ASSERT_OK_AND_ASSIGN(PackSummary s, Pack(Options(data / "imagenet_like", dir / "in")));
+  EXPECT_EQ(s.splits[0].records, 1000);
+  EXPECT_EQ(s.classes, 1000);
+  EXPECT_EQ(s.reoriented, 1);  // n02951585_can_opener carries orientation 6
+  ASSERT_OK_AND_ASSIGN(auto report, inspect::Inspect(dir / "in", {.verify = true, .progress = false}));
+  EXPECT_TRUE(report.bad.empty());
+  EXPECT_EQ(report.summary["records"], 1000);
+}
+
+}  // namespace
+}  // namespace stoke::pack

@@ -1,0 +1,328 @@
+#include "tools/bench/bench_commands.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <ctime>
+#include <fstream>
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <oneapi/tbb/info.h>
+#include <turbojpeg.h>
+// clang-format off
+#include <cstdio>
+#include <jpeglib.h>  // LIBJPEG_TURBO_VERSION_NUMBER
+// clang-format on
+
+#include "common/c_handles.h"
+#include "common/crc32c.h"
+#include "common/file_util.h"
+#include "common/random.h"
+#include "dataset/dataset.h"
+#include "decode/jpeg_decoder.h"
+#include "tools/pack/packer.h"
+
+namespace stoke::bench {
+namespace fs = std::filesystem;
+namespace {
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Seconds taken by fn().
+double Time(const std::function<void()>& fn) {
+  auto t0 = std::chrono::steady_clock::now();
+  fn();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::string CpuModel() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  }
+  return "unknown CPU";
+}
+
+std::string Today() {
+  std::time_t t = std::time(nullptr);
+  char buf[16];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d", std::gmtime(&t));
+  return buf;
+}
+
+struct Scratch {
+  fs::path dir;
+  bool owned = false;
+  ~Scratch() {
+    std::error_code ec;
+    if (owned) fs::remove_all(dir, ec);
+  }
+};
+
+Result<std::unique_ptr<Scratch>> MakeScratch(const BenchOptions& o) {
+  auto s = std::make_unique<Scratch>();
+  std::error_code ec;
+  if (!o.work_dir.empty()) {
+    s->dir = o.work_dir;
+  } else {
+    s->dir = fs::temp_directory_path() / fmt::format("stoke-bench-{}", ::getpid());
+    s->owned = true;
+  }
+  fs::create_directories(s->dir, ec);
+  if (ec) return IoError(fmt::format("bench: {}: {}", s->dir.string(), ec.message()));
+  return s;
+}
+
+// Every regular file under `root`, sorted (the pack tool's own order).
+std::vector<fs::path> ListFiles(const fs::path& root) {
+  std::vector<fs::path> files;
+  std::error_code ec;
+  for (auto it = fs::recursive_directory_iterator(root, ec); it != fs::recursive_directory_iterator();
+       it.increment(ec)) {
+    if (ec) break;
+    if (it->is_regular_file()) files.push_back(it->path());
+  }
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+Status CheckData(const BenchOptions& o) {
+  std::error_code ec;
+  if (!fs::is_directory(o.data, ec)) {
+    return NotFoundError(fmt::format(
+        "bench: {}: no such image folder (pass --data, e.g. ../shared/data/imagenet_like)",
+        o.data.string()));
+  }
+  if (o.repeats < 1) return InvalidArgumentError("bench: --repeats must be >= 1");
+  return OkStatus();
+}
+
+Status MaybeWriteJson(const BenchOptions& o, const nlohmann::json& j) {
+  if (o.json_out.empty()) return OkStatus();
+  return WriteFileAtomic(o.json_out, j.dump(2) + "\n");
+}
+
+nlohmann::json MachineJson(int threads) {
+  return {{"cpu", CpuModel()},
+          {"cores", static_cast<int>(std::thread::hardware_concurrency())},
+          {"threads", threads},
+          {"date", Today()},
+          {"stoke", STOKE_VERSION},
+          {"git_sha", STOKE_GIT_SHA},
+          {"libjpeg_turbo", fmt::format("{}.{}.{}", LIBJPEG_TURBO_VERSION_NUMBER / 1000000,
+                                         LIBJPEG_TURBO_VERSION_NUMBER / 1000 % 1000,
+                                         LIBJPEG_TURBO_VERSION_NUMBER % 1000)}};
+}
+
+Result<double> PackOnce(const BenchOptions& o, const fs::path& out, int threads) {
+  pack::PackOptions p;
+  p.source = o.data;
+  p.output = out;
+  p.threads = threads;
+  p.overwrite = true;
+  p.progress = false;
+  Result<pack::PackSummary> summary = InternalError("not run");
+  double s = Time([&] { summary = pack::Pack(p); });
+  if (!summary.ok()) return summary.status();
+  int64_t records = 0;
+  for (const auto& sp : summary->splits) records += sp.records;
+  return static_cast<double>(records) / s;
+}
+
+}  // namespace
+
+Result<std::string> BenchPack(const BenchOptions& o) {
+  STOKE_RETURN_IF_ERROR(CheckData(o));
+  const int n = o.threads > 0 ? o.threads : tbb::info::default_concurrency();
+  STOKE_ASSIGN_OR_RETURN(auto scratch, MakeScratch(o));
+
+  // Yardstick: TurboJPEG full decode to RGB, one core, JPEGs already in memory.
+  std::vector<std::vector<std::byte>> jpegs;
+  int64_t input_bytes = 0;
+  for (const auto& f : ListFiles(o.data)) {
+    STOKE_ASSIGN_OR_RETURN(auto bytes, ReadFileBytes(f));
+    input_bytes += static_cast<int64_t>(bytes.size());
+    if (decode::LooksLikeJpeg(bytes)) jpegs.push_back(std::move(bytes));
+  }
+  if (jpegs.empty()) return InvalidArgumentError("bench: " + o.data.string() + ": no JPEGs");
+  TjHandle tj(tjInitDecompress());
+  std::vector<unsigned char> rgb;
+  int failures = 0;
+  auto decode_all = [&] {
+    for (const auto& j : jpegs) {
+      int w = 0, h = 0, sub = 0, cs = 0;
+      const auto* p = reinterpret_cast<const unsigned char*>(j.data());
+      if (tjDecompressHeader3(tj.get(), p, j.size(), &w, &h, &sub, &cs) != 0) {
+        ++failures;
+        continue;
+      }
+      rgb.resize(static_cast<size_t>(w) * h * 3);
+      if (tjDecompress2(tj.get(), p, j.size(), rgb.data(), w, 0, h, TJPF_RGB, 0) != 0) ++failures;
+    }
+  };
+  decode_all();  // warm-up
+  std::vector<double> tj_rates;
+  for (int r = 0; r < o.repeats; ++r) {
+    tj_rates.push_back(static_cast<double>(jpegs.size()) / Time(decode_all));
+  }
+  const double tj_rate = Median(tj_rates);
+
+  // stoke pack, full validation, 1 and N threads. The first run warms the page cache.
+  const fs::path out = scratch->dir / "bench_pack.lmdb";
+  STOKE_RETURN_IF_ERROR(PackOnce(o, out, n).status());
+  std::vector<double> one, many;
+  for (int r = 0; r < o.repeats; ++r) {
+    STOKE_ASSIGN_OR_RETURN(double a, PackOnce(o, out, 1));
+    STOKE_ASSIGN_OR_RETURN(double b, PackOnce(o, out, n));
+    one.push_back(a);
+    many.push_back(b);
+  }
+  const double pack1 = Median(one), packn = Median(many);
+  const double target = 0.9 * n * tj_rate;
+
+  nlohmann::json j = {{"machine", MachineJson(n)},
+                      {"data", o.data.string()},
+                      {"images", jpegs.size()},
+                      {"input_bytes", input_bytes},
+                      {"repeats", o.repeats},
+                      {"turbojpeg_decode_1core_img_s", tj_rate},
+                      {"pack_1thread_img_s", pack1},
+                      {"pack_nthreads_img_s", packn},
+                      {"pack_nthreads_vs_n_x_turbojpeg", packn / (n * tj_rate)},
+                      {"target_ratio", 0.9},
+                      {"met", packn >= target}};
+  STOKE_RETURN_IF_ERROR(MaybeWriteJson(o, j));
+  std::string t;
+  t += fmt::format("stoke bench pack: {} ({} JPEGs, {}), {} threads, median of {} runs\n",
+                   o.data.string(), jpegs.size(), HumanBytes(static_cast<double>(input_bytes)), n,
+                   o.repeats);
+  t += fmt::format("machine: {}, {} cores, {}\n", CpuModel(), std::thread::hardware_concurrency(),
+                   Today());
+  t += fmt::format("  TurboJPEG full decode, 1 core      {:9.1f} img/s{}\n", tj_rate,
+                   failures ? fmt::format(" ({} failed)", failures / (o.repeats + 1)) : "");
+  t += fmt::format("  stoke pack + validation, 1 thread  {:9.1f} img/s  ({:.2f}x TurboJPEG)\n",
+                   pack1, pack1 / tj_rate);
+  t += fmt::format("  stoke pack + validation, {} threads {:9.1f} img/s  ({:.2f}x {} x TurboJPEG; "
+                   "target >= 0.90: {})\n",
+                   n, packn, packn / (n * tj_rate), n, packn >= target ? "met" : "NOT met");
+  return t;
+}
+
+Result<std::string> BenchRead(const BenchOptions& o) {
+  STOKE_RETURN_IF_ERROR(CheckData(o));
+  const int n = o.threads > 0 ? o.threads : tbb::info::default_concurrency();
+  STOKE_ASSIGN_OR_RETURN(auto scratch, MakeScratch(o));
+  const fs::path out = scratch->dir / "bench_read.lmdb";
+  STOKE_RETURN_IF_ERROR(PackOnce(o, out, n).status());
+  STOKE_ASSIGN_OR_RETURN(dataset::Dataset ds, dataset::Dataset::Open(out));
+  const int64_t records = ds.size();
+  if (records == 0) return InvalidArgumentError("bench: no records packed");
+  const double bytes_per_pass = static_cast<double>(ds.manifest().payload_bytes);
+
+  // Random order: enough lookups for ~0.3 s on one core even for small datasets.
+  const int64_t lookups = std::max<int64_t>(records, 2'000'000);
+  std::vector<int64_t> order(static_cast<size_t>(lookups));
+  SplitMix64 rng(42);
+  for (auto& i : order) i = static_cast<int64_t>(rng.Below(static_cast<uint64_t>(records)));
+
+  // One measurement: `threads` threads each running `body(reader, thread)`; returns records/s.
+  struct Figure {
+    double rec_s;
+    double mb_s;
+  };
+  auto measure = [&](int threads, bool crc, bool random) -> Result<Figure> {
+    std::vector<double> rates, mbs;
+    for (int r = 0; r <= o.repeats; ++r) {  // r == 0 is the warm-up
+      std::vector<std::thread> pool;
+      std::vector<Status> status(static_cast<size_t>(threads));
+      std::vector<int64_t> done(static_cast<size_t>(threads), 0);
+      std::vector<double> touched(static_cast<size_t>(threads), 0);
+      double secs = Time([&] {
+        for (int t = 0; t < threads; ++t) {
+          pool.emplace_back([&, t] {
+            auto reader = ds.NewReader({.verify_crc = crc});
+            if (!reader.ok()) {
+              status[t] = reader.status();
+              return;
+            }
+            uint64_t sink = 0;
+            double bytes = 0;
+            if (random) {
+              const int64_t per = lookups / threads;
+              for (int64_t k = per * t; k < per * (t + 1); ++k) {
+                auto rec = reader->Get(order[static_cast<size_t>(k)]);
+                if (!rec.ok()) {
+                  status[t] = rec.status();
+                  return;
+                }
+                sink += static_cast<uint8_t>(rec->payload[0]);
+                bytes += static_cast<double>(rec->payload.size());
+              }
+              done[t] = per;
+            } else {
+              const int64_t begin = records * t / threads, end = records * (t + 1) / threads;
+              status[t] = reader->Scan(begin, end, [&](const dataset::RecordView& rec) {
+                sink += static_cast<uint8_t>(rec.payload[0]);
+                bytes += static_cast<double>(rec.payload.size());
+                return OkStatus();
+              });
+              done[t] = end - begin;
+            }
+            touched[t] = bytes + static_cast<double>(sink & 1);
+          });
+        }
+        for (auto& th : pool) th.join();
+      });
+      for (const auto& s : status) STOKE_RETURN_IF_ERROR(s);
+      int64_t total = 0;
+      double total_bytes = 0;
+      for (int t = 0; t < threads; ++t) {
+        total += done[t];
+        total_bytes += touched[t];
+      }
+      if (r > 0) {
+        rates.push_back(static_cast<double>(total) / secs);
+        mbs.push_back(total_bytes / secs / 1e6);
+      }
+    }
+    return Figure{Median(rates), Median(mbs)};
+  };
+
+  nlohmann::json j = {{"machine", MachineJson(n)},
+                      {"data", o.data.string()},
+                      {"records", records},
+                      {"payload_bytes", bytes_per_pass},
+                      {"repeats", o.repeats}};
+  std::string t = fmt::format(
+      "stoke bench read: {} records ({}) from {}, median of {} runs\n"
+      "machine: {}, {} cores, {}\n"
+      "  {:<34} {:>14} {:>12}\n",
+      records, HumanBytes(bytes_per_pass), o.data.string(), o.repeats, CpuModel(),
+      std::thread::hardware_concurrency(), Today(), "access", "records/s", "MB/s");
+  for (bool random : {false, true}) {
+    for (bool crc : {false, true}) {
+      for (int threads : {1, n}) {
+        if (threads == n && n == 1) continue;
+        STOKE_ASSIGN_OR_RETURN(Figure f, measure(threads, crc, random));
+        std::string name = fmt::format("{} {}, {} thread{}", random ? "random" : "sequential",
+                                       crc ? "+CRC" : "view", threads, threads > 1 ? "s" : "");
+        t += fmt::format("  {:<34} {:>14.0f} {:>12.1f}\n", name, f.rec_s, f.mb_s);
+        j["results"][name] = {{"records_s", f.rec_s}, {"mb_s", f.mb_s}};
+      }
+    }
+  }
+  STOKE_RETURN_IF_ERROR(MaybeWriteJson(o, j));
+  return t;
+}
+
+}  // namespace stoke::bench

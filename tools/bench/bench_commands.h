@@ -1,0 +1,28 @@
+// `stoke bench pack` and `stoke bench read`: stage throughput on a real image folder, measured
+// side by side with a reference in the same run (medians of repeats, after a warm-up).
+#pragma once
+
+#include <filesystem>
+#include <string>
+
+#include "common/status.h"
+
+namespace stoke::bench {
+
+struct BenchOptions {
+  std::filesystem::path data = "../shared/data/imagenet_like";  // image folder tree
+  int threads = 0;        // N for the N-thread runs; 0 = all cores
+  int repeats = 5;        // timed runs per figure
+  std::filesystem::path work_dir;   // scratch for packed datasets; default: a temp directory
+  std::filesystem::path json_out;   // optional JSON copy of the results
+};
+
+// Packs `data` with full validation at 1 and N threads, and measures TurboJPEG's single-core full
+// decode of the same JPEGs as the yardstick. Returns a printable table.
+Result<std::string> BenchPack(const BenchOptions& options);
+
+// Packs `data` once, then measures sequential and random record reads (records/s, MB/s) on one
+// core and on N threads, with and without CRC checks. Returns a printable table.
+Result<std::string> BenchRead(const BenchOptions& options);
+
+}  // namespace stoke::bench

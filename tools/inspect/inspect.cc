@@ -1,0 +1,221 @@
+#include "tools/inspect/inspect.h"
+
+#include <algorithm>
+#include <limits>
+#include <map>
+#include <optional>
+
+#include <fmt/format.h>
+#include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/concurrent_vector.h>
+#include <oneapi/tbb/enumerable_thread_specific.h>
+#include <oneapi/tbb/info.h>
+#include <oneapi/tbb/parallel_for.h>
+#include <oneapi/tbb/task_arena.h>
+
+#include "common/file_util.h"
+#include "common/progress.h"
+#include "dataset/dataset.h"
+#include "decode/jpeg_decoder.h"
+
+namespace stoke::inspect {
+namespace {
+
+// Running min / mean / max of one quantity.
+struct Stat {
+  int64_t n = 0;
+  double sum = 0;
+  double min = std::numeric_limits<double>::infinity();
+  double max = -std::numeric_limits<double>::infinity();
+  void Add(double v) {
+    ++n;
+    sum += v;
+    min = std::min(min, v);
+    max = std::max(max, v);
+  }
+  nlohmann::json Json() const {
+    if (n == 0) return {{"min", 0}, {"mean", 0}, {"max", 0}};
+    return {{"min", min}, {"mean", sum / static_cast<double>(n)}, {"max", max}};
+  }
+};
+
+// Checks one record completely: CRC, then a strict decode whose size must match the header.
+Status VerifyRecord(const dataset::RecordView& r, decode::JpegDecoder& decoder, Image& scratch) {
+  STOKE_RETURN_IF_ERROR(dataset::CheckCrc(r));
+  if (r.header.encoding != dataset::PayloadEncoding::kJpeg) return OkStatus();  // size checked
+  Status s = decoder.Decode(r.payload, &scratch);
+  if (!s.ok()) return s.Prepend(fmt::format("record {}: JPEG", r.index));
+  if (static_cast<uint32_t>(scratch.width) != r.header.width ||
+      static_cast<uint32_t>(scratch.height) != r.header.height ||
+      scratch.channels != r.header.channels) {
+    return CorruptError(fmt::format("record {}: decodes to {}x{}x{}, header says {}x{}x{}", r.index,
+                                    scratch.width, scratch.height, scratch.channels, r.header.width,
+                                    r.header.height, r.header.channels));
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOptions& options) {
+  STOKE_ASSIGN_OR_RETURN(dataset::Dataset ds, dataset::Dataset::Open(path));
+  const auto& m = ds.manifest();
+  InspectReport report;
+
+  // Header statistics: one sequential pass without CRC checks (headers only, fast).
+  Stat payload, width, height;
+  std::map<std::string, int64_t> encodings;
+  std::map<int, int64_t> channels;
+  {
+    STOKE_ASSIGN_OR_RETURN(auto reader, ds.NewReader({.verify_crc = false}));
+    Status s = reader.Scan(0, ds.size(), [&](const dataset::RecordView& r) {
+      payload.Add(static_cast<double>(r.header.payload_size));
+      width.Add(r.header.width);
+      height.Add(r.header.height);
+      encodings[std::string(dataset::EncodingName(r.header.encoding))]++;
+      channels[r.header.channels]++;
+      return OkStatus();
+    });
+    // A malformed header is a verify finding, not a reason to refuse the summary.
+    if (!s.ok()) report.bad.push_back({-1, "", s.message()});
+  }
+  nlohmann::json enc_json = nlohmann::json::object(), ch_json = nlohmann::json::object();
+  for (auto& [k, v] : encodings) enc_json[k] = v;
+  for (auto& [k, v] : channels) ch_json[std::to_string(k)] = v;
+  report.summary = {{"path", path.string()},
+                    {"format_version", m.format_version},
+                    {"records", m.records},
+                    {"classes", m.classes.size()},
+                    {"class_names", m.classes},
+                    {"class_counts", m.class_counts},
+                    {"payload_bytes", m.payload_bytes},
+                    {"payload_size", payload.Json()},
+                    {"width", width.Json()},
+                    {"height", height.Json()},
+                    {"encodings", enc_json},
+                    {"channels", ch_json},
+                    {"packing", m.packing}};
+  if (!options.verify) return report;
+
+  // Verify: every CRC and a strict decode, in parallel; one reader (read transaction) and one
+  // decoder per thread.
+  const int threads = options.threads > 0 ? options.threads : tbb::info::default_concurrency();
+  struct PerThread {
+    std::optional<dataset::Reader> reader;
+    decode::JpegDecoder decoder;
+    Image scratch;
+  };
+  tbb::enumerable_thread_specific<PerThread> locals;
+  // concurrent_vector: workers only append (push_back is safe concurrently); read after the join.
+  tbb::concurrent_vector<BadRecord> bad;
+  std::optional<ProgressReporter> progress;
+  if (options.progress) progress.emplace("verify", ds.size());
+  tbb::task_arena arena(threads);
+  arena.execute([&] {
+    tbb::parallel_for(tbb::blocked_range<int64_t>(0, ds.size(), 64),
+                      [&](const tbb::blocked_range<int64_t>& range) {
+      PerThread& t = locals.local();
+      if (!t.reader) {
+        auto r = ds.NewReader({.verify_crc = false});
+        if (!r.ok()) {
+          bad.push_back({range.begin(), "", r.status().message()});
+          return;
+        }
+        t.reader.emplace(std::move(r).value());
+      }
+      for (int64_t i = range.begin(); i < range.end(); ++i) {
+        auto rec = t.reader->Get(i);
+        Status s = rec.ok() ? VerifyRecord(*rec, t.decoder, t.scratch) : rec.status();
+        if (!s.ok()) {
+          auto source = t.reader->SourcePath(i);
+          bad.push_back({i, source.ok() ? *source : "", s.message()});
+        }
+      }
+      if (progress) progress->Advance(static_cast<int64_t>(range.size()));
+    });
+  });
+  if (progress) progress->Finish();
+  report.verified = true;
+  report.bad.insert(report.bad.end(), bad.begin(), bad.end());
+  std::sort(report.bad.begin(), report.bad.end(),
+            [](const BadRecord& a, const BadRecord& b) { return a.index < b.index; });
+  return report;
+}
+
+nlohmann::json ReportJson(const InspectReport& report) {
+  nlohmann::json j = report.summary;
+  if (report.verified) {
+    nlohmann::json bad = nlohmann::json::array();
+    for (const auto& b : report.bad) {
+      bad.push_back({{"index", b.index}, {"path", b.source_path}, {"reason", b.reason}});
+    }
+    j["verify"] = {{"checked", report.summary["records"]}, {"bad", bad}};
+  }
+  return j;
+}
+
+std::string FormatReport(const InspectReport& report, size_t max_classes) {
+  const auto& s = report.summary;
+  auto stat = [](const nlohmann::json& st, bool bytes) {
+    if (bytes) {
+      return fmt::format("min {} / mean {} / max {}", HumanBytes(st["min"].get<double>()),
+                         HumanBytes(st["mean"].get<double>()), HumanBytes(st["max"].get<double>()));
+    }
+    return fmt::format("min {:.0f} / mean {:.1f} / max {:.0f}", st["min"].get<double>(),
+                       st["mean"].get<double>(), st["max"].get<double>());
+  };
+  std::string out;
+  out += fmt::format("dataset        {}\n", s["path"].get<std::string>());
+  out += fmt::format("format         v{}\n", s["format_version"].get<int>());
+  out += fmt::format("records        {}\n", s["records"].get<int64_t>());
+  out += fmt::format("classes        {}\n", s["classes"].get<int64_t>());
+  out += fmt::format("payload        {} total; {}\n",
+                     HumanBytes(s["payload_bytes"].get<double>()), stat(s["payload_size"], true));
+  out += fmt::format("width          {}\n", stat(s["width"], false));
+  out += fmt::format("height         {}\n", stat(s["height"], false));
+  out += fmt::format("encodings      {}\n", s["encodings"].dump());
+  out += fmt::format("channels       {}\n", s["channels"].dump());
+  const auto& p = s["packing"];
+  if (p.contains("tool")) {
+    out += fmt::format("packed         {} by {} {} from {}{}\n", p.value("created", "?"),
+                       p.value("tool", "?"), p.value("tool_version", "?"), p.value("source", "?"),
+                       p.contains("split") ? fmt::format(" (split {})", p.value("split", "")) : "");
+    if (p.contains("options")) out += fmt::format("options        {}\n", p["options"].dump());
+    if (p.contains("bad")) out += fmt::format("skipped inputs {}\n", p["bad"].size());
+  }
+  const auto names = s["class_names"].get<std::vector<std::string>>();
+  const auto counts = s["class_counts"].get<std::vector<int64_t>>();
+  out += "per class     ";
+  for (size_t i = 0; i < names.size() && i < max_classes; ++i) {
+    out += fmt::format(" {}:{}", names[i], counts[i]);
+  }
+  if (names.size() > max_classes) out += fmt::format(" ... ({} more)", names.size() - max_classes);
+  out += "\n";
+  if (report.verified) {
+    out += fmt::format("verify         {} records checked, {} bad\n", s["records"].get<int64_t>(),
+                       report.bad.size());
+    for (const auto& b : report.bad) {
+      out += fmt::format("  bad record {}{}: {}\n", b.index,
+                         b.source_path.empty() ? "" : " (" + b.source_path + ")", b.reason);
+    }
+  }
+  return out;
+}
+
+Status ExtractRecord(const std::filesystem::path& path, int64_t index,
+                     const std::filesystem::path& output) {
+  STOKE_ASSIGN_OR_RETURN(dataset::Dataset ds, dataset::Dataset::Open(path));
+  STOKE_ASSIGN_OR_RETURN(auto reader, ds.NewReader());
+  STOKE_ASSIGN_OR_RETURN(dataset::RecordView r, reader.Get(index));
+  if (r.header.encoding == dataset::PayloadEncoding::kJpeg) {
+    return WriteFileAtomic(output, r.payload);
+  }
+  std::string pnm = fmt::format("P{}\n{} {}\n255\n", r.header.channels == 1 ? 5 : 6,
+                                r.header.width, r.header.height);
+  std::vector<std::byte> bytes(pnm.size() + r.payload.size());
+  std::memcpy(bytes.data(), pnm.data(), pnm.size());
+  std::memcpy(bytes.data() + pnm.size(), r.payload.data(), r.payload.size());
+  return WriteFileAtomic(output, bytes);
+}
+
+}  // namespace stoke::inspect

@@ -1,0 +1,799 @@
+#include "tools/pack/packer.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <chrono>
+#include <cmath>
+#include <ctime>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <system_error>
+#include <thread>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <oneapi/tbb/concurrent_queue.h>
+#include <oneapi/tbb/enumerable_thread_specific.h>
+#include <oneapi/tbb/info.h>
+#include <oneapi/tbb/parallel_pipeline.h>
+#include <oneapi/tbb/task_arena.h>
+#include <opencv2/core.hpp>
+#include <opencv2/imgcodecs.hpp>
+#include <opencv2/imgproc.hpp>
+
+#include "common/file_util.h"
+#include "common/logging.h"
+#include "common/progress.h"
+#include "common/random.h"
+#include "dataset/dataset.h"
+#include "dataset/writer.h"
+#include "decode/jpeg_decoder.h"
+#include "decode/jpeg_encoder.h"
+
+namespace stoke::pack {
+namespace fs = std::filesystem;
+using dataset::PayloadEncoding;
+using dataset::RecordHeader;
+
+namespace {
+
+struct Input {
+  fs::path path;    // as opened
+  std::string key;  // as stored and reported: relative to the source root
+  int32_t label = 0;
+};
+
+struct InputSet {
+  std::vector<std::string> classes;
+  std::vector<Input> inputs;
+};
+
+// ---- Listing inputs ---------------------------------------------------------------------------
+
+Result<InputSet> ListFolderTree(const fs::path& root) {
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) {
+    return NotFoundError(fmt::format("pack: {}: not a directory", root.string()));
+  }
+  InputSet set;
+  std::vector<fs::path> class_dirs;
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    if (e.is_directory() && e.path().filename().string()[0] != '.') class_dirs.push_back(e.path());
+  }
+  if (ec) return IoError(fmt::format("pack: {}: {}", root.string(), ec.message()));
+  std::sort(class_dirs.begin(), class_dirs.end());
+  if (class_dirs.empty()) {
+    return InvalidArgumentError(fmt::format(
+        "pack: {}: no class sub-folders (expected SRC/<class>/<image>, or pass --list)",
+        root.string()));
+  }
+  for (size_t label = 0; label < class_dirs.size(); ++label) {
+    set.classes.push_back(class_dirs[label].filename().string());
+    std::vector<Input> files;
+    for (auto it = fs::recursive_directory_iterator(class_dirs[label], ec);
+         it != fs::recursive_directory_iterator(); it.increment(ec)) {
+      if (ec) break;
+      const std::string name = it->path().filename().string();
+      if (name[0] == '.') {
+        if (it->is_directory()) it.disable_recursion_pending();
+        continue;
+      }
+      if (!it->is_regular_file()) continue;
+      files.push_back(Input{it->path(), fs::relative(it->path(), root).generic_string(),
+                            static_cast<int32_t>(label)});
+    }
+    if (ec) return IoError(fmt::format("pack: {}: {}", class_dirs[label].string(), ec.message()));
+    std::sort(files.begin(), files.end(),
+              [](const Input& a, const Input& b) { return a.key < b.key; });
+    set.inputs.insert(set.inputs.end(), files.begin(), files.end());
+  }
+  return set;
+}
+
+Result<InputSet> ReadListFile(const fs::path& list, const fs::path& root) {
+  std::ifstream in(list);
+  if (!in) return NotFoundError(fmt::format("pack: {}: cannot open list file", list.string()));
+  InputSet set;
+  int32_t max_label = -1;
+  std::string line;
+  for (int line_no = 1; std::getline(in, line); ++line_no) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    const auto first = line.find_first_not_of(" \t");
+    if (first == std::string::npos || line[first] == '#') continue;
+    // The label is the last field, so paths may contain spaces (as in Caffe's convert_imageset).
+    const auto last = line.find_last_not_of(" \t");
+    const auto sep = line.find_last_of(" \t", last);
+    auto bad = [&](const std::string& why) {
+      return InvalidArgumentError(
+          fmt::format("pack: {}:{}: {} (expected 'relative/path label')", list.string(), line_no, why));
+    };
+    if (sep == std::string::npos || sep < first) return bad("no label");
+    const std::string label_text = line.substr(sep + 1, last - sep);
+    std::string path = line.substr(first, sep - first);
+    path.erase(path.find_last_not_of(" \t") + 1);
+    char* end = nullptr;
+    errno = 0;
+    long label = std::strtol(label_text.c_str(), &end, 10);
+    if (*end != '\0' || errno != 0 || label < 0 || label > 1'000'000) {
+      return bad(fmt::format("label '{}' is not an integer in [0, 1000000]", label_text));
+    }
+    fs::path p(path);
+    set.inputs.push_back(Input{p.is_absolute() ? p : root / p, path, static_cast<int32_t>(label)});
+    max_label = std::max(max_label, static_cast<int32_t>(label));
+  }
+  for (int32_t c = 0; c <= max_label; ++c) set.classes.push_back(std::to_string(c));
+  return set;
+}
+
+// ---- Per-image work ---------------------------------------------------------------------------
+
+struct Processed {
+  bool ok = false;
+  std::string reason;  // why not ok
+  RecordHeader header;
+  std::vector<std::byte> payload;
+  bool converted = false, reencoded = false, reoriented = false;
+};
+
+// Per-thread tools: decoder and encoder state is reused across images.
+struct Worker {
+  decode::JpegDecoder decoder;
+  std::optional<decode::JpegEncoder> encoder;
+  Image image;
+};
+
+// Rotates/flips `src` into `dst` so that EXIF orientation `o` displays upright.
+void ApplyOrientation(int o, const cv::Mat& src, cv::Mat& dst) {
+  switch (o) {
+    case 2: cv::flip(src, dst, 1); break;
+    case 3: cv::rotate(src, dst, cv::ROTATE_180); break;
+    case 4: cv::flip(src, dst, 0); break;
+    case 5: cv::transpose(src, dst); break;
+    case 6: cv::rotate(src, dst, cv::ROTATE_90_CLOCKWISE); break;
+    case 7: {
+      cv::Mat t;
+      cv::transpose(src, t);
+      cv::flip(t, dst, -1);
+      break;
+    }
+    case 8: cv::rotate(src, dst, cv::ROTATE_90_COUNTERCLOCKWISE); break;
+    default: dst = src; break;
+  }
+}
+
+// The size that fits `max_side` on the longer side (unchanged when already within it or 0).
+cv::Size FitSize(int w, int h, int max_side) {
+  if (max_side <= 0 || std::max(w, h) <= max_side) return {w, h};
+  double s = static_cast<double>(max_side) / std::max(w, h);
+  return {std::max(1, static_cast<int>(std::lround(w * s))),
+          std::max(1, static_cast<int>(std::lround(h * s)))};
+}
+
+// Largest DCT scale 1/d whose output still covers `target` (both axes).
+int ScaleFor(int w, int h, cv::Size target) {
+  for (int d : {8, 4, 2}) {
+    if ((w + d - 1) / d >= target.width && (h + d - 1) / d >= target.height) return d;
+  }
+  return 1;
+}
+
+// Orientation, resize and encoding of an already decoded RGB/gray image.
+void Finish(cv::Mat upright_src, int orientation, const PackOptions& o, int quality, Worker& w,
+            Processed& out) {
+  cv::Mat upright;
+  ApplyOrientation(orientation, upright_src, upright);
+  cv::Size target = FitSize(upright.cols, upright.rows, o.max_side);
+  Image result;
+  result.Reshape(target.width, target.height, upright.channels());
+  cv::Mat dst(target.height, target.width, upright.type(), result.pixels.data());
+  if (target == upright.size()) {
+    upright.copyTo(dst);
+  } else {
+    cv::resize(upright, dst, target, 0, 0, cv::INTER_AREA);
+  }
+  out.header.width = static_cast<uint32_t>(result.width);
+  out.header.height = static_cast<uint32_t>(result.height);
+  out.header.channels = static_cast<uint8_t>(result.channels);
+  if (o.encoding == PayloadEncoding::kRaw) {
+    out.header.encoding = PayloadEncoding::kRaw;
+    out.payload.resize(result.pixels.size());
+    std::memcpy(out.payload.data(), result.pixels.data(), result.pixels.size());
+    out.ok = true;
+    return;
+  }
+  if (!w.encoder) {
+    auto enc = decode::JpegEncoder::Create();
+    if (!enc.ok()) {
+      out.reason = enc.status().ToString();
+      return;
+    }
+    w.encoder.emplace(std::move(enc).value());
+  }
+  auto jpeg = w.encoder->Encode(result, decode::EncodeOptions{.quality = quality});
+  if (!jpeg.ok()) {
+    out.reason = jpeg.status().ToString();
+    return;
+  }
+  out.header.encoding = PayloadEncoding::kJpeg;
+  out.payload = std::move(jpeg).value();
+  out.ok = true;
+}
+
+void ProcessJpeg(std::vector<std::byte>& bytes, const PackOptions& o, Worker& w, Processed& out) {
+  int scale = 1;
+  if (o.max_side > 0) {
+    auto header = w.decoder.ReadHeader(bytes);
+    if (!header.ok()) {
+      out.reason = "JPEG: " + header.status().message();
+      return;
+    }
+    // Size targets are in stored orientation here; a transpose swaps both axes alike.
+    bool swap = header->orientation >= 5;
+    cv::Size t = FitSize(swap ? header->height : header->width,
+                         swap ? header->width : header->height, o.max_side);
+    scale = ScaleFor(header->width, header->height,
+                     swap ? cv::Size(t.height, t.width) : t);
+  }
+  decode::JpegInfo info;
+  Status s = w.decoder.Decode(bytes, &w.image, scale, &info);
+  if (!s.ok()) {
+    out.reason = "JPEG: " + s.message();
+    return;
+  }
+  const bool cmyk = info.color_space == decode::JpegColorSpace::kCmyk ||
+                    info.color_space == decode::JpegColorSpace::kYcck;
+  const bool resize = FitSize(info.width, info.height, o.max_side) != cv::Size(info.width, info.height);
+  const bool keep = o.quality == 0 && info.orientation == 1 && !cmyk && !resize &&
+                    o.encoding == PayloadEncoding::kJpeg;
+  if (keep) {
+    out.header.encoding = PayloadEncoding::kJpeg;
+    out.header.width = static_cast<uint32_t>(info.width);
+    out.header.height = static_cast<uint32_t>(info.height);
+    out.header.channels = static_cast<uint8_t>(w.image.channels);
+    out.payload = std::move(bytes);
+    out.ok = true;
+    return;
+  }
+  out.reencoded = o.encoding == PayloadEncoding::kJpeg;
+  out.reoriented = info.orientation != 1;
+  cv::Mat src(w.image.height, w.image.width, w.image.channels == 1 ? CV_8UC1 : CV_8UC3,
+              w.image.pixels.data());
+  Finish(src, info.orientation, o, o.quality > 0 ? o.quality : o.reencode_quality, w, out);
+}
+
+void ProcessOther(const std::vector<std::byte>& bytes, const PackOptions& o, Worker& w,
+                  Processed& out) {
+  cv::Mat decoded = cv::imdecode(
+      cv::Mat(1, static_cast<int>(bytes.size()), CV_8UC1, const_cast<std::byte*>(bytes.data())),
+      cv::IMREAD_COLOR);
+  if (decoded.empty()) {
+    out.reason = "not a JPEG, and not an image format this build of OpenCV reads";
+    return;
+  }
+  cv::Mat rgb;
+  cv::cvtColor(decoded, rgb, cv::COLOR_BGR2RGB);
+  out.converted = true;
+  // imdecode(IMREAD_COLOR) has already applied any EXIF orientation.
+  Finish(rgb, 1, o, o.quality > 0 ? o.quality : o.reencode_quality, w, out);
+}
+
+Processed ProcessInput(const Input& input, const PackOptions& o, Worker& w) {
+  Processed out;
+  out.header.label = input.label;
+  auto bytes = ReadFileBytes(input.path);
+  if (!bytes.ok()) {
+    out.reason = "unreadable: " + bytes.status().message();
+    return out;
+  }
+  if (bytes->empty()) {
+    out.reason = "empty file";
+    return out;
+  }
+  // OpenCV throws cv::Exception; nothing may escape a TBB stage.
+  try {
+    if (decode::LooksLikeJpeg(*bytes)) {
+      ProcessJpeg(*bytes, o, w, out);
+    } else {
+      ProcessOther(*bytes, o, w, out);
+    }
+  } catch (const cv::Exception& e) {
+    out.ok = false;
+    out.reason = fmt::format("OpenCV: {}", e.what());
+  } catch (const std::bad_alloc&) {
+    out.ok = false;
+    out.reason = "out of memory";
+  }
+  return out;
+}
+
+// ---- Splits, order and identity ---------------------------------------------------------------
+
+uint64_t Fnv1a(std::string_view s, uint64_t h = 0xcbf29ce484222325ull) {
+  for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
+  return h;
+}
+
+nlohmann::json OptionsJson(const PackOptions& o) {
+  return {{"max_side", o.max_side},
+          {"quality", o.quality},
+          {"reencode_quality", o.reencode_quality},
+          {"encoding", std::string(dataset::EncodingName(o.encoding))},
+          {"shuffle", o.shuffle},
+          {"seed", o.seed},
+          {"val_fraction", o.val_fraction}};
+}
+
+// Identifies what a split will contain: inputs, labels, classes and options. A resume must match.
+std::string Fingerprint(const std::vector<Input>& inputs, const std::vector<std::string>& classes,
+                        const PackOptions& o, const std::string& split) {
+  uint64_t h = Fnv1a(OptionsJson(o).dump() + split + std::to_string(dataset::kFormatVersion));
+  for (const auto& c : classes) h = Fnv1a(c + '\n', h);
+  for (const auto& in : inputs) h = Fnv1a(fmt::format("{}\t{}\n", in.key, in.label), h);
+  return fmt::format("{:016x}", h);
+}
+
+std::string NowIso8601() {
+  std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+// ---- One split: a resumable job ---------------------------------------------------------------
+
+struct SplitJob {
+  std::string name;
+  fs::path output;
+  std::vector<Input> inputs;
+};
+
+struct SplitState {
+  int64_t next_input = 0;
+  std::string created;
+  std::vector<BadInput> bad;
+  std::vector<int64_t> class_counts;
+  int64_t payload_bytes = 0;
+  int64_t converted = 0, reencoded = 0, reoriented = 0;
+
+  std::string ToJson(const std::string& fingerprint) const {
+    nlohmann::json bad_json = nlohmann::json::array();
+    for (const auto& b : bad) bad_json.push_back({b.path, b.reason});
+    return nlohmann::json{{"fingerprint", fingerprint}, {"next_input", next_input},
+                          {"created", created},         {"bad", bad_json},
+                          {"class_counts", class_counts}, {"payload_bytes", payload_bytes},
+                          {"converted", converted},     {"reencoded", reencoded},
+                          {"reoriented", reoriented}}
+        .dump();
+  }
+  static Result<SplitState> FromJson(const std::string& text, const std::string& fingerprint,
+                                     const fs::path& where) {
+    auto j = nlohmann::json::parse(text, nullptr, false);
+    try {
+      if (j.is_discarded() || !j.is_object()) throw std::runtime_error("not a JSON object");
+      if (j.at("fingerprint").get<std::string>() != fingerprint) {
+        return InvalidArgumentError(fmt::format(
+            "pack: {}: the partial pack was made from other inputs or options (rerun without "
+            "--resume and with --overwrite to start over)", where.string()));
+      }
+      SplitState s;
+      s.next_input = j.at("next_input").get<int64_t>();
+      s.created = j.at("created").get<std::string>();
+      for (const auto& b : j.at("bad")) s.bad.push_back({b.at(0), b.at(1)});
+      s.class_counts = j.at("class_counts").get<std::vector<int64_t>>();
+      s.payload_bytes = j.at("payload_bytes").get<int64_t>();
+      s.converted = j.at("converted").get<int64_t>();
+      s.reencoded = j.at("reencoded").get<int64_t>();
+      s.reoriented = j.at("reoriented").get<int64_t>();
+      return s;
+    } catch (const std::exception& e) {
+      return CorruptError(fmt::format("pack: {}: unreadable resume state: {}", where.string(), e.what()));
+    }
+  }
+};
+
+fs::path PartialPath(const fs::path& output) {
+  fs::path p = output;
+  p += ".partial";
+  return p;
+}
+
+// A processed input on its way from the pipeline to the writer thread.
+struct Slot {
+  size_t index;
+  Processed result;
+};
+
+// Processed images waiting for the writer thread (about 28 MB of typical ImageNet JPEGs):
+// enough to keep decoding through one commit's fsync.
+constexpr std::ptrdiff_t kQueueCapacity = 256;
+// Bytes per commit: smaller commits make the final, unoverlapped one shorter.
+constexpr int64_t kCommitBytes = 32ll << 20;
+
+class SplitPacker {
+ public:
+  SplitPacker(const PackOptions& o, const InputSet& set, SplitJob job, int threads)
+      : o_(o), classes_(set.classes), job_(std::move(job)), threads_(threads),
+        fingerprint_(Fingerprint(job_.inputs, classes_, o, job_.name)) {}
+
+  Result<SplitSummary> Run(PackSummary& total) {
+    SplitSummary summary{job_.name, job_.output, static_cast<int64_t>(job_.inputs.size())};
+    const fs::path partial = PartialPath(job_.output);
+    std::error_code ec;
+    if (fs::exists(job_.output, ec)) {
+      if (o_.resume) return AlreadyComplete(summary, total);
+      if (!o_.overwrite) {
+        return InvalidArgumentError(fmt::format(
+            "pack: {}: already exists (pass --overwrite to replace it)", job_.output.string()));
+      }
+    }
+    std::optional<dataset::DatasetWriter> writer;
+    dataset::WriterOptions wo{.commit_every_records = o_.commit_every,
+                              .commit_every_bytes = kCommitBytes,
+                              .store_paths = o_.store_paths};
+    if (fs::exists(partial, ec) && o_.resume) {
+      STOKE_ASSIGN_OR_RETURN(auto w, dataset::DatasetWriter::OpenForAppend(partial, wo));
+      writer.emplace(std::move(w));
+      if (!writer->resume_state().empty()) {
+        STOKE_ASSIGN_OR_RETURN(state_, SplitState::FromJson(writer->resume_state(), fingerprint_, partial));
+      }
+      STOKE_LOG(INFO, "resuming {} at input {} of {} ({} records committed)", partial.string(),
+                state_.next_input, job_.inputs.size(), writer->committed_records());
+    } else {
+      if (fs::exists(partial, ec)) {
+        if (!o_.overwrite) {
+          return InvalidArgumentError(fmt::format(
+              "pack: {}: an interrupted pack is here (pass --resume to continue it, or "
+              "--overwrite to start over)", partial.string()));
+        }
+        fs::remove_all(partial, ec);
+        if (ec) return IoError(fmt::format("pack: {}: {}", partial.string(), ec.message()));
+      }
+      wo.initial_map_bytes = InitialMapBytes();
+      STOKE_ASSIGN_OR_RETURN(auto w, dataset::DatasetWriter::Create(partial, wo));
+      writer.emplace(std::move(w));
+    }
+    if (state_.created.empty()) state_.created = NowIso8601();
+    if (state_.class_counts.empty()) state_.class_counts.assign(classes_.size(), 0);
+    writer_ = &*writer;
+
+    const auto t0 = std::chrono::steady_clock::now();
+    STOKE_RETURN_IF_ERROR(RunPipeline());
+    const auto t1 = std::chrono::steady_clock::now();
+    Accumulate(total);
+    if (stopped_) {
+      return UnavailableError(fmt::format(
+          "pack: interrupted; {} records of {} kept in {} (rerun with --resume to finish)",
+          writer_->committed_records(), job_.name, partial.string()));
+    }
+    STOKE_RETURN_IF_ERROR(writer_->Finish(MakeManifest()));
+    if (fs::exists(job_.output, ec)) fs::remove_all(job_.output, ec);
+    fs::rename(partial, job_.output, ec);
+    if (ec) {
+      return IoError(fmt::format("pack: rename {} to {}: {}", partial.string(),
+                                 job_.output.string(), ec.message()));
+    }
+    STOKE_LOG(DEBUG, "pack {}: pipeline {:.3f} s, finish (manifest, sync, rename) {:.3f} s",
+              job_.name, std::chrono::duration<double>(t1 - t0).count(),
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count());
+    summary.records = writer_->records();
+    summary.payload_bytes = state_.payload_bytes;
+    return summary;
+  }
+
+ private:
+  size_t InitialMapBytes() const {
+    uintmax_t total = 0;
+    std::error_code ec;
+    for (const auto& in : job_.inputs) {
+      auto s = fs::file_size(in.path, ec);
+      if (!ec) total += s;
+    }
+    // Room for headers and re-encoding; the writer doubles the map if it still fills up.
+    return std::max<size_t>(size_t{64} << 20, static_cast<size_t>(total) * 2);
+  }
+
+  Result<SplitSummary> AlreadyComplete(SplitSummary summary, PackSummary& total) {
+    STOKE_ASSIGN_OR_RETURN(auto ds, dataset::Dataset::Open(job_.output));
+    const auto& packing = ds.manifest().packing;
+    if (packing.value("fingerprint", std::string()) != fingerprint_) {
+      return InvalidArgumentError(fmt::format(
+          "pack: {}: exists but was packed from other inputs or options (pass --overwrite "
+          "without --resume to replace it)", job_.output.string()));
+    }
+    for (const auto& b : packing.value("bad", nlohmann::json::array())) {
+      total.bad.push_back({b.at(0), b.at(1)});
+    }
+    summary.records = ds.size();
+    summary.payload_bytes = ds.manifest().payload_bytes;
+    summary.already_complete = true;
+    return summary;
+  }
+
+  dataset::Manifest MakeManifest() const {
+    dataset::Manifest m;
+    m.format_version = dataset::kFormatVersion;
+    m.records = writer_->records();
+    m.classes = classes_;
+    m.class_counts = state_.class_counts;
+    m.payload_bytes = state_.payload_bytes;
+    m.has_paths = o_.store_paths;
+    nlohmann::json bad = nlohmann::json::array();
+    for (const auto& b : state_.bad) bad.push_back({b.path, b.reason});
+    m.packing = {{"tool", "stoke pack"},
+                 {"tool_version", STOKE_VERSION},
+                 {"git_sha", STOKE_GIT_SHA},
+                 {"created", state_.created},
+                 {"source", fs::absolute(o_.source).lexically_normal().string()},
+                 {"list_file", o_.list_file.empty() ? "" : fs::absolute(o_.list_file).string()},
+                 {"split", job_.name},
+                 {"options", OptionsJson(o_)},
+                 {"fingerprint", fingerprint_},
+                 {"inputs", job_.inputs.size()},
+                 {"bad", bad},
+                 {"converted", state_.converted},
+                 {"reencoded", state_.reencoded},
+                 {"reoriented", state_.reoriented}};
+    return m;
+  }
+
+  void Accumulate(PackSummary& total) const {
+    total.bad.insert(total.bad.end(), state_.bad.begin(), state_.bad.end());
+    total.converted += state_.converted;
+    total.reencoded += state_.reencoded;
+    total.reoriented += state_.reoriented;
+  }
+
+  Status Commit() {
+    Status s = writer_->Commit(state_.ToJson(fingerprint_));
+    if (s.ok() && o_.after_commit) o_.after_commit(writer_->committed_records());
+    return s;
+  }
+
+  // Three pipeline stages (in-order input, parallel read+validate+transform, in-order hand-off)
+  // feed a writer thread through a bounded queue. The writer thread appends and commits; an
+  // LMDB commit (a write plus fsync of up to commit_bytes) then overlaps with decoding instead of
+  // stalling the pipeline.
+  Status RunPipeline() {
+    const size_t end = job_.inputs.size();
+    size_t next = static_cast<size_t>(state_.next_input);
+    std::unique_ptr<ProgressReporter> progress;
+    if (o_.progress) {
+      progress = std::make_unique<ProgressReporter>(fmt::format("pack {}", job_.name),
+                                                    static_cast<int64_t>(end - next));
+    }
+    tbb::enumerable_thread_specific<Worker> workers;
+    Status error;  // written by the writer thread only; read after it is joined
+    // Set by the writer thread on failure, read by the input stage.
+    std::atomic<bool> cancel{false};
+    // concurrent_bounded_queue: one producer (the in-order stage) and one consumer (the writer
+    // thread); push blocks when full, which bounds memory to kQueueCapacity processed images.
+    tbb::concurrent_bounded_queue<Slot*> ready;
+    ready.set_capacity(kQueueCapacity);
+    std::thread writer_thread([&] {
+      for (;;) {
+        Slot* raw = nullptr;
+        ready.pop(raw);
+        if (raw == nullptr) break;  // end of input
+        std::unique_ptr<Slot> slot(raw);
+        if (cancel.load()) continue;  // drain so the pipeline never blocks on a full queue
+        if (o_.stop && o_.stop->load()) {
+          // Stop here, not where the input stage is: everything before this slot is written.
+          stopped_ = true;
+          cancel = true;
+          continue;
+        }
+        Write(job_.inputs[slot->index], slot->index, slot->result, error, cancel);
+        if (progress) progress->Advance();
+      }
+    });
+    tbb::task_arena arena(threads_);
+    arena.execute([&] {
+      tbb::parallel_pipeline(
+          static_cast<size_t>(threads_) * 4,
+          tbb::make_filter<void, Slot*>(
+              tbb::filter_mode::serial_in_order,
+              [&](tbb::flow_control& fc) -> Slot* {
+                if (next >= end || cancel.load() || (o_.stop && o_.stop->load())) {
+                  if (next < end && !cancel.load()) stopped_ = true;
+                  fc.stop();
+                  return nullptr;
+                }
+                return new Slot{next++, {}};
+              }) &
+              tbb::make_filter<Slot*, Slot*>(
+                  tbb::filter_mode::parallel,
+                  [&](Slot* slot) {
+                    slot->result = ProcessInput(job_.inputs[slot->index], o_, workers.local());
+                    return slot;
+                  }) &
+              tbb::make_filter<Slot*, void>(tbb::filter_mode::serial_in_order,
+                                            [&](Slot* slot) { ready.push(slot); }));
+    });
+    ready.push(nullptr);
+    writer_thread.join();
+    if (progress) progress->Finish();
+    if (!error.ok()) return error;
+    // Keep what is done: a stop or a later failure resumes from here.
+    return Commit();
+  }
+
+  void Write(const Input& input, size_t index, Processed& r, Status& error,
+             std::atomic<bool>& cancel) {
+    if (!r.ok) {
+      if (o_.on_error == OnError::kFail) {
+        error = CorruptError(fmt::format("pack: {}: {} (--on-error fail)", input.path.string(), r.reason));
+        cancel = true;
+        return;
+      }
+      state_.bad.push_back({input.key, r.reason});
+    } else {
+      state_.class_counts[static_cast<size_t>(r.header.label)]++;
+      state_.payload_bytes += static_cast<int64_t>(r.payload.size());
+      state_.converted += r.converted;
+      state_.reencoded += r.reencoded;
+      state_.reoriented += r.reoriented;
+      writer_->Append(r.header, std::move(r.payload), input.key);
+    }
+    state_.next_input = static_cast<int64_t>(index) + 1;
+    if (writer_->ShouldCommit()) {
+      Status s = Commit();
+      if (!s.ok()) {
+        error = s;
+        cancel = true;
+      }
+    }
+  }
+
+  const PackOptions& o_;
+  const std::vector<std::string>& classes_;
+  SplitJob job_;
+  int threads_;
+  std::string fingerprint_;
+  SplitState state_;
+  dataset::DatasetWriter* writer_ = nullptr;
+  std::atomic<bool> stopped_{false};  // set by the input stage or the writer thread
+};
+
+Status ValidateOptions(const PackOptions& o) {
+  if (o.output.empty()) return InvalidArgumentError("pack: no output path");
+  if (o.threads < 0) return InvalidArgumentError("pack: --threads must be >= 0");
+  if (o.max_side < 0) return InvalidArgumentError("pack: --max-side must be >= 0");
+  if (o.quality < 0 || o.quality > 100) return InvalidArgumentError("pack: --quality must be in 1..100");
+  if (o.reencode_quality < 1 || o.reencode_quality > 100) {
+    return InvalidArgumentError("pack: re-encode quality must be in 1..100");
+  }
+  if (!(o.val_fraction >= 0 && o.val_fraction < 1)) {
+    return InvalidArgumentError("pack: --val-fraction must be in [0, 1)");
+  }
+  if (o.commit_every <= 0) return InvalidArgumentError("pack: commit interval must be > 0");
+  if (o.resume && o.overwrite) {
+    return InvalidArgumentError("pack: --resume and --overwrite contradict each other");
+  }
+  return OkStatus();
+}
+
+Status WriteReport(const fs::path& file, const PackSummary& s) {
+  nlohmann::json splits = nlohmann::json::array();
+  for (const auto& sp : s.splits) {
+    splits.push_back({{"name", sp.name}, {"output", sp.output.string()}, {"inputs", sp.inputs},
+                      {"records", sp.records}, {"payload_bytes", sp.payload_bytes}});
+  }
+  nlohmann::json bad = nlohmann::json::array();
+  for (const auto& b : s.bad) bad.push_back({{"path", b.path}, {"reason", b.reason}});
+  nlohmann::json j = {{"inputs", s.inputs},       {"classes", s.classes},
+                      {"splits", splits},         {"skipped", bad},
+                      {"converted", s.converted}, {"reencoded", s.reencoded},
+                      {"reoriented", s.reoriented}, {"seconds", s.seconds},
+                      {"threads", s.threads}};
+  return WriteFileAtomic(file, j.dump(2) + "\n");
+}
+
+}  // namespace
+
+fs::path DefaultValOutput(const fs::path& output) {
+  fs::path p = output;
+  if (p.has_filename() == false) p = p.parent_path();
+  std::string name = p.filename().string();
+  if (p.extension() == ".lmdb") {
+    name = p.stem().string() + "_val.lmdb";
+  } else {
+    name += "_val";
+  }
+  return p.parent_path() / name;
+}
+
+Result<PackSummary> Pack(const PackOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  STOKE_RETURN_IF_ERROR(ValidateOptions(options));
+  PackOptions o = options;
+  if (o.val_fraction > 0 && o.val_output.empty()) o.val_output = DefaultValOutput(o.output);
+
+  InputSet set;
+  if (!o.list_file.empty()) {
+    STOKE_ASSIGN_OR_RETURN(set, ReadListFile(o.list_file, o.source));
+  } else {
+    STOKE_ASSIGN_OR_RETURN(set, ListFolderTree(o.source));
+  }
+  if (set.inputs.empty()) {
+    return InvalidArgumentError(fmt::format("pack: {}: no input files found",
+                                            (o.list_file.empty() ? o.source : o.list_file).string()));
+  }
+
+  // Stratified split: in each class, round(fraction * count) inputs chosen by the seed.
+  std::vector<bool> is_val(set.inputs.size(), false);
+  if (o.val_fraction > 0) {
+    std::vector<std::vector<size_t>> by_class(set.classes.size());
+    for (size_t i = 0; i < set.inputs.size(); ++i) by_class[set.inputs[i].label].push_back(i);
+    SplitMix64 rng(MixSeed(o.seed, 0x76616c));  // "val"
+    for (auto& members : by_class) {
+      Shuffle(std::span(members), rng);
+      auto n_val = static_cast<size_t>(std::lround(o.val_fraction * members.size()));
+      for (size_t k = 0; k < n_val; ++k) is_val[members[k]] = true;
+    }
+  }
+  std::vector<SplitJob> jobs;
+  jobs.push_back({"train", o.output, {}});
+  if (o.val_fraction > 0) jobs.push_back({"val", o.val_output, {}});
+  for (size_t i = 0; i < set.inputs.size(); ++i) {
+    jobs[is_val[i] ? 1 : 0].inputs.push_back(set.inputs[i]);
+  }
+  if (o.shuffle) {
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      SplitMix64 rng(MixSeed(o.seed, 0x73687566, j));  // "shuf"
+      Shuffle(std::span(jobs[j].inputs), rng);
+    }
+  }
+
+  // Parallelism is across images; OpenCV's own threads inside a worker would only oversubscribe.
+  cv::setNumThreads(0);
+  PackSummary summary;
+  summary.inputs = static_cast<int64_t>(set.inputs.size());
+  summary.classes = static_cast<int64_t>(set.classes.size());
+  summary.threads = o.threads > 0 ? o.threads : tbb::info::default_concurrency();
+  Status failure;
+  for (auto& job : jobs) {
+    SplitPacker packer(o, set, std::move(job), summary.threads);
+    auto split = packer.Run(summary);
+    if (!split.ok()) {
+      failure = split.status();
+      break;
+    }
+    summary.splits.push_back(*split);
+  }
+  summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (!o.report_file.empty()) {
+    Status s = WriteReport(o.report_file, summary);
+    if (!s.ok()) STOKE_LOG(ERROR, "pack: report: {}", s.ToString());
+  }
+  if (!failure.ok()) return failure;
+  return summary;
+}
+
+std::string FormatSummary(const PackSummary& s, size_t max_bad) {
+  std::string out;
+  int64_t records = 0;
+  for (const auto& sp : s.splits) {
+    records += sp.records;
+    out += fmt::format("{}: {} records, {} classes, {} payload -> {}{}\n", sp.name, sp.records,
+                       s.classes, HumanBytes(static_cast<double>(sp.payload_bytes)),
+                       sp.output.string(), sp.already_complete ? " (already complete)" : "");
+  }
+  out += fmt::format("packed {} of {} inputs in {:.1f} s ({:.0f} images/s, {} threads); "
+                     "skipped {}, converted {}, re-encoded {} ({} for EXIF orientation)\n",
+                     records, s.inputs, s.seconds, s.seconds > 0 ? records / s.seconds : 0.0,
+                     s.threads, s.bad.size(), s.converted, s.reencoded, s.reoriented);
+  for (size_t i = 0; i < s.bad.size() && i < max_bad; ++i) {
+    out += fmt::format("  skipped {}: {}\n", s.bad[i].path, s.bad[i].reason);
+  }
+  if (s.bad.size() > max_bad) {
+    out += fmt::format("  ... and {} more (see --report)\n", s.bad.size() - max_bad);
+  }
+  return out;
+}
+
+}  // namespace stoke::pack

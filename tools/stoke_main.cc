@@ -1,0 +1,174 @@
+// The stoke command line: one binary, one subcommand per job. Each subcommand only parses flags,
+// calls one library function and prints its result.
+#include <csignal>
+#include <cstdio>
+#include <iostream>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "common/logging.h"
+#include "tools/bench/bench_commands.h"
+#include "tools/inspect/inspect.h"
+#include "tools/pack/packer.h"
+#include "tools/synth/synth.h"
+
+namespace {
+
+std::atomic<bool> g_stop{false};
+
+// First Ctrl-C: finish the current transaction and leave a resumable dataset. Second: die.
+void OnInterrupt(int) {
+  g_stop.store(true);
+  std::signal(SIGINT, SIG_DFL);
+  std::signal(SIGTERM, SIG_DFL);
+}
+
+int Fail(const stoke::Status& s) {
+  std::fprintf(stderr, "stoke: %s\n", s.ToString().c_str());
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"stoke: pack image datasets into LMDB and feed them to GPUs fast"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("stoke ") + STOKE_VERSION + " (" + STOKE_GIT_SHA + ")");
+  bool verbose = false;
+  app.add_flag("-v,--verbose", verbose, "Debug logging");
+
+  // ---- pack
+  stoke::pack::PackOptions pack;
+  std::string encoding = "jpeg", on_error = "skip";
+  bool no_paths = false, quiet = false;
+  auto* pack_cmd = app.add_subcommand("pack", "Validate images and pack them into an LMDB dataset");
+  pack_cmd->add_option("SRC", pack.source,
+                       "Image folder tree (one sub-folder per class), or the root that --list "
+                       "paths are relative to")
+      ->required();
+  pack_cmd->add_option("OUT", pack.output, "Output dataset directory (e.g. train.lmdb)")->required();
+  pack_cmd->add_option("--list", pack.list_file, "List file of 'relative/path label' lines")
+      ->check(CLI::ExistingFile);
+  pack_cmd->add_option("--threads", pack.threads, "Worker threads (0 = all cores)")
+      ->check(CLI::NonNegativeNumber);
+  pack_cmd->add_option("--max-side", pack.max_side,
+                       "Shrink images whose longer side exceeds N pixels (0 = keep)")
+      ->check(CLI::NonNegativeNumber);
+  pack_cmd->add_option("--quality", pack.quality, "Re-encode every image at JPEG quality Q")
+      ->check(CLI::Range(1, 100));
+  pack_cmd->add_option("--encoding", encoding, "Payload: jpeg (compact) or raw (decoded pixels)")
+      ->check(CLI::IsMember({"jpeg", "raw"}));
+  pack_cmd->add_flag("--shuffle", pack.shuffle, "Write records in a seeded random order");
+  pack_cmd->add_option("--seed", pack.seed, "Seed for --shuffle and --val-fraction");
+  pack_cmd->add_option("--val-fraction", pack.val_fraction,
+                       "Hold out this fraction of each class as a validation dataset")
+      ->check(CLI::Range(0.0, 0.999999));
+  pack_cmd->add_option("--val-output", pack.val_output,
+                       "Validation dataset directory (default: OUT with _val)");
+  pack_cmd->add_option("--on-error", on_error, "Bad inputs: skip (and report) or fail")
+      ->check(CLI::IsMember({"skip", "fail"}));
+  pack_cmd->add_option("--report", pack.report_file, "Write a JSON report of skipped inputs");
+  pack_cmd->add_flag("--resume", pack.resume, "Continue an interrupted pack of the same inputs");
+  pack_cmd->add_flag("--overwrite", pack.overwrite, "Replace existing outputs");
+  pack_cmd->add_flag("--no-paths", no_paths, "Do not store source paths");
+  pack_cmd->add_option("--commit-every", pack.commit_every, "Records per transaction")
+      ->check(CLI::PositiveNumber);
+  pack_cmd->add_flag("-q,--quiet", quiet, "No progress line");
+
+  // ---- inspect
+  std::string inspect_path, extract_output;
+  int64_t extract_index = -1;
+  bool as_json = false;
+  stoke::inspect::InspectOptions inspect;
+  auto* inspect_cmd = app.add_subcommand("inspect", "Summarise, verify or extract from a dataset");
+  inspect_cmd->add_option("DB", inspect_path, "Dataset directory")->required();
+  inspect_cmd->add_flag("--verify", inspect.verify, "Check every CRC and decode every record");
+  inspect_cmd->add_option("--threads", inspect.threads, "Verify threads (0 = all cores)")
+      ->check(CLI::NonNegativeNumber);
+  inspect_cmd->add_flag("--json", as_json, "Machine-readable output");
+  auto* extract_opt = inspect_cmd->add_option("--extract", extract_index,
+                                              "Write the payload of record INDEX to --output")
+                          ->check(CLI::NonNegativeNumber);
+  inspect_cmd->add_option("--output", extract_output, "File for --extract")->needs(extract_opt);
+  extract_opt->needs(inspect_cmd->get_option("--output"));
+
+  // ---- bench
+  auto* bench_cmd = app.add_subcommand("bench", "Measure throughput of each stage");
+  bench_cmd->require_subcommand(1);
+  stoke::bench::BenchOptions bench;
+  auto add_common = [&](CLI::App* cmd) {
+    cmd->add_option("--data", bench.data, "Image folder tree to measure on")
+        ->default_str("../shared/data/imagenet_like");
+    cmd->add_option("--threads", bench.threads, "Threads for the N-thread runs (0 = all cores)");
+    cmd->add_option("--repeats", bench.repeats, "Timed runs per figure (median reported)")
+        ->check(CLI::PositiveNumber);
+    cmd->add_option("--work-dir", bench.work_dir, "Scratch directory for packed datasets");
+    cmd->add_option("--json", bench.json_out, "Also write the results as JSON here");
+  };
+  auto* bench_pack = bench_cmd->add_subcommand("pack", "Pack with full validation, 1 and N threads");
+  add_common(bench_pack);
+  auto* bench_read = bench_cmd->add_subcommand("read", "Read packed records: sequential and random");
+  add_common(bench_read);
+
+  // ---- synth
+  std::string synth_dir;
+  stoke::synth::SynthOptions synth;
+  auto* synth_cmd = app.add_subcommand(
+      "synth", "Write a labelled folder tree of synthetic JPEGs (the built-in example)");
+  synth_cmd->add_option("OUT_DIR", synth_dir, "Folder to create")->required();
+  synth_cmd->add_option("--classes", synth.classes, "Number of classes")->check(CLI::PositiveNumber);
+  synth_cmd->add_option("--per-class", synth.per_class, "Images per class")
+      ->check(CLI::PositiveNumber);
+  synth_cmd->add_option("--seed", synth.seed, "Seed");
+
+  CLI11_PARSE(app, argc, argv);
+  stoke::InitLogging(verbose ? stoke::LogLevel::kDebug : stoke::LogLevel::kInfo);
+
+  if (pack_cmd->parsed()) {
+    pack.encoding = encoding == "raw" ? stoke::dataset::PayloadEncoding::kRaw
+                                      : stoke::dataset::PayloadEncoding::kJpeg;
+    pack.on_error = on_error == "fail" ? stoke::pack::OnError::kFail : stoke::pack::OnError::kSkip;
+    pack.store_paths = !no_paths;
+    pack.progress = !quiet;
+    pack.stop = &g_stop;
+    std::signal(SIGINT, OnInterrupt);
+    std::signal(SIGTERM, OnInterrupt);
+    auto summary = stoke::pack::Pack(pack);
+    if (!summary.ok()) return Fail(summary.status());
+    std::fputs(stoke::pack::FormatSummary(*summary).c_str(), stdout);
+    return 0;
+  }
+  if (inspect_cmd->parsed()) {
+    if (extract_index >= 0) {
+      stoke::Status s = stoke::inspect::ExtractRecord(inspect_path, extract_index, extract_output);
+      if (!s.ok()) return Fail(s);
+      std::printf("record %lld -> %s\n", static_cast<long long>(extract_index),
+                  extract_output.c_str());
+      return 0;
+    }
+    inspect.progress = !as_json;
+    auto report = stoke::inspect::Inspect(inspect_path, inspect);
+    if (!report.ok()) return Fail(report.status());
+    if (as_json) {
+      std::cout << stoke::inspect::ReportJson(*report).dump(2) << "\n";
+    } else {
+      std::cout << stoke::inspect::FormatReport(*report);
+    }
+    return report->bad.empty() ? 0 : 3;  // 3: the dataset has bad records
+  }
+  if (synth_cmd->parsed()) {
+    stoke::Status s = stoke::synth::WriteSyntheticTree(synth_dir, synth);
+    if (!s.ok()) return Fail(s);
+    std::printf("wrote %d classes x %d images to %s\n", synth.classes, synth.per_class,
+                synth_dir.c_str());
+    return 0;
+  }
+  if (bench_pack->parsed() || bench_read->parsed()) {
+    auto result = bench_pack->parsed() ? stoke::bench::BenchPack(bench) : stoke::bench::BenchRead(bench);
+    if (!result.ok()) return Fail(result.status());
+    std::cout << *result;
+    return 0;
+  }
+  return 0;
+}
