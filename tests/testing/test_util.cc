@@ -107,7 +107,7 @@ std::vector<std::byte> ReadBytes(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
   std::vector<char> data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   std::vector<std::byte> out(data.size());
-  std::memcpy(out.data(), data.data(), data.size());
+  if (!data.empty()) std::memcpy(out.data(), data.data(), data.size());
   return out;
 }
 

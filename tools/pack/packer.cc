@@ -1,33 +1,34 @@
 #include "tools/pack/packer.h"
 
-#include <algorithm>
-#include <atomic>
-#include <cstring>
-#include <chrono>
-#include <cmath>
-#include <ctime>
-#include <fstream>
-#include <map>
-#include <memory>
-#include <optional>
-#include <system_error>
-#include <thread>
-
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 #include <oneapi/tbb/concurrent_queue.h>
 #include <oneapi/tbb/enumerable_thread_specific.h>
 #include <oneapi/tbb/info.h>
 #include <oneapi/tbb/parallel_pipeline.h>
 #include <oneapi/tbb/task_arena.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
 #include <opencv2/core.hpp>
 #include <opencv2/imgcodecs.hpp>
 #include <opencv2/imgproc.hpp>
+#include <optional>
+#include <system_error>
+#include <thread>
 
 #include "common/file_util.h"
 #include "common/logging.h"
 #include "common/progress.h"
 #include "common/random.h"
+#include "common/tsan.h"
 #include "dataset/dataset.h"
 #include "dataset/writer.h"
 #include "decode/jpeg_decoder.h"
@@ -66,9 +67,9 @@ Result<InputSet> ListFolderTree(const fs::path& root) {
   if (ec) return IoError(fmt::format("pack: {}: {}", root.string(), ec.message()));
   std::sort(class_dirs.begin(), class_dirs.end());
   if (class_dirs.empty()) {
-    return InvalidArgumentError(fmt::format(
-        "pack: {}: no class sub-folders (expected SRC/<class>/<image>, or pass --list)",
-        root.string()));
+    return InvalidArgumentError(
+        fmt::format("pack: {}: no class sub-folders (expected SRC/<class>/<image>, or pass --list)",
+                    root.string()));
   }
   for (size_t label = 0; label < class_dirs.size(); ++label) {
     set.classes.push_back(class_dirs[label].filename().string());
@@ -107,8 +108,8 @@ Result<InputSet> ReadListFile(const fs::path& list, const fs::path& root) {
     const auto last = line.find_last_not_of(" \t");
     const auto sep = line.find_last_of(" \t", last);
     auto bad = [&](const std::string& why) {
-      return InvalidArgumentError(
-          fmt::format("pack: {}:{}: {} (expected 'relative/path label')", list.string(), line_no, why));
+      return InvalidArgumentError(fmt::format("pack: {}:{}: {} (expected 'relative/path label')",
+                                              list.string(), line_no, why));
     };
     if (sep == std::string::npos || sep < first) return bad("no label");
     const std::string label_text = line.substr(sep + 1, last - sep);
@@ -148,19 +149,33 @@ struct Worker {
 // Rotates/flips `src` into `dst` so that EXIF orientation `o` displays upright.
 void ApplyOrientation(int o, const cv::Mat& src, cv::Mat& dst) {
   switch (o) {
-    case 2: cv::flip(src, dst, 1); break;
-    case 3: cv::rotate(src, dst, cv::ROTATE_180); break;
-    case 4: cv::flip(src, dst, 0); break;
-    case 5: cv::transpose(src, dst); break;
-    case 6: cv::rotate(src, dst, cv::ROTATE_90_CLOCKWISE); break;
+    case 2:
+      cv::flip(src, dst, 1);
+      break;
+    case 3:
+      cv::rotate(src, dst, cv::ROTATE_180);
+      break;
+    case 4:
+      cv::flip(src, dst, 0);
+      break;
+    case 5:
+      cv::transpose(src, dst);
+      break;
+    case 6:
+      cv::rotate(src, dst, cv::ROTATE_90_CLOCKWISE);
+      break;
     case 7: {
       cv::Mat t;
       cv::transpose(src, t);
       cv::flip(t, dst, -1);
       break;
     }
-    case 8: cv::rotate(src, dst, cv::ROTATE_90_COUNTERCLOCKWISE); break;
-    default: dst = src; break;
+    case 8:
+      cv::rotate(src, dst, cv::ROTATE_90_COUNTERCLOCKWISE);
+      break;
+    default:
+      dst = src;
+      break;
   }
 }
 
@@ -234,8 +249,7 @@ void ProcessJpeg(std::vector<std::byte>& bytes, const PackOptions& o, Worker& w,
     bool swap = header->orientation >= 5;
     cv::Size t = FitSize(swap ? header->height : header->width,
                          swap ? header->width : header->height, o.max_side);
-    scale = ScaleFor(header->width, header->height,
-                     swap ? cv::Size(t.height, t.width) : t);
+    scale = ScaleFor(header->width, header->height, swap ? cv::Size(t.height, t.width) : t);
   }
   decode::JpegInfo info;
   Status s = w.decoder.Decode(bytes, &w.image, scale, &info);
@@ -245,7 +259,8 @@ void ProcessJpeg(std::vector<std::byte>& bytes, const PackOptions& o, Worker& w,
   }
   const bool cmyk = info.color_space == decode::JpegColorSpace::kCmyk ||
                     info.color_space == decode::JpegColorSpace::kYcck;
-  const bool resize = FitSize(info.width, info.height, o.max_side) != cv::Size(info.width, info.height);
+  const bool resize =
+      FitSize(info.width, info.height, o.max_side) != cv::Size(info.width, info.height);
   const bool keep = o.quality == 0 && info.orientation == 1 && !cmyk && !resize &&
                     o.encoding == PayloadEncoding::kJpeg;
   if (keep) {
@@ -363,10 +378,10 @@ struct SplitState {
   std::string ToJson(const std::string& fingerprint) const {
     nlohmann::json bad_json = nlohmann::json::array();
     for (const auto& b : bad) bad_json.push_back({b.path, b.reason});
-    return nlohmann::json{{"fingerprint", fingerprint}, {"next_input", next_input},
-                          {"created", created},         {"bad", bad_json},
+    return nlohmann::json{{"fingerprint", fingerprint},   {"next_input", next_input},
+                          {"created", created},           {"bad", bad_json},
                           {"class_counts", class_counts}, {"payload_bytes", payload_bytes},
-                          {"converted", converted},     {"reencoded", reencoded},
+                          {"converted", converted},       {"reencoded", reencoded},
                           {"reoriented", reoriented}}
         .dump();
   }
@@ -378,7 +393,8 @@ struct SplitState {
       if (j.at("fingerprint").get<std::string>() != fingerprint) {
         return InvalidArgumentError(fmt::format(
             "pack: {}: the partial pack was made from other inputs or options (rerun without "
-            "--resume and with --overwrite to start over)", where.string()));
+            "--resume and with --overwrite to start over)",
+            where.string()));
       }
       SplitState s;
       s.next_input = j.at("next_input").get<int64_t>();
@@ -391,7 +407,8 @@ struct SplitState {
       s.reoriented = j.at("reoriented").get<int64_t>();
       return s;
     } catch (const std::exception& e) {
-      return CorruptError(fmt::format("pack: {}: unreadable resume state: {}", where.string(), e.what()));
+      return CorruptError(
+          fmt::format("pack: {}: unreadable resume state: {}", where.string(), e.what()));
     }
   }
 };
@@ -417,7 +434,10 @@ constexpr int64_t kCommitBytes = 32ll << 20;
 class SplitPacker {
  public:
   SplitPacker(const PackOptions& o, const InputSet& set, SplitJob job, int threads)
-      : o_(o), classes_(set.classes), job_(std::move(job)), threads_(threads),
+      : o_(o),
+        classes_(set.classes),
+        job_(std::move(job)),
+        threads_(threads),
         fingerprint_(Fingerprint(job_.inputs, classes_, o, job_.name)) {}
 
   Result<SplitSummary> Run(PackSummary& total) {
@@ -439,16 +459,18 @@ class SplitPacker {
       STOKE_ASSIGN_OR_RETURN(auto w, dataset::DatasetWriter::OpenForAppend(partial, wo));
       writer.emplace(std::move(w));
       if (!writer->resume_state().empty()) {
-        STOKE_ASSIGN_OR_RETURN(state_, SplitState::FromJson(writer->resume_state(), fingerprint_, partial));
+        STOKE_ASSIGN_OR_RETURN(state_,
+                               SplitState::FromJson(writer->resume_state(), fingerprint_, partial));
       }
       STOKE_LOG(INFO, "resuming {} at input {} of {} ({} records committed)", partial.string(),
                 state_.next_input, job_.inputs.size(), writer->committed_records());
     } else {
       if (fs::exists(partial, ec)) {
         if (!o_.overwrite) {
-          return InvalidArgumentError(fmt::format(
-              "pack: {}: an interrupted pack is here (pass --resume to continue it, or "
-              "--overwrite to start over)", partial.string()));
+          return InvalidArgumentError(
+              fmt::format("pack: {}: an interrupted pack is here (pass --resume to continue it, or "
+                          "--overwrite to start over)",
+                          partial.string()));
         }
         fs::remove_all(partial, ec);
         if (ec) return IoError(fmt::format("pack: {}: {}", partial.string(), ec.message()));
@@ -503,7 +525,8 @@ class SplitPacker {
     if (packing.value("fingerprint", std::string()) != fingerprint_) {
       return InvalidArgumentError(fmt::format(
           "pack: {}: exists but was packed from other inputs or options (pass --overwrite "
-          "without --resume to replace it)", job_.output.string()));
+          "without --resume to replace it)",
+          job_.output.string()));
     }
     for (const auto& b : packing.value("bad", nlohmann::json::array())) {
       total.bad.push_back({b.at(0), b.at(1)});
@@ -579,6 +602,7 @@ class SplitPacker {
         Slot* raw = nullptr;
         ready.pop(raw);
         if (raw == nullptr) break;  // end of input
+        STOKE_TSAN_ACQUIRE(raw);
         std::unique_ptr<Slot> slot(raw);
         if (cancel.load()) continue;  // drain so the pipeline never blocks on a full queue
         if (o_.stop && o_.stop->load()) {
@@ -592,28 +616,46 @@ class SplitPacker {
       }
     });
     tbb::task_arena arena(threads_);
-    arena.execute([&] {
-      tbb::parallel_pipeline(
-          static_cast<size_t>(threads_) * 4,
-          tbb::make_filter<void, Slot*>(
-              tbb::filter_mode::serial_in_order,
-              [&](tbb::flow_control& fc) -> Slot* {
-                if (next >= end || cancel.load() || (o_.stop && o_.stop->load())) {
-                  if (next < end && !cancel.load()) stopped_ = true;
-                  fc.stop();
-                  return nullptr;
-                }
-                return new Slot{next++, {}};
-              }) &
-              tbb::make_filter<Slot*, Slot*>(
-                  tbb::filter_mode::parallel,
-                  [&](Slot* slot) {
-                    slot->result = ProcessInput(job_.inputs[slot->index], o_, workers.local());
-                    return slot;
-                  }) &
-              tbb::make_filter<Slot*, void>(tbb::filter_mode::serial_in_order,
-                                            [&](Slot* slot) { ready.push(slot); }));
-    });
+    // `start` and `done` restate for TSan what task_arena::execute guarantees (see common/tsan.h):
+    // everything before it happens before any stage runs; every stage call happens before it
+    // returns. Each slot carries the same guarantee from stage to stage.
+    int done = 0;
+    auto chain = tbb::make_filter<void, Slot*>(
+                     tbb::filter_mode::serial_in_order,
+                     [&](tbb::flow_control& fc) -> Slot* {
+                       STOKE_TSAN_ACQUIRE(&stoke_tsan_sync_anchor);
+                       STOKE_TSAN_ACQUIRE(&next);  // serial stage: calls are ordered, threads vary
+                       Slot* slot = nullptr;
+                       if (next >= end || cancel.load() || (o_.stop && o_.stop->load())) {
+                         if (next < end && !cancel.load()) stopped_ = true;
+                         fc.stop();
+                       } else {
+                         slot = new Slot{next++, {}};
+                         STOKE_TSAN_RELEASE(slot);
+                       }
+                       STOKE_TSAN_RELEASE(&next);
+                       STOKE_TSAN_RELEASE(&done);
+                       return slot;
+                     }) &
+                 tbb::make_filter<Slot*, Slot*>(
+                     tbb::filter_mode::parallel,
+                     [&](Slot* slot) {
+                       STOKE_TSAN_ACQUIRE(&stoke_tsan_sync_anchor);
+                       STOKE_TSAN_ACQUIRE(slot);
+                       slot->result = ProcessInput(job_.inputs[slot->index], o_, workers.local());
+                       STOKE_TSAN_RELEASE(slot);
+                       STOKE_TSAN_RELEASE(&done);
+                       return slot;
+                     }) &
+                 tbb::make_filter<Slot*, void>(tbb::filter_mode::serial_in_order, [&](Slot* slot) {
+                   STOKE_TSAN_ACQUIRE(slot);
+                   STOKE_TSAN_RELEASE(slot);
+                   ready.push(slot);
+                   STOKE_TSAN_RELEASE(&done);
+                 });
+    STOKE_TSAN_RELEASE(&stoke_tsan_sync_anchor);
+    arena.execute([&] { tbb::parallel_pipeline(static_cast<size_t>(threads_) * 4, chain); });
+    STOKE_TSAN_ACQUIRE(&done);
     ready.push(nullptr);
     writer_thread.join();
     if (progress) progress->Finish();
@@ -626,7 +668,8 @@ class SplitPacker {
              std::atomic<bool>& cancel) {
     if (!r.ok) {
       if (o_.on_error == OnError::kFail) {
-        error = CorruptError(fmt::format("pack: {}: {} (--on-error fail)", input.path.string(), r.reason));
+        error = CorruptError(
+            fmt::format("pack: {}: {} (--on-error fail)", input.path.string(), r.reason));
         cancel = true;
         return;
       }
@@ -663,7 +706,8 @@ Status ValidateOptions(const PackOptions& o) {
   if (o.output.empty()) return InvalidArgumentError("pack: no output path");
   if (o.threads < 0) return InvalidArgumentError("pack: --threads must be >= 0");
   if (o.max_side < 0) return InvalidArgumentError("pack: --max-side must be >= 0");
-  if (o.quality < 0 || o.quality > 100) return InvalidArgumentError("pack: --quality must be in 1..100");
+  if (o.quality < 0 || o.quality > 100)
+    return InvalidArgumentError("pack: --quality must be in 1..100");
   if (o.reencode_quality < 1 || o.reencode_quality > 100) {
     return InvalidArgumentError("pack: re-encode quality must be in 1..100");
   }
@@ -680,14 +724,17 @@ Status ValidateOptions(const PackOptions& o) {
 Status WriteReport(const fs::path& file, const PackSummary& s) {
   nlohmann::json splits = nlohmann::json::array();
   for (const auto& sp : s.splits) {
-    splits.push_back({{"name", sp.name}, {"output", sp.output.string()}, {"inputs", sp.inputs},
-                      {"records", sp.records}, {"payload_bytes", sp.payload_bytes}});
+    splits.push_back({{"name", sp.name},
+                      {"output", sp.output.string()},
+                      {"inputs", sp.inputs},
+                      {"records", sp.records},
+                      {"payload_bytes", sp.payload_bytes}});
   }
   nlohmann::json bad = nlohmann::json::array();
   for (const auto& b : s.bad) bad.push_back({{"path", b.path}, {"reason", b.reason}});
-  nlohmann::json j = {{"inputs", s.inputs},       {"classes", s.classes},
-                      {"splits", splits},         {"skipped", bad},
-                      {"converted", s.converted}, {"reencoded", s.reencoded},
+  nlohmann::json j = {{"inputs", s.inputs},         {"classes", s.classes},
+                      {"splits", splits},           {"skipped", bad},
+                      {"converted", s.converted},   {"reencoded", s.reencoded},
                       {"reoriented", s.reoriented}, {"seconds", s.seconds},
                       {"threads", s.threads}};
   return WriteFileAtomic(file, j.dump(2) + "\n");
@@ -720,8 +767,8 @@ Result<PackSummary> Pack(const PackOptions& options) {
     STOKE_ASSIGN_OR_RETURN(set, ListFolderTree(o.source));
   }
   if (set.inputs.empty()) {
-    return InvalidArgumentError(fmt::format("pack: {}: no input files found",
-                                            (o.list_file.empty() ? o.source : o.list_file).string()));
+    return InvalidArgumentError(fmt::format(
+        "pack: {}: no input files found", (o.list_file.empty() ? o.source : o.list_file).string()));
   }
 
   // Stratified split: in each class, round(fraction * count) inputs chosen by the seed.
@@ -783,10 +830,11 @@ std::string FormatSummary(const PackSummary& s, size_t max_bad) {
                        s.classes, HumanBytes(static_cast<double>(sp.payload_bytes)),
                        sp.output.string(), sp.already_complete ? " (already complete)" : "");
   }
-  out += fmt::format("packed {} of {} inputs in {:.1f} s ({:.0f} images/s, {} threads); "
-                     "skipped {}, converted {}, re-encoded {} ({} for EXIF orientation)\n",
-                     records, s.inputs, s.seconds, s.seconds > 0 ? records / s.seconds : 0.0,
-                     s.threads, s.bad.size(), s.converted, s.reencoded, s.reoriented);
+  out += fmt::format(
+      "packed {} of {} inputs in {:.1f} s ({:.0f} images/s, {} threads); "
+      "skipped {}, converted {}, re-encoded {} ({} for EXIF orientation)\n",
+      records, s.inputs, s.seconds, s.seconds > 0 ? records / s.seconds : 0.0, s.threads,
+      s.bad.size(), s.converted, s.reencoded, s.reoriented);
   for (size_t i = 0; i < s.bad.size() && i < max_bad; ++i) {
     out += fmt::format("  skipped {}: {}\n", s.bad[i].path, s.bad[i].reason);
   }
