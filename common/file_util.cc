@@ -28,13 +28,18 @@ struct FdCloser {
 
 }  // namespace
 
-Result<std::vector<std::byte>> ReadFileBytes(const std::filesystem::path& path) {
+Result<std::vector<std::byte>> ReadFileBytes(const std::filesystem::path& path,
+                                             size_t max_bytes) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return ErrnoStatus(errno, path, "open");
   FdCloser closer{fd};
   struct stat st {};
   if (::fstat(fd, &st) != 0) return ErrnoStatus(errno, path, "stat");
   if (!S_ISREG(st.st_mode)) return IoError(path.string() + ": not a regular file");
+  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
+    return ResourceExhaustedError(
+        fmt::format("{}: {} bytes, over the {}-byte limit", path.string(), st.st_size, max_bytes));
+  }
   std::vector<std::byte> data(static_cast<size_t>(st.st_size));
   size_t got = 0;
   while (got < data.size()) {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <filesystem>
 #include <span>
 #include <string>
@@ -11,8 +12,10 @@
 
 namespace stoke {
 
-// Reads a whole file. kNotFound if missing, kIoError if unreadable or a directory.
-Result<std::vector<std::byte>> ReadFileBytes(const std::filesystem::path& path);
+// Reads a whole file. kNotFound if missing, kIoError if unreadable or a directory,
+// kResourceExhausted if larger than `max_bytes`.
+Result<std::vector<std::byte>> ReadFileBytes(const std::filesystem::path& path,
+                                             size_t max_bytes = SIZE_MAX);
 
 // Writes `data` to `path` atomically: a temporary file in the same directory, fsync, rename.
 // Readers see the old file or the new one, never a half-written one.

@@ -114,6 +114,12 @@ Result<RecordView> Reader::Check(const MDB_val& value, int64_t index) const {
     Status s = CheckCrc(*record);
     if (!s.ok()) return s.Prepend("dataset: " + dataset_->path_.string());
   }
+  const int32_t label = record->header.label;
+  if (label < 0 || static_cast<size_t>(label) >= dataset_->manifest_.classes.size()) {
+    return CorruptError(fmt::format("dataset: {}: record {}: label {} not in [0, {})",
+                                    dataset_->path_.string(), index, label,
+                                    dataset_->manifest_.classes.size()));
+  }
   return record;
 }
 

@@ -31,6 +31,7 @@ Result<Manifest> Manifest::FromJson(const nlohmann::json& j) {
     m.payload_bytes = j.value("payload_bytes", int64_t{0});
     m.has_paths = j.value("has_paths", false);
     if (j.contains("packing")) m.packing = j.at("packing");
+    if (!m.packing.is_object()) return CorruptError("manifest: 'packing' is not an object");
     if (m.class_counts.size() != m.classes.size()) {
       return CorruptError(fmt::format("manifest: {} class counts for {} classes",
                                       m.class_counts.size(), m.classes.size()));

@@ -1,5 +1,6 @@
 #include "dataset/record.h"
 
+#include <array>
 #include <cstring>
 
 #include <fmt/format.h>
@@ -45,7 +46,7 @@ void EncodeRecordHeader(const RecordHeader& h, std::span<std::byte, kRecordHeade
   Store<int32_t>(p + kOffLabel, h.label);
   Store<uint32_t>(p + kOffWidth, h.width);
   Store<uint32_t>(p + kOffHeight, h.height);
-  Store<uint32_t>(p + kOffCrc, h.payload_crc32c);
+  Store<uint32_t>(p + kOffCrc, h.crc32c);
   Store<uint64_t>(p + kOffSize, h.payload_size);
 }
 
@@ -79,7 +80,7 @@ Result<RecordView> ParseRecord(std::span<const std::byte> value, int64_t index) 
   h.label = Load<int32_t>(p + kOffLabel);
   h.width = Load<uint32_t>(p + kOffWidth);
   h.height = Load<uint32_t>(p + kOffHeight);
-  h.payload_crc32c = Load<uint32_t>(p + kOffCrc);
+  h.crc32c = Load<uint32_t>(p + kOffCrc);
   h.payload_size = Load<uint64_t>(p + kOffSize);
   if (h.payload_size != value.size() - kRecordHeaderSize) {
     return err(fmt::format("header says {} payload bytes, value holds {}", h.payload_size,
@@ -91,15 +92,36 @@ Result<RecordView> ParseRecord(std::span<const std::byte> value, int64_t index) 
     return err(fmt::format("raw payload of {} bytes for {}x{}x{}", h.payload_size, h.width,
                            h.height, h.channels));
   }
+  r.header_bytes = value.first(kRecordHeaderSize);
   r.payload = value.subspan(kRecordHeaderSize);
   return r;
 }
 
+namespace {
+
+// The record CRC: header bytes before and after the CRC field, then the payload.
+uint32_t RecordCrc(std::span<const std::byte> header_bytes, std::span<const std::byte> payload) {
+  uint32_t crc = Crc32c(header_bytes.first(kOffCrc));
+  crc = Crc32c(header_bytes.subspan(kOffSize, kRecordHeaderSize - kOffSize), crc);
+  return Crc32c(payload, crc);
+}
+
+}  // namespace
+
+void SealRecordHeader(RecordHeader& header, std::span<const std::byte> payload) {
+  header.format_version = kFormatVersion;
+  header.payload_size = payload.size();
+  header.crc32c = 0;
+  std::array<std::byte, kRecordHeaderSize> bytes;
+  EncodeRecordHeader(header, bytes);
+  header.crc32c = RecordCrc(bytes, payload);
+}
+
 Status CheckCrc(const RecordView& record) {
-  uint32_t crc = Crc32c(record.payload);
-  if (crc != record.header.payload_crc32c) {
-    return CorruptError(fmt::format("record {}: payload CRC-32C 0x{:08x}, header says 0x{:08x}",
-                                    record.index, crc, record.header.payload_crc32c));
+  uint32_t crc = RecordCrc(record.header_bytes, record.payload);
+  if (crc != record.header.crc32c) {
+    return CorruptError(fmt::format("record {}: CRC-32C 0x{:08x}, stored 0x{:08x}", record.index,
+                                    crc, record.header.crc32c));
   }
   return OkStatus();
 }

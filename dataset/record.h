@@ -31,7 +31,9 @@ struct RecordHeader {
   int32_t label = 0;
   uint32_t width = 0;
   uint32_t height = 0;
-  uint32_t payload_crc32c = 0;
+  // CRC-32C over the header's other fields (bytes [0,20) and [24,32)) and the payload, so a
+  // damaged label or size is caught as surely as a damaged image.
+  uint32_t crc32c = 0;
   uint64_t payload_size = 0;
 };
 
@@ -40,11 +42,15 @@ struct RecordHeader {
 struct RecordView {
   int64_t index = -1;
   RecordHeader header;
+  std::span<const std::byte> header_bytes;  // the 32 stored header bytes
   std::span<const std::byte> payload;
 };
 
-// Serialises `header` into out[0..32). The caller fills payload_size and payload_crc32c.
+// Serialises `header` into out[0..32) as it is (see SealRecordHeader for size and CRC).
 void EncodeRecordHeader(const RecordHeader& header, std::span<std::byte, kRecordHeaderSize> out);
+
+// Sets format_version, payload_size and crc32c of `header` for `payload`.
+void SealRecordHeader(RecordHeader& header, std::span<const std::byte> payload);
 
 // Parses a stored value (header + payload) without copying. kCorrupt when the value is shorter
 // than the header, has the wrong magic, an unknown encoding, a payload length that does not match
@@ -52,7 +58,8 @@ void EncodeRecordHeader(const RecordHeader& header, std::span<std::byte, kRecord
 // (with "re-pack" advice) for another format version. Does not check the CRC: see CheckCrc.
 Result<RecordView> ParseRecord(std::span<const std::byte> value, int64_t index);
 
-// kCorrupt naming the record index when the payload's CRC-32C differs from the header's.
+// kCorrupt naming the record index when the CRC-32C of header fields and payload differs from
+// the stored one.
 Status CheckCrc(const RecordView& record);
 
 // 8-byte big-endian key for a record index: byte order = index order in LMDB.

@@ -80,9 +80,7 @@ Result<DatasetWriter> DatasetWriter::OpenForAppend(const std::filesystem::path& 
 
 void DatasetWriter::Append(RecordHeader header, std::vector<std::byte> payload,
                            std::string source_path) {
-  header.format_version = kFormatVersion;
-  header.payload_size = payload.size();
-  header.payload_crc32c = Crc32c(payload);
+  SealRecordHeader(header, payload);
   pending_bytes_ += static_cast<int64_t>(payload.size() + kRecordHeaderSize);
   if (!options_.store_paths) source_path.clear();
   pending_.push_back(Pending{header, std::move(payload), std::move(source_path)});
@@ -147,8 +145,9 @@ int DatasetWriter::TryCommit(std::string_view state, const std::string* manifest
     rc = mdb_put(txn.get(), meta, &sk, &sv, 0);
     if (rc != MDB_SUCCESS) return fail(rc, "write pack state");
   }
-  *status = CommitTxn(txn, where);
-  if (!status->ok()) return MDB_PANIC;
+  // The commit itself may need map space (freelist, table roots): keep its MDB_MAP_FULL visible.
+  rc = mdb_txn_commit(txn.release());
+  if (rc != MDB_SUCCESS) return fail(rc, "commit");
   return MDB_SUCCESS;
 }
 
@@ -186,7 +185,8 @@ Status DatasetWriter::Finish(const Manifest& manifest) {
     return InternalError(fmt::format("dataset writer: manifest says {} records, wrote {}",
                                      manifest.records, records()));
   }
-  const std::string json = manifest.ToJson().dump();
+  const std::string json =
+      manifest.ToJson().dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   STOKE_RETURN_IF_ERROR(CommitWithGrowth("", &json));
   resume_state_.clear();
   int rc = mdb_env_sync(env_.get(), 1);

@@ -140,6 +140,7 @@ struct JpegDecoder::State {
   ErrorManager err;
   ProgressManager progress;
   std::vector<uint8_t> cmyk_row;
+  bool broken = false;  // jpeg_create_decompress failed; every call reports it
 };
 
 namespace {
@@ -176,6 +177,11 @@ JpegDecoder::JpegDecoder(DecoderOptions options)
   s->cinfo.err = jpeg_std_error(&s->err.pub);
   s->err.pub.error_exit = OnError;
   s->err.pub.emit_message = OnMessage;
+  // Creation can fail too (out of memory, library/header mismatch); it reports through OnError.
+  if (setjmp(s->err.jump)) {
+    s->broken = true;
+    return;
+  }
   jpeg_create_decompress(&s->cinfo);
   s->progress.pub.progress_monitor = OnProgress;
   s->progress.max_scans = options_.max_scans;
@@ -187,6 +193,7 @@ JpegDecoder::~JpegDecoder() { jpeg_destroy_decompress(&state_->cinfo); }
 Result<JpegInfo> JpegDecoder::ReadHeader(std::span<const std::byte> jpeg) {
   State* s = state_.get();
   JpegInfo info;
+  if (s->broken) return InternalError(std::string("libjpeg: ") + s->err.message);
   if (jpeg.empty()) return CorruptError("empty input");
   if (setjmp(s->err.jump)) {
     jpeg_abort_decompress(&s->cinfo);
@@ -208,6 +215,7 @@ Status JpegDecoder::Decode(std::span<const std::byte> jpeg, Image* out, int scal
   }
   if (jpeg.empty()) return CorruptError("empty input");
   State* s = state_.get();
+  if (s->broken) return InternalError(std::string("libjpeg: ") + s->err.message);
   JpegInfo info;
   jpeg_decompress_struct* cinfo = &s->cinfo;
   if (setjmp(s->err.jump)) {

@@ -151,7 +151,9 @@ int main(int argc, char** argv) {
     auto report = stoke::inspect::Inspect(inspect_path, inspect);
     if (!report.ok()) return Fail(report.status());
     if (as_json) {
-      std::cout << stoke::inspect::ReportJson(*report).dump(2) << "\n";
+      std::cout << stoke::inspect::ReportJson(*report).dump(
+                       2, ' ', false, nlohmann::json::error_handler_t::replace)
+                << "\n";
     } else {
       std::cout << stoke::inspect::FormatReport(*report);
     }

@@ -74,14 +74,15 @@ TEST(Record, HeaderRoundTrip) {
   h.height = 2;
   std::vector<std::byte> value(kRecordHeaderSize + 6, std::byte{7});
   h.payload_size = 6;
-  h.payload_crc32c = 0x12345678;
+  h.crc32c = 0x12345678;
   EncodeRecordHeader(h, std::span<std::byte, kRecordHeaderSize>(value.data(), kRecordHeaderSize));
   ASSERT_OK_AND_ASSIGN(RecordView r, ParseRecord(value, 5));
   EXPECT_EQ(r.index, 5);
   EXPECT_EQ(r.header.label, 41);
   EXPECT_EQ(r.header.encoding, PayloadEncoding::kRaw);
   EXPECT_EQ(r.header.width, 3u);
-  EXPECT_EQ(r.header.payload_crc32c, 0x12345678u);
+  EXPECT_EQ(r.header.crc32c, 0x12345678u);
+  EXPECT_EQ(r.header_bytes.data(), value.data());
   EXPECT_EQ(r.payload.data(), value.data() + kRecordHeaderSize);  // a view, not a copy
   EXPECT_EQ(CheckCrc(r).code(), StatusCode::kCorrupt);
 }
@@ -249,6 +250,49 @@ TEST(Dataset, FlippedPayloadByteIsCaughtByTheCrc) {
   // Without CRC checks the view is returned (the decoder's strictness is then the guard).
   ASSERT_OK_AND_ASSIGN(Reader unchecked, ds.NewReader({.verify_crc = false}));
   EXPECT_OK(unchecked.Get(13).status());
+}
+
+TEST(Record, CrcCoversHeaderFieldsAndPayload) {
+  std::vector<std::byte> payload(50, std::byte{3});
+  RecordHeader h;
+  h.label = 2;
+  h.width = 5;
+  SealRecordHeader(h, payload);
+  std::vector<std::byte> value(kRecordHeaderSize);
+  EncodeRecordHeader(h, std::span<std::byte, kRecordHeaderSize>(value.data(), kRecordHeaderSize));
+  value.insert(value.end(), payload.begin(), payload.end());
+  ASSERT_OK_AND_ASSIGN(RecordView ok, ParseRecord(value, 0));
+  EXPECT_OK(CheckCrc(ok));
+  // A flipped bit anywhere but the CRC field itself is caught: label, size fields, payload.
+  for (size_t byte : {8, 12, 16, 40, 81}) {
+    SCOPED_TRACE(byte);
+    auto damaged = value;
+    damaged[byte] ^= std::byte{0x04};
+    auto r = ParseRecord(damaged, 0);
+    if (r.ok()) {
+      EXPECT_EQ(CheckCrc(*r).code(), StatusCode::kCorrupt);
+    }
+  }
+}
+
+TEST(Dataset, LabelOutsideTheClassesIsCorrupt) {
+  TempDir dir;
+  auto writer = DatasetWriter::Create(dir / "d", {});
+  ASSERT_TRUE(writer.ok());
+  RecordHeader h;
+  h.label = 5;  // the manifest lists 2 classes
+  writer->Append(h, RandomPayload(10, 1), "");
+  Manifest m;
+  m.format_version = kFormatVersion;
+  m.records = 1;
+  m.classes = {"a", "b"};
+  m.class_counts = {1, 0};
+  ASSERT_OK(writer->Finish(m));
+  ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(dir / "d"));
+  ASSERT_OK_AND_ASSIGN(Reader reader, ds.NewReader());
+  auto r = reader.Get(0);
+  EXPECT_EQ(r.status().code(), StatusCode::kCorrupt);
+  EXPECT_NE(r.status().message().find("label 5"), std::string::npos) << r.status().ToString();
 }
 
 TEST(Dataset, MissingPathIsNotFound) {

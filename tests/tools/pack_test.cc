@@ -456,6 +456,86 @@ TEST(Pack, MaxSideAndQualityAndRaw) {
   EXPECT_LT(q[0].payload.size(), testing::ReadBytes(dir / "src" / "c" / "big.jpg").size());
 }
 
+TEST(Pack, TrailingSlashOnTheOutputIsTheSameDataset) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 2);
+  auto o = Options(dir / "src", (dir / "out.lmdb").string() + "/");
+  o.val_fraction = 0.5;
+  ASSERT_OK(Pack(o).status());
+  EXPECT_EQ(ReadAll(dir / "out.lmdb").size(), 4u);
+  EXPECT_EQ(ReadAll(dir / "out_val.lmdb").size(), 4u);
+  EXPECT_FALSE(fs::exists(dir / "out.lmdb" / ".partial"));
+}
+
+TEST(Pack, FinishedButUnrenamedPackIsPublishedOnResume) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 3);
+  auto o = Options(dir / "src", dir / "out");
+  ASSERT_OK(Pack(o).status());
+  auto want = ReadAll(dir / "out");
+  // As if stopped after the final commit, before the rename.
+  fs::rename(dir / "out", dir / "out.partial");
+  o.resume = true;
+  ASSERT_OK_AND_ASSIGN(PackSummary s, Pack(o));
+  EXPECT_TRUE(s.splits[0].already_complete);
+  EXPECT_FALSE(fs::exists(dir / "out.partial"));
+  EXPECT_EQ(ReadAll(dir / "out"), want);
+}
+
+TEST(Pack, InterruptedOverwriteCanBeResumed) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 10);
+  auto o = Options(dir / "src", dir / "out");
+  ASSERT_OK(Pack(o).status());
+  // Repack with other options, interrupted: the old dataset stays until the new one is done.
+  o.overwrite = true;
+  o.quality = 50;
+  o.commit_every = 4;
+  std::atomic<bool> stop{false};
+  o.stop = &stop;
+  o.after_commit = [&](int64_t) { stop = true; };
+  EXPECT_EQ(Pack(o).status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(ReadAll(dir / "out").size(), 40u);
+  o.overwrite = false;
+  o.resume = true;
+  o.stop = nullptr;
+  o.after_commit = nullptr;
+  ASSERT_OK(Pack(o).status());
+  ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(dir / "out"));
+  EXPECT_EQ(ds.manifest().packing["options"]["quality"], 50);
+  EXPECT_EQ(ds.size(), 40);
+}
+
+TEST(Pack, NonUtf8NamesAreReportedNotFatal) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 2);
+  testing::WriteBytes(dir / "src" / "ant" / "caf\xe9.jpg", std::vector<std::byte>(30, std::byte{1}));
+  testing::WriteBytes(dir / "src" / "bee" / "\xff\xfe.jpg",
+                      testing::EncodeJpeg(testing::MakeImage(16, 16, 3)));
+  auto o = Options(dir / "src", dir / "out");
+  o.report_file = dir / "report.json";
+  o.commit_every = 1;  // the resume state with the odd name is written at once
+  ASSERT_OK_AND_ASSIGN(PackSummary s, Pack(o));
+  EXPECT_EQ(s.bad.size(), 1u);
+  EXPECT_EQ(s.splits[0].records, 9);
+  EXPECT_TRUE(fs::exists(dir / "report.json"));
+  ASSERT_OK_AND_ASSIGN(auto report, inspect::Inspect(dir / "out", {.verify = true, .progress = false}));
+  EXPECT_TRUE(report.bad.empty());
+  EXPECT_FALSE(inspect::ReportJson(report).dump(-1, ' ', false,
+                                                nlohmann::json::error_handler_t::replace).empty());
+}
+
+TEST(Pack, OversizedFilesAreSkipped) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", {"a"}, 3);
+  auto o = Options(dir / "src", dir / "out");
+  o.max_file_bytes = 64;
+  ASSERT_OK_AND_ASSIGN(PackSummary s, Pack(o));
+  EXPECT_EQ(s.splits[0].records, 0);
+  ASSERT_EQ(s.bad.size(), 3u);
+  EXPECT_NE(s.bad[0].reason.find("limit"), std::string::npos) << s.bad[0].reason;
+}
+
 // ---- inspect ----
 
 TEST(Inspect, SummaryVerifyAndExtract) {

@@ -109,7 +109,8 @@ Status CheckData(const BenchOptions& o) {
 
 Status MaybeWriteJson(const BenchOptions& o, const nlohmann::json& j) {
   if (o.json_out.empty()) return OkStatus();
-  return WriteFileAtomic(o.json_out, j.dump(2) + "\n");
+  return WriteFileAtomic(o.json_out,
+                         j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
 }
 
 nlohmann::json MachineJson(int threads) {

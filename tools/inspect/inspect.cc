@@ -68,16 +68,20 @@ Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOp
   std::map<int, int64_t> channels;
   {
     STOKE_ASSIGN_OR_RETURN(auto reader, ds.NewReader({.verify_crc = false}));
-    Status s = reader.Scan(0, ds.size(), [&](const dataset::RecordView& r) {
-      payload.Add(static_cast<double>(r.header.payload_size));
-      width.Add(r.header.width);
-      height.Add(r.header.height);
-      encodings[std::string(dataset::EncodingName(r.header.encoding))]++;
-      channels[r.header.channels]++;
-      return OkStatus();
-    });
-    // A malformed header is a verify finding, not a reason to refuse the summary.
-    if (!s.ok()) report.bad.push_back({-1, "", s.message()});
+    for (int64_t i = 0; i < ds.size(); ++i) {
+      auto r = reader.Get(i);
+      if (!r.ok()) {
+        // A malformed header is a finding to list, not a reason to refuse the summary.
+        auto source = reader.SourcePath(i);
+        report.bad.push_back({i, source.ok() ? *source : "", r.status().message()});
+        continue;
+      }
+      payload.Add(static_cast<double>(r->header.payload_size));
+      width.Add(r->header.width);
+      height.Add(r->header.height);
+      encodings[std::string(dataset::EncodingName(r->header.encoding))]++;
+      channels[r->header.channels]++;
+    }
   }
   nlohmann::json enc_json = nlohmann::json::object(), ch_json = nlohmann::json::object();
   for (auto& [k, v] : encodings) enc_json[k] = v;
@@ -156,7 +160,8 @@ Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOp
   STOKE_TSAN_ACQUIRE(&done);
   if (progress) progress->Finish();
   report.verified = true;
-  report.bad.insert(report.bad.end(), bad.begin(), bad.end());
+  // Verify re-checks every record, including any the summary pass already listed.
+  report.bad.assign(bad.begin(), bad.end());
   std::sort(report.bad.begin(), report.bad.end(),
             [](const BadRecord& a, const BadRecord& b) { return a.index < b.index; });
   return report;
@@ -195,13 +200,22 @@ std::string FormatReport(const InspectReport& report, size_t max_classes) {
   out += fmt::format("height         {}\n", stat(s["height"], false));
   out += fmt::format("encodings      {}\n", s["encodings"].dump());
   out += fmt::format("channels       {}\n", s["channels"].dump());
+  // `packing` is informational and free-form: print what has the expected types.
   const auto& p = s["packing"];
+  auto text = [&](const char* key) {
+    auto it = p.find(key);
+    return it != p.end() && it->is_string() ? it->get<std::string>() : std::string("?");
+  };
   if (p.contains("tool")) {
-    out += fmt::format("packed         {} by {} {} from {}{}\n", p.value("created", "?"),
-                       p.value("tool", "?"), p.value("tool_version", "?"), p.value("source", "?"),
-                       p.contains("split") ? fmt::format(" (split {})", p.value("split", "")) : "");
-    if (p.contains("options")) out += fmt::format("options        {}\n", p["options"].dump());
-    if (p.contains("bad")) out += fmt::format("skipped inputs {}\n", p["bad"].size());
+    out += fmt::format("packed         {} by {} {} from {} (split {})\n", text("created"),
+                       text("tool"), text("tool_version"), text("source"), text("split"));
+    if (p.contains("options")) {
+      out += fmt::format("options        {}\n",
+                         p["options"].dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+    }
+    if (auto bad = p.find("bad"); bad != p.end() && bad->is_array()) {
+      out += fmt::format("skipped inputs {}\n", bad->size());
+    }
   }
   const auto names = s["class_names"].get<std::vector<std::string>>();
   const auto counts = s["class_counts"].get<std::vector<int64_t>>();
@@ -214,6 +228,11 @@ std::string FormatReport(const InspectReport& report, size_t max_classes) {
   if (report.verified) {
     out += fmt::format("verify         {} records checked, {} bad\n", s["records"].get<int64_t>(),
                        report.bad.size());
+  } else if (!report.bad.empty()) {
+    out += fmt::format("unreadable     {} records (run --verify for a full check)\n",
+                       report.bad.size());
+  }
+  {
     for (const auto& b : report.bad) {
       out += fmt::format("  bad record {}{}: {}\n", b.index,
                          b.source_path.empty() ? "" : " (" + b.source_path + ")", b.reason);

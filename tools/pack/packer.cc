@@ -83,7 +83,7 @@ Result<InputSet> ListFolderTree(const fs::path& root) {
         continue;
       }
       if (!it->is_regular_file()) continue;
-      files.push_back(Input{it->path(), fs::relative(it->path(), root).generic_string(),
+      files.push_back(Input{it->path(), it->path().lexically_relative(root).generic_string(),
                             static_cast<int32_t>(label)});
     }
     if (ec) return IoError(fmt::format("pack: {}: {}", class_dirs[label].string(), ec.message()));
@@ -298,7 +298,7 @@ void ProcessOther(const std::vector<std::byte>& bytes, const PackOptions& o, Wor
 Processed ProcessInput(const Input& input, const PackOptions& o, Worker& w) {
   Processed out;
   out.header.label = input.label;
-  auto bytes = ReadFileBytes(input.path);
+  auto bytes = ReadFileBytes(input.path, o.max_file_bytes);
   if (!bytes.ok()) {
     out.reason = "unreadable: " + bytes.status().message();
     return out;
@@ -338,13 +338,14 @@ nlohmann::json OptionsJson(const PackOptions& o) {
           {"encoding", std::string(dataset::EncodingName(o.encoding))},
           {"shuffle", o.shuffle},
           {"seed", o.seed},
-          {"val_fraction", o.val_fraction}};
+          {"val_fraction", o.val_fraction},
+          {"store_paths", o.store_paths}};
 }
 
 // Identifies what a split will contain: inputs, labels, classes and options. A resume must match.
 std::string Fingerprint(const std::vector<Input>& inputs, const std::vector<std::string>& classes,
                         const PackOptions& o, const std::string& split) {
-  uint64_t h = Fnv1a(OptionsJson(o).dump() + split + std::to_string(dataset::kFormatVersion));
+  uint64_t h = Fnv1a(OptionsJson(o).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + split + std::to_string(dataset::kFormatVersion));
   for (const auto& c : classes) h = Fnv1a(c + '\n', h);
   for (const auto& in : inputs) h = Fnv1a(fmt::format("{}\t{}\n", in.key, in.label), h);
   return fmt::format("{:016x}", h);
@@ -383,10 +384,10 @@ struct SplitState {
                           {"class_counts", class_counts}, {"payload_bytes", payload_bytes},
                           {"converted", converted},       {"reencoded", reencoded},
                           {"reoriented", reoriented}}
-        .dump();
+        .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   }
   static Result<SplitState> FromJson(const std::string& text, const std::string& fingerprint,
-                                     const fs::path& where) {
+                                     size_t classes, size_t inputs, const fs::path& where) {
     auto j = nlohmann::json::parse(text, nullptr, false);
     try {
       if (j.is_discarded() || !j.is_object()) throw std::runtime_error("not a JSON object");
@@ -405,6 +406,10 @@ struct SplitState {
       s.converted = j.at("converted").get<int64_t>();
       s.reencoded = j.at("reencoded").get<int64_t>();
       s.reoriented = j.at("reoriented").get<int64_t>();
+      if (s.class_counts.size() != classes || s.next_input < 0 ||
+          static_cast<size_t>(s.next_input) > inputs) {
+        throw std::runtime_error("counts do not match the inputs");
+      }
       return s;
     } catch (const std::exception& e) {
       return CorruptError(
@@ -444,7 +449,14 @@ class SplitPacker {
     SplitSummary summary{job_.name, job_.output, static_cast<int64_t>(job_.inputs.size())};
     const fs::path partial = PartialPath(job_.output);
     std::error_code ec;
-    if (fs::exists(job_.output, ec)) {
+    const bool have_partial = fs::exists(partial, ec);
+    if (o_.resume && have_partial && dataset::Dataset::Open(partial).ok()) {
+      // Finished but not renamed (stopped between the last commit and the rename).
+      STOKE_RETURN_IF_ERROR(CheckFingerprint(partial));
+      STOKE_RETURN_IF_ERROR(Publish(partial));
+      return AlreadyComplete(summary, total);
+    }
+    if (fs::exists(job_.output, ec) && !(o_.resume && have_partial)) {
       if (o_.resume) return AlreadyComplete(summary, total);
       if (!o_.overwrite) {
         return InvalidArgumentError(fmt::format(
@@ -460,7 +472,8 @@ class SplitPacker {
       writer.emplace(std::move(w));
       if (!writer->resume_state().empty()) {
         STOKE_ASSIGN_OR_RETURN(state_,
-                               SplitState::FromJson(writer->resume_state(), fingerprint_, partial));
+                               SplitState::FromJson(writer->resume_state(), fingerprint_, classes_.size(),
+                                                    job_.inputs.size(), partial));
       }
       STOKE_LOG(INFO, "resuming {} at input {} of {} ({} records committed)", partial.string(),
                 state_.next_input, job_.inputs.size(), writer->committed_records());
@@ -493,12 +506,7 @@ class SplitPacker {
           writer_->committed_records(), job_.name, partial.string()));
     }
     STOKE_RETURN_IF_ERROR(writer_->Finish(MakeManifest()));
-    if (fs::exists(job_.output, ec)) fs::remove_all(job_.output, ec);
-    fs::rename(partial, job_.output, ec);
-    if (ec) {
-      return IoError(fmt::format("pack: rename {} to {}: {}", partial.string(),
-                                 job_.output.string(), ec.message()));
-    }
+    STOKE_RETURN_IF_ERROR(Publish(partial));
     STOKE_LOG(DEBUG, "pack {}: pipeline {:.3f} s, finish (manifest, sync, rename) {:.3f} s",
               job_.name, std::chrono::duration<double>(t1 - t0).count(),
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count());
@@ -519,17 +527,48 @@ class SplitPacker {
     return std::max<size_t>(size_t{64} << 20, static_cast<size_t>(total) * 2);
   }
 
-  Result<SplitSummary> AlreadyComplete(SplitSummary summary, PackSummary& total) {
-    STOKE_ASSIGN_OR_RETURN(auto ds, dataset::Dataset::Open(job_.output));
+  // Replaces the output (if any) with the finished partial dataset.
+  Status Publish(const fs::path& partial) const {
+    std::error_code ec;
+    if (fs::exists(job_.output, ec)) fs::remove_all(job_.output, ec);
+    if (!ec) fs::rename(partial, job_.output, ec);
+    if (ec) {
+      return IoError(fmt::format("pack: replace {} with {}: {} (the finished dataset is kept at {})",
+                                 job_.output.string(), partial.string(), ec.message(),
+                                 partial.string()));
+    }
+    return OkStatus();
+  }
+
+  // kInvalidArgument unless the finished dataset at `path` was packed from these inputs and
+  // options.
+  Status CheckFingerprint(const fs::path& path) const {
+    STOKE_ASSIGN_OR_RETURN(auto ds, dataset::Dataset::Open(path));
     const auto& packing = ds.manifest().packing;
-    if (packing.value("fingerprint", std::string()) != fingerprint_) {
+    const auto fp = packing.find("fingerprint");
+    if (fp == packing.end() || !fp->is_string() || fp->get<std::string>() != fingerprint_) {
       return InvalidArgumentError(fmt::format(
           "pack: {}: exists but was packed from other inputs or options (pass --overwrite "
           "without --resume to replace it)",
-          job_.output.string()));
+          path.string()));
     }
-    for (const auto& b : packing.value("bad", nlohmann::json::array())) {
-      total.bad.push_back({b.at(0), b.at(1)});
+    return OkStatus();
+  }
+
+  Result<SplitSummary> AlreadyComplete(SplitSummary summary, PackSummary& total) {
+    STOKE_RETURN_IF_ERROR(CheckFingerprint(job_.output));
+    STOKE_ASSIGN_OR_RETURN(auto ds, dataset::Dataset::Open(job_.output));
+    const auto& packing = ds.manifest().packing;
+    // Written by this tool (the fingerprint matched); still read defensively.
+    try {
+      for (const auto& b : packing.value("bad", nlohmann::json::array())) {
+        total.bad.push_back({b.at(0).get<std::string>(), b.at(1).get<std::string>()});
+      }
+      total.converted += packing.value("converted", int64_t{0});
+      total.reencoded += packing.value("reencoded", int64_t{0});
+      total.reoriented += packing.value("reoriented", int64_t{0});
+    } catch (const nlohmann::json::exception& e) {
+      return CorruptError(fmt::format("pack: {}: manifest: {}", job_.output.string(), e.what()));
     }
     summary.records = ds.size();
     summary.payload_bytes = ds.manifest().payload_bytes;
@@ -596,7 +635,8 @@ class SplitPacker {
     // concurrent_bounded_queue: one producer (the in-order stage) and one consumer (the writer
     // thread); push blocks when full, which bounds memory to kQueueCapacity processed images.
     tbb::concurrent_bounded_queue<Slot*> ready;
-    ready.set_capacity(kQueueCapacity);
+    // Raw payloads are ~10x larger than JPEGs: hold fewer of them.
+    ready.set_capacity(o_.encoding == PayloadEncoding::kRaw ? kQueueCapacity / 8 : kQueueCapacity);
     std::thread writer_thread([&] {
       for (;;) {
         Slot* raw = nullptr;
@@ -654,12 +694,19 @@ class SplitPacker {
                    STOKE_TSAN_RELEASE(&done);
                  });
     STOKE_TSAN_RELEASE(&stoke_tsan_sync_anchor);
-    arena.execute([&] { tbb::parallel_pipeline(static_cast<size_t>(threads_) * 4, chain); });
+    Status pipeline_error;
+    try {
+      arena.execute([&] { tbb::parallel_pipeline(static_cast<size_t>(threads_) * 4, chain); });
+    } catch (const std::exception& e) {  // bad_alloc and the like: stop cleanly and report
+      pipeline_error = InternalError(fmt::format("pack: {}", e.what()));
+      cancel = true;
+    }
     STOKE_TSAN_ACQUIRE(&done);
     ready.push(nullptr);
     writer_thread.join();
     if (progress) progress->Finish();
     if (!error.ok()) return error;
+    if (!pipeline_error.ok()) return pipeline_error;
     // Keep what is done: a stop or a later failure resumes from here.
     return Commit();
   }
@@ -737,7 +784,8 @@ Status WriteReport(const fs::path& file, const PackSummary& s) {
                       {"converted", s.converted},   {"reencoded", s.reencoded},
                       {"reoriented", s.reoriented}, {"seconds", s.seconds},
                       {"threads", s.threads}};
-  return WriteFileAtomic(file, j.dump(2) + "\n");
+  return WriteFileAtomic(file,
+                         j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
 }
 
 }  // namespace
@@ -758,7 +806,13 @@ Result<PackSummary> Pack(const PackOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   STOKE_RETURN_IF_ERROR(ValidateOptions(options));
   PackOptions o = options;
+  // "out.lmdb/" and "out.lmdb" are the same dataset (the ".partial" sibling must be a sibling).
+  auto strip = [](fs::path p) { return p.has_filename() ? p : p.parent_path(); };
+  o.output = strip(o.output.lexically_normal());
+  if (!o.val_output.empty()) o.val_output = strip(o.val_output.lexically_normal());
   if (o.val_fraction > 0 && o.val_output.empty()) o.val_output = DefaultValOutput(o.output);
+  // Non-JPEG inputs are decoded by OpenCV, which reads its pixel cap once from the environment.
+  setenv("OPENCV_IO_MAX_IMAGE_PIXELS", std::to_string(o.max_pixels).c_str(), /*overwrite=*/0);
 
   InputSet set;
   if (!o.list_file.empty()) {
