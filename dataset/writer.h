@@ -18,7 +18,9 @@ namespace stoke::dataset {
 struct WriterOptions {
   int64_t commit_every_records = 2048;      // a commit is a resume point; > 0
   int64_t commit_every_bytes = 64ll << 20;  // bounds memory held between commits; > 0
-  size_t initial_map_bytes = 1ull << 30;    // grows by doubling when full
+  // Address space reserved for the map (the file grows only as data is written); doubled
+  // whenever a commit finds it full.
+  size_t initial_map_bytes = 16ull << 30;
   bool store_paths = true;                  // write the "paths" sub-database
 };
 

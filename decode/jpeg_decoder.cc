@@ -140,6 +140,7 @@ struct JpegDecoder::State {
   ErrorManager err;
   ProgressManager progress;
   std::vector<uint8_t> cmyk_row;
+  Image validate_scratch;  // Validate() output, reused
   bool broken = false;  // jpeg_create_decompress failed; every call reports it
 };
 
@@ -157,6 +158,14 @@ void ReadHeaderInto(jpeg_decompress_struct* cinfo, const std::byte* data, size_t
   info->components = cinfo->num_components;
   info->color_space = FromLibjpeg(cinfo->jpeg_color_space);
   info->progressive = cinfo->progressive_mode != 0;
+  info->integral_sampling = true;
+  for (int c = 0; c < cinfo->num_components; ++c) {
+    const jpeg_component_info& comp = cinfo->comp_info[c];
+    if (cinfo->max_h_samp_factor % comp.h_samp_factor != 0 ||
+        cinfo->max_v_samp_factor % comp.v_samp_factor != 0) {
+      info->integral_sampling = false;
+    }
+  }
   info->orientation = 1;
   for (jpeg_saved_marker_ptr m = cinfo->marker_list; m != nullptr; m = m->next) {
     if (m->marker != JPEG_APP0 + 1) continue;
@@ -273,6 +282,17 @@ Status JpegDecoder::Decode(std::span<const std::byte> jpeg, Image* out, int scal
     }
   }
   jpeg_finish_decompress(cinfo);
+  if (info_out != nullptr) *info_out = info;
+  return OkStatus();
+}
+
+Status JpegDecoder::Validate(std::span<const std::byte> jpeg, JpegInfo* info_out) {
+  JpegInfo info;
+  STOKE_RETURN_IF_ERROR(Decode(jpeg, &state_->validate_scratch, 8, &info));
+  if (!info.integral_sampling) {
+    return CorruptError("libjpeg: Fractional sampling not implemented yet (sampling factors that "
+                        "a full-size decode rejects)");
+  }
   if (info_out != nullptr) *info_out = info;
   return OkStatus();
 }

@@ -25,6 +25,9 @@ struct JpegInfo {
   bool progressive = false;
   // EXIF orientation 1..8 (TIFF convention); 1 when absent or out of range.
   int orientation = 1;
+  // Every component's sampling factors divide the largest ones: what libjpeg's full-size
+  // upsampler requires ("fractional sampling" is rejected there, but not at reduced scales).
+  bool integral_sampling = true;
 };
 
 struct DecoderOptions {
@@ -57,6 +60,12 @@ class JpegDecoder {
   // `out` keeps its capacity across calls. Fills `info` when not null.
   Status Decode(std::span<const std::byte> jpeg, Image* out, int scale_denom = 1,
                 JpegInfo* info = nullptr);
+
+  // Checks that a strict full-size Decode() would succeed, at about 1.5x its speed: every marker
+  // is parsed and every coefficient entropy-decoded with warnings as errors (corruption shows up
+  // there), the output path runs at 1/8 scale (the IDCT emits one pixel per block), and the
+  // sampling factors must be ones the full-size upsampler accepts. Same error codes as Decode().
+  Status Validate(std::span<const std::byte> jpeg, JpegInfo* info = nullptr);
 
  private:
   struct State;

@@ -96,6 +96,25 @@ TEST(JpegDecoder, GarbageIsCorrupt) {
   EXPECT_EQ(decoder.Decode(junk, &out).code(), StatusCode::kCorrupt);
 }
 
+TEST(JpegDecoder, ValidateAgreesWithFullDecode) {
+  JpegDecoder decoder;
+  Image out;
+  for (bool progressive : {false, true}) {
+    auto jpeg = EncodeJpeg(MakeImage(70, 50, 3), 90, progressive);
+    JpegInfo info;
+    ASSERT_OK(decoder.Validate(jpeg, &info));
+    EXPECT_EQ(info.width, 70);
+    for (double keep : {0.97, 0.5, 0.1}) {
+      std::vector<std::byte> cut(jpeg.begin(), jpeg.begin() + static_cast<ptrdiff_t>(jpeg.size() * keep));
+      EXPECT_EQ(decoder.Validate(cut).code(), StatusCode::kCorrupt) << keep;
+      EXPECT_EQ(decoder.Decode(cut, &out).code(), StatusCode::kCorrupt) << keep;
+    }
+    auto no_eoi = jpeg;
+    no_eoi.resize(no_eoi.size() - 2);
+    EXPECT_EQ(decoder.Validate(no_eoi).code(), StatusCode::kCorrupt);
+  }
+}
+
 TEST(JpegDecoder, PixelLimit) {
   JpegDecoder decoder({.max_pixels = 1000});
   auto jpeg = EncodeJpeg(MakeImage(40, 30, 3));  // 1200 pixels
@@ -226,6 +245,26 @@ TEST(JpegCorpus, EveryBadJpegIsRejected) {
     ++checked;
   }
   EXPECT_EQ(checked, 271);
+}
+
+TEST(JpegCorpus, ValidateAcceptsExactlyWhatAFullDecodeAccepts) {
+  STOKE_REQUIRE_SHARED_DATA(data);
+  // The pack tool's default validation must neither let through a file that a full-size strict
+  // decode rejects, nor reject one it accepts.
+  JpegDecoder decoder;
+  Image out;
+  int accepted = 0, rejected = 0;
+  for (const char* set : {"edge", "bad"}) {
+    for (const auto& f : FilesUnder(data / set)) {
+      auto bytes = testing::ReadBytes(f);
+      const bool full = decoder.Decode(bytes, &out).ok();
+      const Status fast = decoder.Validate(bytes);
+      EXPECT_EQ(fast.ok(), full) << f << ": " << fast.ToString();
+      (full ? accepted : rejected)++;
+    }
+  }
+  EXPECT_EQ(accepted, 98);
+  EXPECT_EQ(rejected, 8 + 271);
 }
 
 TEST(JpegCorpus, ImagenetOrientationTag) {

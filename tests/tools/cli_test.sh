@@ -28,6 +28,9 @@ check synth 0 "wrote 3 classes" -- "$stoke" synth "$work/src" --classes 3 --per-
 printf 'not a jpeg' >"$work/src/class_01/broken.jpg"
 check pack 0 "train: 30 records" -- "$stoke" pack "$work/src" "$work/ds.lmdb" --threads 2 -q \
   --report "$work/report.json"
+check pack_validate_pixels 0 "train: 30 records" -- "$stoke" pack "$work/src" "$work/px.lmdb" -q \
+  --validate pixels
+check pack_bad_validate 105 "validate" -- "$stoke" pack "$work/src" "$work/v.lmdb" --validate all
 check pack_reports_bad 0 "skipped class_01/broken.jpg" -- "$stoke" pack "$work/src" "$work/ds2.lmdb" -q
 check report_file 0 "broken.jpg" -- cat "$work/report.json"
 check pack_exists 1 "already exists .*--overwrite" -- "$stoke" pack "$work/src" "$work/ds.lmdb" -q

@@ -41,6 +41,15 @@ PackOptions Options(const fs::path& src, const fs::path& out) {
   return o;
 }
 
+// Two damaged JPEGs (truncated scan, lost EOI) in src/ant.
+void AddBadInputsForModes(const fs::path& src) {
+  auto good = testing::EncodeJpeg(testing::MakeImage(64, 48, 3));
+  testing::WriteBytes(src / "ant" / "zz_cut.jpg",
+                      std::vector<std::byte>(good.begin(), good.begin() + static_cast<ptrdiff_t>(good.size() * 2 / 3)));
+  good.resize(good.size() - 2);
+  testing::WriteBytes(src / "ant" / "zz_no_eoi.jpg", good);
+}
+
 struct Rec {
   std::vector<std::byte> payload;
   int32_t label;
@@ -98,6 +107,21 @@ TEST(Pack, ThreadCountDoesNotChangeTheDataset) {
   ASSERT_OK(Pack(o1).status());
   ASSERT_OK(Pack(o4).status());
   EXPECT_EQ(ReadAll(dir / "one"), ReadAll(dir / "four"));
+}
+
+TEST(Pack, ValidationModesKeepAndRejectTheSameInputs) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 4);
+  AddBadInputsForModes(dir / "src");
+  auto coeff = Options(dir / "src", dir / "coeff");
+  auto pixels = Options(dir / "src", dir / "pixels");
+  pixels.validate = ValidateMode::kPixels;
+  ASSERT_OK_AND_ASSIGN(PackSummary a, Pack(coeff));
+  ASSERT_OK_AND_ASSIGN(PackSummary b, Pack(pixels));
+  EXPECT_EQ(ReadAll(dir / "coeff"), ReadAll(dir / "pixels"));
+  ASSERT_EQ(a.bad.size(), b.bad.size());
+  EXPECT_EQ(a.bad.size(), 2u);
+  for (size_t i = 0; i < a.bad.size(); ++i) EXPECT_EQ(a.bad[i].path, b.bad[i].path);
 }
 
 TEST(Pack, ListFileWithCaffeConvention) {

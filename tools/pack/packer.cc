@@ -238,38 +238,42 @@ void Finish(cv::Mat upright_src, int orientation, const PackOptions& o, int qual
 }
 
 void ProcessJpeg(std::vector<std::byte>& bytes, const PackOptions& o, Worker& w, Processed& out) {
-  int scale = 1;
-  if (o.max_side > 0) {
-    auto header = w.decoder.ReadHeader(bytes);
-    if (!header.ok()) {
-      out.reason = "JPEG: " + header.status().message();
-      return;
-    }
-    // Size targets are in stored orientation here; a transpose swaps both axes alike.
-    bool swap = header->orientation >= 5;
-    cv::Size t = FitSize(swap ? header->height : header->width,
-                         swap ? header->width : header->height, o.max_side);
-    scale = ScaleFor(header->width, header->height, swap ? cv::Size(t.height, t.width) : t);
-  }
-  decode::JpegInfo info;
-  Status s = w.decoder.Decode(bytes, &w.image, scale, &info);
-  if (!s.ok()) {
-    out.reason = "JPEG: " + s.message();
+  auto header = w.decoder.ReadHeader(bytes);
+  if (!header.ok()) {
+    out.reason = "JPEG: " + header.status().message();
     return;
   }
+  decode::JpegInfo info = *header;
   const bool cmyk = info.color_space == decode::JpegColorSpace::kCmyk ||
                     info.color_space == decode::JpegColorSpace::kYcck;
-  const bool resize =
-      FitSize(info.width, info.height, o.max_side) != cv::Size(info.width, info.height);
+  // Sizes in stored orientation; a transpose (orientations 5-8) swaps both axes alike.
+  const bool swap = info.orientation >= 5;
+  const cv::Size upright_target = FitSize(swap ? info.height : info.width,
+                                          swap ? info.width : info.height, o.max_side);
+  const cv::Size target = swap ? cv::Size(upright_target.height, upright_target.width)
+                               : upright_target;
+  const bool resize = target != cv::Size(info.width, info.height);
   const bool keep = o.quality == 0 && info.orientation == 1 && !cmyk && !resize &&
                     o.encoding == PayloadEncoding::kJpeg;
   if (keep) {
+    Status s = o.validate == ValidateMode::kPixels ? w.decoder.Decode(bytes, &w.image, 1, &info)
+                                                   : w.decoder.Validate(bytes, &info);
+    if (!s.ok()) {
+      out.reason = "JPEG: " + s.message();
+      return;
+    }
     out.header.encoding = PayloadEncoding::kJpeg;
     out.header.width = static_cast<uint32_t>(info.width);
     out.header.height = static_cast<uint32_t>(info.height);
-    out.header.channels = static_cast<uint8_t>(w.image.channels);
+    out.header.channels = info.components == 1 ? 1 : 3;
     out.payload = std::move(bytes);
     out.ok = true;
+    return;
+  }
+  // The pixels are needed: decode at the smallest DCT scale that still covers the target.
+  Status s = w.decoder.Decode(bytes, &w.image, ScaleFor(info.width, info.height, target), &info);
+  if (!s.ok()) {
+    out.reason = "JPEG: " + s.message();
     return;
   }
   out.reencoded = o.encoding == PayloadEncoding::kJpeg;
@@ -339,7 +343,8 @@ nlohmann::json OptionsJson(const PackOptions& o) {
           {"shuffle", o.shuffle},
           {"seed", o.seed},
           {"val_fraction", o.val_fraction},
-          {"store_paths", o.store_paths}};
+          {"store_paths", o.store_paths},
+          {"validate", o.validate == ValidateMode::kPixels ? "pixels" : "coefficients"}};
 }
 
 // Identifies what a split will contain: inputs, labels, classes and options. A resume must match.
@@ -488,7 +493,6 @@ class SplitPacker {
         fs::remove_all(partial, ec);
         if (ec) return IoError(fmt::format("pack: {}: {}", partial.string(), ec.message()));
       }
-      wo.initial_map_bytes = InitialMapBytes();
       STOKE_ASSIGN_OR_RETURN(auto w, dataset::DatasetWriter::Create(partial, wo));
       writer.emplace(std::move(w));
     }
@@ -516,17 +520,6 @@ class SplitPacker {
   }
 
  private:
-  size_t InitialMapBytes() const {
-    uintmax_t total = 0;
-    std::error_code ec;
-    for (const auto& in : job_.inputs) {
-      auto s = fs::file_size(in.path, ec);
-      if (!ec) total += s;
-    }
-    // Room for headers and re-encoding; the writer doubles the map if it still fills up.
-    return std::max<size_t>(size_t{64} << 20, static_cast<size_t>(total) * 2);
-  }
-
   // Replaces the output (if any) with the finished partial dataset.
   Status Publish(const fs::path& partial) const {
     std::error_code ec;
@@ -707,8 +700,10 @@ class SplitPacker {
     if (progress) progress->Finish();
     if (!error.ok()) return error;
     if (!pipeline_error.ok()) return pipeline_error;
-    // Keep what is done: a stop or a later failure resumes from here.
-    return Commit();
+    // A stopped pack keeps what is done, to resume from here. A finished one commits its last
+    // records together with the manifest in Finish(): one fsync fewer on the unoverlapped tail.
+    if (stopped_) return Commit();
+    return OkStatus();
   }
 
   void Write(const Input& input, size_t index, Processed& r, Status& error,
@@ -820,6 +815,9 @@ Result<PackSummary> Pack(const PackOptions& options) {
   } else {
     STOKE_ASSIGN_OR_RETURN(set, ListFolderTree(o.source));
   }
+  STOKE_LOG(DEBUG, "pack: listed {} inputs in {} classes in {:.3f} s", set.inputs.size(),
+            set.classes.size(),
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   if (set.inputs.empty()) {
     return InvalidArgumentError(fmt::format(
         "pack: {}: no input files found", (o.list_file.empty() ? o.source : o.list_file).string()));
