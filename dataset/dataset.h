@@ -38,7 +38,8 @@ class Dataset {
   int64_t size() const { return manifest_.records; }
   const std::filesystem::path& path() const { return path_; }
 
-  // A reader with its own read transaction. The Dataset must outlive it.
+  // A reader with its own read transaction. The Dataset must outlive it and must not be moved
+  // while readers exist (they point at it).
   Result<Reader> NewReader(ReaderOptions options = {}) const;
 
  private:

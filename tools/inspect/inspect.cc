@@ -232,11 +232,9 @@ std::string FormatReport(const InspectReport& report, size_t max_classes) {
     out += fmt::format("unreadable     {} records (run --verify for a full check)\n",
                        report.bad.size());
   }
-  {
-    for (const auto& b : report.bad) {
-      out += fmt::format("  bad record {}{}: {}\n", b.index,
-                         b.source_path.empty() ? "" : " (" + b.source_path + ")", b.reason);
-    }
+  for (const auto& b : report.bad) {
+    out += fmt::format("  bad record {}{}: {}\n", b.index,
+                       b.source_path.empty() ? "" : " (" + b.source_path + ")", b.reason);
   }
   return out;
 }
