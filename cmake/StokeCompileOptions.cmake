@@ -1,7 +1,7 @@
 # Warnings and sanitizers for stoke's own targets only (never global flags).
 add_library(stoke_compile_options INTERFACE)
 target_compile_options(stoke_compile_options INTERFACE
-  $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic -Wundef -Werror -Wno-clobbered>)
+  $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic -Wundef -Werror -Wno-clobbered -Wno-missing-field-initializers>)
 target_include_directories(stoke_compile_options INTERFACE ${PROJECT_SOURCE_DIR})
 target_compile_definitions(stoke_compile_options INTERFACE
   STOKE_VERSION="${PROJECT_VERSION}" STOKE_WITH_CUDA=$<BOOL:${STOKE_WITH_CUDA}>)

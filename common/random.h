@@ -52,6 +52,21 @@ inline uint64_t MixSeed(uint64_t a, uint64_t b, uint64_t c = 0) {
   return SplitMix64(y).Next();
 }
 
+// The generator for one sample: keyed by (seed, epoch, record index), so a sample's random choices
+// are the same whichever thread makes them and in whatever order. Counter-based in effect: no
+// state is shared between samples.
+inline SplitMix64 SampleRng(uint64_t seed, int64_t epoch, int64_t index) {
+  return SplitMix64(MixSeed(seed, static_cast<uint64_t>(epoch), static_cast<uint64_t>(index)));
+}
+
+// Uniform double in [0, 1) with 53 random bits.
+inline double Uniform01(SplitMix64& rng) {
+  return static_cast<double>(rng.Next() >> 11) * 0x1.0p-53;
+}
+
+// Uniform double in [lo, hi).
+inline double Uniform(SplitMix64& rng, double lo, double hi) { return lo + (hi - lo) * Uniform01(rng); }
+
 // Fisher-Yates shuffle of `items` driven by `rng`. Same seed, same order, everywhere.
 template <typename T>
 void Shuffle(std::span<T> items, SplitMix64& rng) {

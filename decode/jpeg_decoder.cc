@@ -5,6 +5,7 @@
 #include <jpeglib.h>
 // clang-format on
 
+#include <algorithm>
 #include <csetjmp>
 #include <cstring>
 #include <vector>
@@ -295,6 +296,118 @@ Status JpegDecoder::Validate(std::span<const std::byte> jpeg, JpegInfo* info_out
   }
   if (info_out != nullptr) *info_out = info;
   return OkStatus();
+}
+
+namespace {
+
+// The scale 1/d (d in 8, 4, 2, 1) that keeps `region` at least min_w x min_h: the largest such d.
+int RegionScale(const Region& r, int min_w, int min_h) {
+  for (int d : {8, 4, 2}) {
+    if (r.width >= static_cast<int64_t>(min_w) * d && r.height >= static_cast<int64_t>(min_h) * d) {
+      return d;
+    }
+  }
+  return 1;
+}
+
+// Column cropping costs a little setup and only saves IDCT/upsampling/colour work on the columns
+// left out: worth it below this share of the width.
+constexpr double kCropColumnsBelow = 0.8;
+
+}  // namespace
+
+Result<DecodedRegion> JpegDecoder::DecodeRegion(std::span<const std::byte> jpeg, Region region,
+                                                int min_width, int min_height, Image* out) {
+  if (jpeg.empty()) return CorruptError("empty input");
+  if (min_width <= 0 || min_height <= 0) {
+    return InvalidArgumentError(fmt::format("decode region: minimum size {}x{} must be positive",
+                                            min_width, min_height));
+  }
+  State* s = state_.get();
+  if (s->broken) return InternalError(std::string("libjpeg: ") + s->err.message);
+  JpegInfo info;
+  DecodedRegion result;
+  jpeg_decompress_struct* cinfo = &s->cinfo;
+  if (setjmp(s->err.jump)) {
+    jpeg_abort_decompress(cinfo);
+    return Status(s->err.code, s->err.message);
+  }
+  ReadHeaderInto(cinfo, jpeg.data(), jpeg.size(), &info);
+  if (static_cast<int64_t>(info.width) * info.height > options_.max_pixels) {
+    jpeg_abort_decompress(cinfo);
+    return ResourceExhaustedError(fmt::format("{}x{} image exceeds the {}-pixel limit", info.width,
+                                              info.height, options_.max_pixels));
+  }
+  // Clamp the region to the image; an empty result means the caller's plan is wrong.
+  const int x0 = std::clamp(region.x, 0, info.width), y0 = std::clamp(region.y, 0, info.height);
+  const int x1 = std::clamp(region.x + region.width, x0, info.width);
+  const int y1 = std::clamp(region.y + region.height, y0, info.height);
+  if (x1 <= x0 || y1 <= y0) {
+    jpeg_abort_decompress(cinfo);
+    return InvalidArgumentError(fmt::format("decode region: {}x{}+{}+{} is outside the {}x{} image",
+                                            region.width, region.height, region.x, region.y,
+                                            info.width, info.height));
+  }
+  const Region clamped{x0, y0, x1 - x0, y1 - y0};
+  const int d = RegionScale(clamped, min_width, min_height);
+  const bool cmyk =
+      info.color_space == JpegColorSpace::kCmyk || info.color_space == JpegColorSpace::kYcck;
+  cinfo->out_color_space = cmyk ? JCS_CMYK : JCS_RGB;  // gray -> RGB is a libjpeg conversion
+  cinfo->scale_num = 1;
+  cinfo->scale_denom = static_cast<unsigned>(d);
+  jpeg_start_decompress(cinfo);
+  const auto out_w_full = static_cast<int>(cinfo->output_width);
+  const auto out_h_full = static_cast<int>(cinfo->output_height);
+  // The region at this scale: whole output pixels that cover it.
+  JDIMENSION col0 = static_cast<JDIMENSION>(x0 / d);
+  JDIMENSION cols = static_cast<JDIMENSION>(std::min(out_w_full, (x1 + d - 1) / d)) - col0;
+  const int row0 = y0 / d;
+  const int row1 = std::min(out_h_full, (y1 + d - 1) / d);
+  if (cols < kCropColumnsBelow * out_w_full) {
+    jpeg_crop_scanline(cinfo, &col0, &cols);  // widens to the iMCU grid; updates output_width
+  } else {
+    col0 = 0;
+    cols = static_cast<JDIMENSION>(out_w_full);
+  }
+  out->Reshape(static_cast<int>(cols), row1 - row0, 3);
+  if (row0 > 0) jpeg_skip_scanlines(cinfo, static_cast<JDIMENSION>(row0));
+  if (cmyk) s->cmyk_row.resize(static_cast<size_t>(cols) * 4);
+  const bool inverted = cinfo->saw_Adobe_marker != 0;
+  while (static_cast<int>(cinfo->output_scanline) < row1) {
+    const int y = static_cast<int>(cinfo->output_scanline) - row0;
+    if (cmyk) {
+      JSAMPROW row = s->cmyk_row.data();
+      jpeg_read_scanlines(cinfo, &row, 1);
+      uint8_t* dst = out->row(y);
+      for (JDIMENSION x = 0; x < cols; ++x) {
+        int c = s->cmyk_row[4 * x], m = s->cmyk_row[4 * x + 1], yy = s->cmyk_row[4 * x + 2],
+            k = s->cmyk_row[4 * x + 3];
+        if (!inverted) c = 255 - c, m = 255 - m, yy = 255 - yy, k = 255 - k;
+        dst[3 * x] = static_cast<uint8_t>((c * k + 127) / 255);
+        dst[3 * x + 1] = static_cast<uint8_t>((m * k + 127) / 255);
+        dst[3 * x + 2] = static_cast<uint8_t>((yy * k + 127) / 255);
+      }
+    } else {
+      JSAMPROW rows[4];
+      int n = 0;
+      for (; n < 4 && y + n < row1 - row0; ++n) rows[n] = out->row(y + n);
+      jpeg_read_scanlines(cinfo, rows, static_cast<JDIMENSION>(n));
+    }
+  }
+  if (row1 == out_h_full) {
+    // The region reaches the last row: finish like a full decode, so damage that libjpeg only
+    // reports at the end (extraneous bytes, a missing EOI) is caught here too.
+    jpeg_finish_decompress(cinfo);
+  } else {
+    // Stop here: the rows below the region are never decoded.
+    jpeg_abort_decompress(cinfo);
+  }
+  result.scale_denom = d;
+  result.x = static_cast<double>(x0) / d - col0;
+  result.y = static_cast<double>(y0) / d - row0;
+  result.width = static_cast<double>(x1 - x0) / d;
+  result.height = static_cast<double>(y1 - y0) / d;
+  return result;
 }
 
 }  // namespace stoke::decode

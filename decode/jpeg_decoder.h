@@ -35,6 +35,21 @@ struct DecoderOptions {
   int max_scans = 500;               // progressive scans beyond this are kCorrupt (CPU bombs)
 };
 
+// A rectangle of the stored image in full-resolution pixels.
+struct Region {
+  int x = 0;
+  int y = 0;
+  int width = 0;
+  int height = 0;
+};
+
+// Where a requested region lies in what DecodeRegion() produced.
+struct DecodedRegion {
+  int scale_denom = 1;  // decoded at 1/scale_denom of full size
+  // The requested region in the output image's pixel coordinates (fractional when scaled).
+  double x = 0, y = 0, width = 0, height = 0;
+};
+
 // True when `data` starts with a JPEG SOI marker followed by a marker (FF D8 FF).
 bool LooksLikeJpeg(std::span<const std::byte> data);
 
@@ -66,6 +81,17 @@ class JpegDecoder {
   // there), the output path runs at 1/8 scale (the IDCT emits one pixel per block), and the
   // sampling factors must be ones the full-size upsampler accepts. Same error codes as Decode().
   Status Validate(std::span<const std::byte> jpeg, JpegInfo* info = nullptr);
+
+  // Decodes `region` (clamped to the image) as RGB8 at the cheapest DCT scale (1/1, 1/2, 1/4 or
+  // 1/8: the scales libjpeg-turbo has SIMD IDCTs for) that keeps the region at least
+  // min_width x min_height. Rows above the region are skipped (entropy-decoded only), decoding
+  // stops after its last row, and columns are cropped to the iMCU grid when the region is
+  // narrow enough for that to pay. Strictness covers what is decoded: a region that reaches the
+  // last row is checked like a full decode; data below a region is not read at all. `out` receives the decoded block (a little larger than the
+  // region: whole iMCU columns); the result says where the region lies in it. Grayscale and
+  // CMYK/YCCK come out as RGB. Errors as Decode(). Reuses `out`'s capacity.
+  Result<DecodedRegion> DecodeRegion(std::span<const std::byte> jpeg, Region region,
+                                     int min_width, int min_height, Image* out);
 
  private:
   struct State;
