@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -79,13 +81,34 @@ CropPlan PlanCenterCrop(int width, int height, int resize, int crop) {
   const int rh = width <= height ? static_cast<int>(resize * static_cast<double>(height) / width) : resize;
   // CenterCrop(crop) on the resized image, mapped back to source pixels.
   const double top = std::round((rh - crop) / 2.0), left = std::round((rw - crop) / 2.0);
-  plan.region = {left / scale, top / scale, crop / scale, crop / scale};
-  // Clamp to the image (a crop larger than the resized image would need padding: keep it inside).
-  plan.region.x = std::max(0.0, plan.region.x);
-  plan.region.y = std::max(0.0, plan.region.y);
-  plan.region.width = std::min(plan.region.width, width - plan.region.x);
-  plan.region.height = std::min(plan.region.height, height - plan.region.y);
+  // In source pixels, rounded to whole pixels and kept inside the image.
+  const double x0 = std::clamp(std::round(left / scale), 0.0, width - 1.0);
+  const double y0 = std::clamp(std::round(top / scale), 0.0, height - 1.0);
+  const double x1 = std::clamp(std::round((left + crop) / scale), x0 + 1, static_cast<double>(width));
+  const double y1 = std::clamp(std::round((top + crop) / scale), y0 + 1, static_cast<double>(height));
+  plan.region = {x0, y0, x1 - x0, y1 - y0};
   return plan;
+}
+
+CropPlan SnapToScale(const CropPlan& plan, int d, int width, int height) {
+  if (d <= 1) return plan;
+  CropPlan out = plan;
+  // Whole decoded pixels of the image at 1/d: [0, floor(size / d)) (the last partial one, if
+  // any, is left out so that a full decode covers the same source pixels).
+  auto snap = [d](double lo, double len, int size) {
+    const int cells = std::max(1, size / d);
+    int a = static_cast<int>(std::lround(lo / d));
+    int b = static_cast<int>(std::lround((lo + len) / d));
+    a = std::clamp(a, 0, cells - 1);
+    b = std::clamp(b, a + 1, cells);
+    return std::pair<double, double>(a * d, (b - a) * d);
+  };
+  std::tie(out.region.x, out.region.width) = snap(plan.region.x, plan.region.width, width);
+  std::tie(out.region.y, out.region.height) = snap(plan.region.y, plan.region.height, height);
+  // A tiny image (under d pixels) keeps its own size.
+  out.region.width = std::min(out.region.width, static_cast<double>(width) - out.region.x);
+  out.region.height = std::min(out.region.height, static_cast<double>(height) - out.region.y);
+  return out;
 }
 
 }  // namespace stoke::augment

@@ -25,7 +25,7 @@ struct ColorJitter {
 
 // Everything needed to turn a decoded image into one sample. A value type.
 struct CropPlan {
-  RectF region;        // in source-image pixels: integral for random crops, fractional for centre crops
+  RectF region;        // in source-image pixels; the planners below make it integral
   int out_width = 0;
   int out_height = 0;
   bool flip = false;   // horizontal
@@ -54,8 +54,14 @@ CropPlan PlanRandomResizedCrop(int width, int height, const RandomResizedCropOpt
                                SplitMix64& rng);
 
 // Evaluation: resize the shorter side to `resize` then take the centre crop x crop, as
-// torchvision's Resize(resize) + CenterCrop(crop). Expressed as one region of the source image,
-// so a single resize produces it. No flip, no jitter.
+// torchvision's Resize(resize) + CenterCrop(crop). Expressed as one region of the source image
+// (rounded to whole source pixels), so a single resize produces it. No flip, no jitter.
 CropPlan PlanCenterCrop(int width, int height, int resize = 256, int crop = 224);
+
+// Moves the region's edges to multiples of `scale_denom` (1, 2, 4, 8) within a width x height
+// image, so that at that DCT scale it covers whole decoded pixels: a region decode then resizes
+// exactly as a full decode of the same plan would. Edges move by less than scale_denom pixels;
+// the region keeps at least one decoded pixel per side.
+CropPlan SnapToScale(const CropPlan& plan, int scale_denom, int width, int height);
 
 }  // namespace stoke::augment

@@ -36,6 +36,8 @@ void Jitter(cv::Mat& rgb, const ColorJitter& j) {
 
 }  // namespace
 
+void UseCallerThreadsOnly() { cv::setNumThreads(0); }
+
 Status ApplyPlan(const ImageView& src, const RectF& region, const CropPlan& plan,
                  std::span<uint8_t> dst) {
   const size_t need = static_cast<size_t>(plan.out_width) * plan.out_height * 3;
@@ -59,7 +61,19 @@ Status ApplyPlan(const ImageView& src, const RectF& region, const CropPlan& plan
     }
     cv::Mat out(plan.out_height, plan.out_width, CV_8UC3, dst.data());
     const double sx = region.width / plan.out_width, sy = region.height / plan.out_height;
-    if (sx > kAreaAbove || sy > kAreaAbove) {
+    auto whole = [](double v) { return std::abs(v - std::round(v)) < 1e-6; };
+    const bool integral = whole(region.x) && whole(region.y) && whole(region.width) && whole(region.height);
+    if (integral && sx <= kAreaAbove && sy <= kAreaAbove) {
+      // Whole pixels: cv::resize samples (u + 0.5) * sx - 0.5 exactly as the warp below would,
+      // at about 2.5x its speed.
+      const cv::Rect roi(static_cast<int>(std::lround(region.x)), static_cast<int>(std::lround(region.y)),
+                         static_cast<int>(std::lround(region.width)), static_cast<int>(std::lround(region.height)));
+      if ((roi & cv::Rect(0, 0, in.cols, in.rows)) != roi) {
+        return InvalidArgumentError("augment: region outside the source image");
+      }
+      cv::resize(in(roi), out, out.size(), 0, 0, cv::INTER_LINEAR);
+      if (plan.flip) cv::flip(out, out, 1);
+    } else if (sx > kAreaAbove || sy > kAreaAbove) {
       // Area averaging over the whole pixels of the region (misplacement < 0.5 source pixel,
       // under a quarter of an output pixel at this shrink).
       const int x0 = std::clamp(static_cast<int>(std::lround(region.x)), 0, in.cols - 1);

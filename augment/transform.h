@@ -31,6 +31,11 @@ struct ImageView {
 Status ApplyPlan(const ImageView& src, const RectF& region, const CropPlan& plan,
                  std::span<uint8_t> dst);
 
+// Makes OpenCV run its functions on the calling thread only. stoke parallelises across samples;
+// OpenCV's own thread pool would split each small image across cores and cost more in hand-offs
+// than it saves. Process-wide; call once before the worker threads start.
+void UseCallerThreadsOnly();
+
 enum class Layout { kNCHW, kNHWC };
 enum class DType { kFloat32, kFloat16 };
 

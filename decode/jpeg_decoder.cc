@@ -300,24 +300,30 @@ Status JpegDecoder::Validate(std::span<const std::byte> jpeg, JpegInfo* info_out
 
 namespace {
 
-// The scale 1/d (d in 8, 4, 2, 1) that keeps `region` at least min_w x min_h: the largest such d.
-int RegionScale(const Region& r, int min_w, int min_h) {
-  for (int d : {8, 4, 2}) {
-    if (r.width >= static_cast<int64_t>(min_w) * d && r.height >= static_cast<int64_t>(min_h) * d) {
-      return d;
-    }
-  }
-  return 1;
-}
-
 // Column cropping costs a little setup and only saves IDCT/upsampling/colour work on the columns
 // left out: worth it below this share of the width.
 constexpr double kCropColumnsBelow = 0.8;
 
 }  // namespace
 
+int ChooseRegionScale(int region_width, int region_height, int min_width, int min_height) {
+  for (int d : {8, 4, 2}) {
+    if (region_width >= static_cast<int64_t>(min_width) * d &&
+        region_height >= static_cast<int64_t>(min_height) * d) {
+      return d;
+    }
+  }
+  return 1;
+}
+
 Result<DecodedRegion> JpegDecoder::DecodeRegion(std::span<const std::byte> jpeg, Region region,
-                                                int min_width, int min_height, Image* out) {
+                                                int min_width, int min_height, Image* out,
+                                                int scale_denom) {
+  if (scale_denom != 0 && scale_denom != 1 && scale_denom != 2 && scale_denom != 4 &&
+      scale_denom != 8) {
+    return InvalidArgumentError(fmt::format("decode region: scale 1/{} (expected 0 to choose, or "
+                                            "1, 2, 4, 8)", scale_denom));
+  }
   if (jpeg.empty()) return CorruptError("empty input");
   if (min_width <= 0 || min_height <= 0) {
     return InvalidArgumentError(fmt::format("decode region: minimum size {}x{} must be positive",
@@ -349,7 +355,9 @@ Result<DecodedRegion> JpegDecoder::DecodeRegion(std::span<const std::byte> jpeg,
                                             info.width, info.height));
   }
   const Region clamped{x0, y0, x1 - x0, y1 - y0};
-  const int d = RegionScale(clamped, min_width, min_height);
+  const int d = scale_denom != 0
+                    ? scale_denom
+                    : ChooseRegionScale(clamped.width, clamped.height, min_width, min_height);
   const bool cmyk =
       info.color_space == JpegColorSpace::kCmyk || info.color_space == JpegColorSpace::kYcck;
   cinfo->out_color_space = cmyk ? JCS_CMYK : JCS_RGB;  // gray -> RGB is a libjpeg conversion

@@ -50,6 +50,11 @@ struct DecodedRegion {
   double x = 0, y = 0, width = 0, height = 0;
 };
 
+// The DCT scale 1/d (d = 8, 4, 2 or 1; the scales libjpeg-turbo has SIMD IDCTs for) that
+// DecodeRegion() uses for a region_width x region_height region that must come out at least
+// min_width x min_height: the largest d that keeps both sides at or above the minimum.
+int ChooseRegionScale(int region_width, int region_height, int min_width, int min_height);
+
 // True when `data` starts with a JPEG SOI marker followed by a marker (FF D8 FF).
 bool LooksLikeJpeg(std::span<const std::byte> data);
 
@@ -90,8 +95,11 @@ class JpegDecoder {
   // last row is checked like a full decode; data below a region is not read at all. `out` receives the decoded block (a little larger than the
   // region: whole iMCU columns); the result says where the region lies in it. Grayscale and
   // CMYK/YCCK come out as RGB. Errors as Decode(). Reuses `out`'s capacity.
+  // `scale_denom` 0 chooses the scale with ChooseRegionScale(); 1, 2, 4 or 8 imposes one (when
+  // the caller has already aligned its plan to that scale).
   Result<DecodedRegion> DecodeRegion(std::span<const std::byte> jpeg, Region region,
-                                     int min_width, int min_height, Image* out);
+                                     int min_width, int min_height, Image* out,
+                                     int scale_denom = 0);
 
  private:
   struct State;

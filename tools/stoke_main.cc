@@ -123,6 +123,11 @@ int main(int argc, char** argv) {
   add_common(bench_pack);
   auto* bench_read = bench_cmd->add_subcommand("read", "Read packed records: sequential and random");
   add_common(bench_read);
+  std::string bench_db;
+  auto* bench_decode = bench_cmd->add_subcommand(
+      "decode", "Full, scaled and region decode, and the whole training sample, on one core");
+  bench_decode->add_option("DB", bench_db, "Packed dataset (default: pack --data first)");
+  add_common(bench_decode);
 
   // ---- synth
   std::string synth_dir;
@@ -181,8 +186,10 @@ int main(int argc, char** argv) {
                 synth_dir.c_str());
     return 0;
   }
-  if (bench_pack->parsed() || bench_read->parsed()) {
-    auto result = bench_pack->parsed() ? stoke::bench::BenchPack(bench) : stoke::bench::BenchRead(bench);
+  if (bench_pack->parsed() || bench_read->parsed() || bench_decode->parsed()) {
+    auto result = bench_pack->parsed()   ? stoke::bench::BenchPack(bench)
+                  : bench_read->parsed() ? stoke::bench::BenchRead(bench)
+                                         : stoke::bench::BenchDecode(bench, bench_db);
     if (!result.ok()) return Fail(result.status());
     std::cout << *result;
     return 0;

@@ -127,9 +127,11 @@ TEST(RandomResizedCrop, RejectsBadOptions) {
 TEST(CenterCrop, MatchesResizeThenCentreCrop) {
   CropPlan p = PlanCenterCrop(500, 375, 256, 224);
   const double s = 256.0 / 375;  // resized to 341x256
-  EXPECT_NEAR(p.region.width, 224 / s, 1e-9);
-  EXPECT_NEAR(p.region.x, std::round((341 - 224) / 2.0) / s, 1e-9);
-  EXPECT_NEAR(p.region.y, std::round((256 - 224) / 2.0) / s, 1e-9);
+  // The same rectangle, rounded to whole source pixels.
+  EXPECT_NEAR(p.region.width, 224 / s, 1.0);
+  EXPECT_NEAR(p.region.x, std::round((341 - 224) / 2.0) / s, 0.5);
+  EXPECT_NEAR(p.region.y, std::round((256 - 224) / 2.0) / s, 0.5);
+  EXPECT_EQ(p.region.x, std::round(p.region.x));
   EXPECT_FALSE(p.flip);
   EXPECT_FALSE(p.jitter.enabled());
 }
@@ -235,8 +237,15 @@ struct Pair {
   int scale = 1;
 };
 
-Pair BothWays(decode::JpegDecoder& decoder, const std::vector<std::byte>& jpeg, const CropPlan& plan) {
+Pair BothWays(decode::JpegDecoder& decoder, const std::vector<std::byte>& jpeg, CropPlan plan) {
   Pair r;
+  // As prefetch does it: choose the DCT scale for the plan, then snap the plan to that scale.
+  auto info = decoder.ReadHeader(jpeg);
+  EXPECT_TRUE(info.ok());
+  const int d = decode::ChooseRegionScale(static_cast<int>(plan.region.width),
+                                          static_cast<int>(plan.region.height), plan.out_width,
+                                          plan.out_height);
+  plan = SnapToScale(plan, d, info->width, info->height);
   r.fast.resize(plan.out_width * plan.out_height * 3);
   r.reference.resize(r.fast.size());
   Image full, region;
@@ -248,14 +257,14 @@ Pair BothWays(decode::JpegDecoder& decoder, const std::vector<std::byte>& jpeg, 
                                 static_cast<int>(std::floor(plan.region.x)),
                             static_cast<int>(std::ceil(plan.region.y + plan.region.height)) -
                                 static_cast<int>(std::floor(plan.region.y))};
-  auto where = decoder.DecodeRegion(jpeg, want, plan.out_width, plan.out_height, &region);
+  auto where = decoder.DecodeRegion(jpeg, want, plan.out_width, plan.out_height, &region, d);
   EXPECT_TRUE(where.ok()) << where.status().ToString();
   if (!where.ok()) return r;
   r.scale = where->scale_denom;
   // The plan's region inside the decoded block (want may be a little larger than the region).
-  const double d = where->scale_denom;
-  RectF in_block{where->x + (plan.region.x - want.x) / d, where->y + (plan.region.y - want.y) / d,
-                 plan.region.width / d, plan.region.height / d};
+  const double s = where->scale_denom;
+  RectF in_block{where->x + (plan.region.x - want.x) / s, where->y + (plan.region.y - want.y) / s,
+                 plan.region.width / s, plan.region.height / s};
   EXPECT_OK(ApplyPlan(View(region), in_block, plan, r.fast));
   return r;
 }
@@ -288,6 +297,22 @@ TEST(RegionDecode, AgreesWithFullDecodeOnSyntheticImages) {
     EXPECT_GE(Psnr(p.fast, p.reference), 35.0);
   }
   EXPECT_GT(scaled, 10);  // the comparison covered DCT-scaled decodes
+}
+
+TEST(SnapToScale, EdgesMoveToTheGridAndStayInside) {
+  CropPlan p{.region = {13, 7, 101, 55}, .out_width = 10, .out_height = 10};
+  for (int d : {1, 2, 4, 8}) {
+    CropPlan s = SnapToScale(p, d, 200, 150);
+    EXPECT_EQ(std::fmod(s.region.x, d), 0);
+    EXPECT_EQ(std::fmod(s.region.width, d), 0);
+    EXPECT_LT(std::abs(s.region.x - p.region.x), d);
+    EXPECT_LT(std::abs(s.region.x + s.region.width - p.region.x - p.region.width), d);
+    EXPECT_LE(s.region.x + s.region.width, 200);
+  }
+  // Near the right edge of a 203-wide image at 1/8, the partial last cell is left out.
+  CropPlan edge{.region = {150, 0, 53, 20}, .out_width = 4, .out_height = 2};
+  CropPlan s = SnapToScale(edge, 8, 203, 20);
+  EXPECT_EQ(s.region.x + s.region.width, 200);
 }
 
 TEST(RegionDecode, RejectsRegionsOutsideTheImage) {

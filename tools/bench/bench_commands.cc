@@ -24,6 +24,8 @@
 #include "common/file_util.h"
 #include "common/random.h"
 #include "dataset/dataset.h"
+#include "augment/crop_plan.h"
+#include "augment/transform.h"
 #include "decode/jpeg_decoder.h"
 #include "tools/pack/packer.h"
 
@@ -344,6 +346,110 @@ Result<std::string> BenchRead(const BenchOptions& o) {
       }
     }
   }
+  STOKE_RETURN_IF_ERROR(MaybeWriteJson(o, j));
+  return t;
+}
+
+Result<std::string> BenchDecode(const BenchOptions& o, const fs::path& dataset_path) {
+  if (o.repeats < 1) return InvalidArgumentError("bench: --repeats must be >= 1");
+  STOKE_ASSIGN_OR_RETURN(auto scratch, MakeScratch(o));
+  fs::path db = dataset_path;
+  if (db.empty()) {
+    STOKE_RETURN_IF_ERROR(CheckData(o));
+    db = scratch->dir / "bench_decode.lmdb";
+    STOKE_RETURN_IF_ERROR(PackOnce(o, db, 0).status());
+  }
+  STOKE_ASSIGN_OR_RETURN(dataset::Dataset ds, dataset::Dataset::Open(db));
+  STOKE_ASSIGN_OR_RETURN(auto reader, ds.NewReader({.verify_crc = false}));
+  std::vector<std::span<const std::byte>> jpegs;  // views into the map
+  STOKE_RETURN_IF_ERROR(reader.Scan(0, ds.size(), [&](const dataset::RecordView& r) {
+    if (r.header.encoding == dataset::PayloadEncoding::kJpeg) jpegs.push_back(r.payload);
+    return OkStatus();
+  }));
+  if (jpegs.empty()) return InvalidArgumentError("bench: " + db.string() + ": no JPEG records");
+
+  augment::UseCallerThreadsOnly();  // as the training pipeline runs it
+  constexpr int kOut = 224;
+  decode::JpegDecoder decoder;
+  Image image;
+  std::vector<uint8_t> slot(kOut * kOut * 3);  // one batch slot
+  augment::RandomResizedCropOptions rrc;  // torchvision defaults, size 224, flip p=0.5
+  Status failure;
+  auto note = [&](const Status& s) {
+    if (!s.ok() && failure.ok()) failure = s;
+  };
+  // Plans are made from the header (as prefetch will), keyed by (seed, epoch, index), and snapped
+  // to the DCT scale the region will be decoded at.
+  struct Planned {
+    augment::CropPlan plan;
+    int scale;
+  };
+  auto plan_for = [&](size_t i, int64_t epoch) -> Result<Planned> {
+    STOKE_ASSIGN_OR_RETURN(decode::JpegInfo info, decoder.ReadHeader(jpegs[i]));
+    SplitMix64 rng = SampleRng(1, epoch, static_cast<int64_t>(i));
+    augment::CropPlan plan = augment::PlanRandomResizedCrop(info.width, info.height, rrc, rng);
+    const int d = decode::ChooseRegionScale(static_cast<int>(plan.region.width),
+                                            static_cast<int>(plan.region.height), kOut, kOut);
+    return Planned{augment::SnapToScale(plan, d, info.width, info.height), d};
+  };
+  auto region_of = [](const augment::CropPlan& p) {
+    return decode::Region{static_cast<int>(p.region.x), static_cast<int>(p.region.y),
+                          static_cast<int>(p.region.width), static_cast<int>(p.region.height)};
+  };
+  struct Stage {
+    const char* name;
+    std::function<void(size_t, int64_t)> run;  // one image, one epoch
+    std::vector<double> rates;
+  };
+  std::vector<Stage> stages = {
+      {"full decode (strict, RGB)", [&](size_t i, int64_t) { note(decoder.Decode(jpegs[i], &image)); }, {}},
+      {"scaled decode (whole image, >= 224)",
+       [&](size_t i, int64_t) {
+         auto info = decoder.ReadHeader(jpegs[i]);
+         if (!info.ok()) return note(info.status());
+         note(decoder.DecodeRegion(jpegs[i], {0, 0, info->width, info->height}, kOut, kOut, &image).status());
+       }, {}},
+      {"region decode (RandomResizedCrop)",
+       [&](size_t i, int64_t epoch) {
+         auto p = plan_for(i, epoch);
+         if (!p.ok()) return note(p.status());
+         note(decoder.DecodeRegion(jpegs[i], region_of(p->plan), kOut, kOut, &image, p->scale).status());
+       }, {}},
+      {"whole sample (plan+region+resize+flip)",
+       [&](size_t i, int64_t epoch) {
+         auto p = plan_for(i, epoch);
+         if (!p.ok()) return note(p.status());
+         auto where = decoder.DecodeRegion(jpegs[i], region_of(p->plan), kOut, kOut, &image, p->scale);
+         if (!where.ok()) return note(where.status());
+         augment::ImageView view{image.pixels.data(), image.width, image.height, image.channels,
+                                 image.row_bytes()};
+         note(augment::ApplyPlan(view, {where->x, where->y, where->width, where->height}, p->plan, slot));
+       }, {}},
+  };
+  for (int r = 0; r <= o.repeats; ++r) {  // r == 0 is the warm-up
+    for (auto& stage : stages) {
+      const double secs = Time([&] {
+        for (size_t i = 0; i < jpegs.size(); ++i) stage.run(i, r);
+      });
+      if (r > 0) stage.rates.push_back(static_cast<double>(jpegs.size()) / secs);
+    }
+    STOKE_RETURN_IF_ERROR(failure);
+  }
+  const double full = Median(stages[0].rates);
+  nlohmann::json j = {{"machine", MachineJson(1)}, {"dataset", db.string()},
+                      {"images", jpegs.size()}, {"repeats", o.repeats}};
+  std::string t = fmt::format(
+      "stoke bench decode: {} JPEG records of {}, 1 thread, median of {} runs\n"
+      "machine: {}, {} cores, {}\n",
+      jpegs.size(), dataset_path.empty() ? o.data.string() : db.string(), o.repeats, CpuModel(),
+      std::thread::hardware_concurrency(), Today());
+  for (const auto& stage : stages) {
+    const double rate = Median(stage.rates);
+    t += fmt::format("  {:<42} {:8.1f} img/s  {:.2f}x full decode\n", stage.name, rate, rate / full);
+    j["results"][stage.name] = {{"img_s", rate}, {"vs_full_decode", rate / full}};
+  }
+  const double whole = Median(stages.back().rates) / full;
+  t += fmt::format("  target: whole sample >= 1.15x full decode: {}\n", whole >= 1.15 ? "met" : "NOT met");
   STOKE_RETURN_IF_ERROR(MaybeWriteJson(o, j));
   return t;
 }

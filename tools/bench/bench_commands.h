@@ -25,4 +25,9 @@ Result<std::string> BenchPack(const BenchOptions& options);
 // core and on N threads, with and without CRC checks. Returns a printable table.
 Result<std::string> BenchRead(const BenchOptions& options);
 
+// On one core: full decode, scaled decode, region decode and the whole training sample (plan +
+// region decode + resize to 224 + flip into a batch slot) of every JPEG record of `dataset` (a
+// packed dataset; empty: pack options.data first). Target: whole sample >= 1.15x full decode.
+Result<std::string> BenchDecode(const BenchOptions& options, const std::filesystem::path& dataset);
+
 }  // namespace stoke::bench
