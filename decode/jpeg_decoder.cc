@@ -179,6 +179,22 @@ void ReadHeaderInto(jpeg_decompress_struct* cinfo, const std::byte* data, size_t
   }
 }
 
+// One row of decoded CMYK to RGB. Adobe writes CMYK inverted (0 = full ink); plain CMYK is not.
+void CmykRowToRgb(const uint8_t* cmyk, int n, bool inverted, uint8_t* rgb) {
+  for (int x = 0; x < n; ++x) {
+    int c = cmyk[4 * x], m = cmyk[4 * x + 1], y = cmyk[4 * x + 2], k = cmyk[4 * x + 3];
+    if (!inverted) c = 255 - c, m = 255 - m, y = 255 - y, k = 255 - k;
+    rgb[3 * x] = static_cast<uint8_t>((c * k + 127) / 255);
+    rgb[3 * x + 1] = static_cast<uint8_t>((m * k + 127) / 255);
+    rgb[3 * x + 2] = static_cast<uint8_t>((y * k + 127) / 255);
+  }
+}
+
+Status PixelLimitError(const JpegInfo& info, int64_t max_pixels) {
+  return ResourceExhaustedError(fmt::format("{}x{} image exceeds the {}-pixel limit", info.width,
+                                            info.height, max_pixels));
+}
+
 }  // namespace
 
 JpegDecoder::JpegDecoder(DecoderOptions options)
@@ -212,8 +228,7 @@ Result<JpegInfo> JpegDecoder::ReadHeader(std::span<const std::byte> jpeg) {
   ReadHeaderInto(&s->cinfo, jpeg.data(), jpeg.size(), &info);
   jpeg_abort_decompress(&s->cinfo);
   if (static_cast<int64_t>(info.width) * info.height > options_.max_pixels) {
-    return ResourceExhaustedError(fmt::format("{}x{} image exceeds the {}-pixel limit", info.width,
-                                              info.height, options_.max_pixels));
+    return PixelLimitError(info, options_.max_pixels);
   }
   return info;
 }
@@ -235,8 +250,7 @@ Status JpegDecoder::Decode(std::span<const std::byte> jpeg, Image* out, int scal
   ReadHeaderInto(cinfo, jpeg.data(), jpeg.size(), &info);
   if (static_cast<int64_t>(info.width) * info.height > options_.max_pixels) {
     jpeg_abort_decompress(cinfo);
-    return ResourceExhaustedError(fmt::format("{}x{} image exceeds the {}-pixel limit", info.width,
-                                              info.height, options_.max_pixels));
+    return PixelLimitError(info, options_.max_pixels);
   }
   const bool cmyk =
       info.color_space == JpegColorSpace::kCmyk || info.color_space == JpegColorSpace::kYcck;
@@ -255,22 +269,12 @@ Status JpegDecoder::Decode(std::span<const std::byte> jpeg, Image* out, int scal
   out->Reshape(w, h, cmyk ? 3 : cinfo->output_components);
   if (cmyk) {
     s->cmyk_row.resize(static_cast<size_t>(w) * 4);
-    // Adobe writes CMYK inverted (0 = full ink); plain CMYK is not.
     const bool inverted = cinfo->saw_Adobe_marker != 0;
     while (cinfo->output_scanline < cinfo->output_height) {
       uint8_t* dst = out->row(static_cast<int>(cinfo->output_scanline));
       JSAMPROW row = s->cmyk_row.data();
       jpeg_read_scanlines(cinfo, &row, 1);
-      for (int x = 0; x < w; ++x) {
-        int c = s->cmyk_row[4 * x], m = s->cmyk_row[4 * x + 1], y = s->cmyk_row[4 * x + 2],
-            k = s->cmyk_row[4 * x + 3];
-        if (!inverted) {
-          c = 255 - c, m = 255 - m, y = 255 - y, k = 255 - k;
-        }
-        dst[3 * x] = static_cast<uint8_t>((c * k + 127) / 255);
-        dst[3 * x + 1] = static_cast<uint8_t>((m * k + 127) / 255);
-        dst[3 * x + 2] = static_cast<uint8_t>((y * k + 127) / 255);
-      }
+      CmykRowToRgb(s->cmyk_row.data(), w, inverted, dst);
     }
   } else {
     while (cinfo->output_scanline < cinfo->output_height) {
@@ -341,8 +345,7 @@ Result<DecodedRegion> JpegDecoder::DecodeRegion(std::span<const std::byte> jpeg,
   ReadHeaderInto(cinfo, jpeg.data(), jpeg.size(), &info);
   if (static_cast<int64_t>(info.width) * info.height > options_.max_pixels) {
     jpeg_abort_decompress(cinfo);
-    return ResourceExhaustedError(fmt::format("{}x{} image exceeds the {}-pixel limit", info.width,
-                                              info.height, options_.max_pixels));
+    return PixelLimitError(info, options_.max_pixels);
   }
   // Clamp the region to the image; an empty result means the caller's plan is wrong.
   const int x0 = std::clamp(region.x, 0, info.width), y0 = std::clamp(region.y, 0, info.height);
@@ -386,15 +389,7 @@ Result<DecodedRegion> JpegDecoder::DecodeRegion(std::span<const std::byte> jpeg,
     if (cmyk) {
       JSAMPROW row = s->cmyk_row.data();
       jpeg_read_scanlines(cinfo, &row, 1);
-      uint8_t* dst = out->row(y);
-      for (JDIMENSION x = 0; x < cols; ++x) {
-        int c = s->cmyk_row[4 * x], m = s->cmyk_row[4 * x + 1], yy = s->cmyk_row[4 * x + 2],
-            k = s->cmyk_row[4 * x + 3];
-        if (!inverted) c = 255 - c, m = 255 - m, yy = 255 - yy, k = 255 - k;
-        dst[3 * x] = static_cast<uint8_t>((c * k + 127) / 255);
-        dst[3 * x + 1] = static_cast<uint8_t>((m * k + 127) / 255);
-        dst[3 * x + 2] = static_cast<uint8_t>((yy * k + 127) / 255);
-      }
+      CmykRowToRgb(s->cmyk_row.data(), static_cast<int>(cols), inverted, out->row(y));
     } else {
       JSAMPROW rows[4];
       int n = 0;

@@ -201,14 +201,7 @@ TEST(JpegEncoder, EncodesAndRejectsBadInput) {
 
 // ---- Shared corpus (skips visibly without ../shared/data) ----
 
-std::vector<fs::path> FilesUnder(const fs::path& dir) {
-  std::vector<fs::path> files;
-  for (const auto& e : fs::recursive_directory_iterator(dir)) {
-    if (e.is_regular_file()) files.push_back(e.path());
-  }
-  std::sort(files.begin(), files.end());
-  return files;
-}
+using testing::FilesUnder;
 
 TEST(JpegCorpus, EdgeFilesDecodeExceptThe12BitAndLosslessOnes) {
   STOKE_REQUIRE_SHARED_DATA(data);

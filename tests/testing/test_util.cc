@@ -3,6 +3,7 @@
 #include <turbojpeg.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -132,6 +133,15 @@ double MeanAbsDiff(const Image& a, const Image& b) {
   double sum = 0;
   for (size_t i = 0; i < a.pixels.size(); ++i) sum += std::abs(int{a.pixels[i]} - int{b.pixels[i]});
   return sum / static_cast<double>(a.pixels.size());
+}
+
+std::vector<fs::path> FilesUnder(const fs::path& dir) {
+  std::vector<fs::path> files;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    if (e.is_regular_file()) files.push_back(e.path());
+  }
+  std::sort(files.begin(), files.end());
+  return files;
 }
 
 std::optional<fs::path> SharedDataDir() {

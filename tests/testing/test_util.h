@@ -74,6 +74,9 @@ std::vector<std::filesystem::path> MakeImageTree(const std::filesystem::path& ro
 // Mean absolute difference between two same-shaped images.
 double MeanAbsDiff(const Image& a, const Image& b);
 
+// Every regular file under `dir`, recursively, sorted.
+std::vector<std::filesystem::path> FilesUnder(const std::filesystem::path& dir);
+
 // The shared corpus (../shared/data, or $STOKE_TEST_DATA), if present.
 std::optional<std::filesystem::path> SharedDataDir();
 
