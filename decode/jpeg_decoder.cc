@@ -102,6 +102,20 @@ std::string_view ColorSpaceName(JpegColorSpace cs) {
   return "unknown";
 }
 
+std::string_view SubsamplingName(Subsampling s) {
+  switch (s) {
+    case Subsampling::k444: return "4:4:4";
+    case Subsampling::k422: return "4:2:2";
+    case Subsampling::k420: return "4:2:0";
+    case Subsampling::k440: return "4:4:0";
+    case Subsampling::k411: return "4:1:1";
+    case Subsampling::k410: return "4:1:0";
+    case Subsampling::kGray: return "gray";
+    case Subsampling::kOther: break;
+  }
+  return "other";
+}
+
 bool LooksLikeJpeg(std::span<const std::byte> data) {
   return data.size() >= 3 && data[0] == std::byte{0xFF} && data[1] == std::byte{0xD8} &&
          data[2] == std::byte{0xFF};
@@ -160,6 +174,25 @@ void ReadHeaderInto(jpeg_decompress_struct* cinfo, const std::byte* data, size_t
   info->color_space = FromLibjpeg(cinfo->jpeg_color_space);
   info->progressive = cinfo->progressive_mode != 0;
   info->integral_sampling = true;
+  info->subsampling = Subsampling::kOther;
+  if (cinfo->num_components == 1) {
+    info->subsampling = Subsampling::kGray;
+  } else if (cinfo->num_components >= 3) {
+    // Luma (first component) against chroma, when every chroma component is 1x1.
+    bool chroma_1x1 = true;
+    for (int c = 1; c < cinfo->num_components && c < 3; ++c) {
+      chroma_1x1 &= cinfo->comp_info[c].h_samp_factor == 1 && cinfo->comp_info[c].v_samp_factor == 1;
+    }
+    const int h = cinfo->comp_info[0].h_samp_factor, v = cinfo->comp_info[0].v_samp_factor;
+    if (chroma_1x1) {
+      if (h == 1 && v == 1) info->subsampling = Subsampling::k444;
+      if (h == 2 && v == 1) info->subsampling = Subsampling::k422;
+      if (h == 2 && v == 2) info->subsampling = Subsampling::k420;
+      if (h == 1 && v == 2) info->subsampling = Subsampling::k440;
+      if (h == 4 && v == 1) info->subsampling = Subsampling::k411;
+      if (h == 4 && v == 2) info->subsampling = Subsampling::k410;
+    }
+  }
   for (int c = 0; c < cinfo->num_components; ++c) {
     const jpeg_component_info& comp = cinfo->comp_info[c];
     if (cinfo->max_h_samp_factor % comp.h_samp_factor != 0 ||

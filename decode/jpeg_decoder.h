@@ -16,12 +16,18 @@ namespace stoke::decode {
 enum class JpegColorSpace { kGray, kYCbCr, kRgb, kCmyk, kYcck, kUnknown };
 std::string_view ColorSpaceName(JpegColorSpace cs);
 
-// What the header says. width/height are the stored (not EXIF-rotated) size.
+// Chroma subsampling, named by the luma sampling factors relative to chroma (h x v).
+enum class Subsampling { k444, k422, k420, k440, k411, k410, kGray, kOther };
+std::string_view SubsamplingName(Subsampling s);  // "4:2:0", "gray", "other", ...
+
+// What the header says. width/height are the stored (not EXIF-rotated) size. Trivially
+// destructible on purpose: it lives in frames that libjpeg's error handling longjmps across.
 struct JpegInfo {
   int width = 0;
   int height = 0;
   int components = 0;
   JpegColorSpace color_space = JpegColorSpace::kUnknown;
+  Subsampling subsampling = Subsampling::kOther;
   bool progressive = false;
   // EXIF orientation 1..8 (TIFF convention); 1 when absent or out of range.
   int orientation = 1;

@@ -28,6 +28,7 @@ TEST(JpegDecoder, DecodesWhatWasEncoded) {
       EXPECT_EQ(info.height, 45);
       EXPECT_EQ(info.components, channels);
       EXPECT_EQ(info.progressive, progressive);
+      EXPECT_EQ(SubsamplingName(info.subsampling), channels == 1 ? "gray" : "4:4:4");
       EXPECT_EQ(info.orientation, 1);
       Image out;
       ASSERT_OK(decoder.Decode(jpeg, &out));
@@ -258,6 +259,21 @@ TEST(JpegCorpus, ValidateAcceptsExactlyWhatAFullDecodeAccepts) {
   }
   EXPECT_EQ(accepted, 98);
   EXPECT_EQ(rejected, 8 + 271);
+}
+
+TEST(JpegCorpus, HeaderReportsSubsampling) {
+  STOKE_REQUIRE_SHARED_DATA(data);
+  JpegDecoder decoder;
+  const std::pair<const char*, const char*> cases[] = {
+      {"gen_brambling_q90_444.jpg", "4:4:4"}, {"gen_brambling_q90_422.jpg", "4:2:2"},
+      {"gen_brambling_q90_420.jpg", "4:2:0"}, {"gen_brambling_q90_440.jpg", "4:4:0"},
+      {"gen_brambling_q90_411.jpg", "4:1:1"}, {"gen_brambling_q90_410.jpg", "4:1:0"},
+      {"gen_brambling_q90_gray.jpg", "gray"}};
+  for (auto [file, want] : cases) {
+    ASSERT_OK_AND_ASSIGN(JpegInfo info,
+                         decoder.ReadHeader(testing::ReadBytes(data / "edge" / "subsampling" / file)));
+    EXPECT_EQ(SubsamplingName(info.subsampling), want) << file;
+  }
 }
 
 TEST(JpegCorpus, ImagenetOrientationTag) {
