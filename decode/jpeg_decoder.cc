@@ -23,6 +23,8 @@ struct ErrorManager {
   std::jmp_buf jump;
   char message[JMSG_LENGTH_MAX + 32];  // room for a prefix before libjpeg's text
   StatusCode code;
+  bool strict;   // warnings are errors
+  int warnings;  // warnings seen by the current call (lenient mode)
 };
 
 struct ProgressManager {
@@ -38,10 +40,15 @@ struct ProgressManager {
 }
 
 // msg_level -1 is a warning: the data is damaged even though libjpeg could go on (it pads
-// truncated images with gray, skips bad Huffman codes). Strict decoding treats it as an error.
+// truncated images with gray, skips bad Huffman codes). Strict decoding treats it as an error;
+// lenient decoding counts it and keeps the first message.
 void OnMessage(j_common_ptr cinfo, int msg_level) {
   if (msg_level >= 0) return;  // trace messages
   auto* err = reinterpret_cast<ErrorManager*>(cinfo->err);
+  if (!err->strict) {
+    if (err->warnings++ == 0) (*cinfo->err->format_message)(cinfo, err->message);
+    return;
+  }
   char buffer[JMSG_LENGTH_MAX];
   (*cinfo->err->format_message)(cinfo, buffer);
   std::snprintf(err->message, sizeof err->message, "libjpeg warning: %s", buffer);
@@ -236,6 +243,8 @@ JpegDecoder::JpegDecoder(DecoderOptions options)
   s->cinfo.err = jpeg_std_error(&s->err.pub);
   s->err.pub.error_exit = OnError;
   s->err.pub.emit_message = OnMessage;
+  s->err.strict = options_.strict;
+  s->err.warnings = 0;
   // Creation can fail too (out of memory, library/header mismatch); it reports through OnError.
   if (setjmp(s->err.jump)) {
     s->broken = true;
@@ -249,11 +258,18 @@ JpegDecoder::JpegDecoder(DecoderOptions options)
 
 JpegDecoder::~JpegDecoder() { jpeg_destroy_decompress(&state_->cinfo); }
 
+int JpegDecoder::last_warnings() const { return state_->err.warnings; }
+
+std::string_view JpegDecoder::last_warning() const {
+  return state_->err.warnings > 0 ? std::string_view(state_->err.message) : std::string_view();
+}
+
 Result<JpegInfo> JpegDecoder::ReadHeader(std::span<const std::byte> jpeg) {
   State* s = state_.get();
   JpegInfo info;
   if (s->broken) return InternalError(std::string("libjpeg: ") + s->err.message);
   if (jpeg.empty()) return CorruptError("empty input");
+  s->err.warnings = 0;
   if (setjmp(s->err.jump)) {
     jpeg_abort_decompress(&s->cinfo);
     return Status(s->err.code, s->err.message);
@@ -276,6 +292,7 @@ Status JpegDecoder::Decode(std::span<const std::byte> jpeg, Image* out, int scal
   if (s->broken) return InternalError(std::string("libjpeg: ") + s->err.message);
   JpegInfo info;
   jpeg_decompress_struct* cinfo = &s->cinfo;
+  s->err.warnings = 0;
   if (setjmp(s->err.jump)) {
     jpeg_abort_decompress(cinfo);
     return Status(s->err.code, s->err.message);
@@ -371,6 +388,7 @@ Result<DecodedRegion> JpegDecoder::DecodeRegion(std::span<const std::byte> jpeg,
   JpegInfo info;
   DecodedRegion result;
   jpeg_decompress_struct* cinfo = &s->cinfo;
+  s->err.warnings = 0;
   if (setjmp(s->err.jump)) {
     jpeg_abort_decompress(cinfo);
     return Status(s->err.code, s->err.message);

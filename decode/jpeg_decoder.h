@@ -39,6 +39,11 @@ struct JpegInfo {
 struct DecoderOptions {
   int64_t max_pixels = 250'000'000;  // larger images are kResourceExhausted (decompression bombs)
   int max_scans = 500;               // progressive scans beyond this are kCorrupt (CPU bombs)
+  // Strict (default): any libjpeg warning (premature end of data, corrupt Huffman code,
+  // extraneous bytes, ...) fails the call with kCorrupt. Lenient: libjpeg's recovery is accepted
+  // (a truncated image is padded, a bad code skipped), the warnings are counted and the first is
+  // kept (last_warnings(), last_warning()). Fatal errors fail in both modes.
+  bool strict = true;
 };
 
 // A rectangle of the stored image in full-resolution pixels.
@@ -106,6 +111,11 @@ class JpegDecoder {
   Result<DecodedRegion> DecodeRegion(std::span<const std::byte> jpeg, Region region,
                                      int min_width, int min_height, Image* out,
                                      int scale_denom = 0);
+
+  // Lenient mode: how many warnings libjpeg recovered from in the last call, and the first one's
+  // text (empty when none). Always 0 / empty in strict mode.
+  int last_warnings() const;
+  std::string_view last_warning() const;
 
  private:
   struct State;

@@ -69,6 +69,35 @@ TEST(JpegDecoder, TruncatedStreamIsCorrupt) {
   EXPECT_OK(decoder.Decode(jpeg, &out));
 }
 
+TEST(JpegDecoder, LenientModeAcceptsRecoverableDamageAndCountsIt) {
+  DecoderOptions options;
+  options.strict = false;
+  JpegDecoder lenient(options);
+  JpegDecoder strict;
+  Image original = MakeImage(64, 64, 3);
+  auto jpeg = EncodeJpeg(original);
+  std::vector<std::byte> cut(jpeg.begin(), jpeg.begin() + static_cast<ptrdiff_t>(jpeg.size() * 0.6));
+  Image out;
+  EXPECT_EQ(strict.Decode(cut, &out).code(), StatusCode::kCorrupt);
+  EXPECT_EQ(strict.last_warnings(), 0);
+  // libjpeg pads the missing rows: the image comes out whole, with the warning recorded.
+  ASSERT_OK(lenient.Decode(cut, &out));
+  EXPECT_EQ(out.width, 64);
+  EXPECT_EQ(out.height, 64);
+  EXPECT_GE(lenient.last_warnings(), 1);
+  EXPECT_NE(lenient.last_warning().find("Premature end"), std::string_view::npos)
+      << lenient.last_warning();
+  ASSERT_OK_AND_ASSIGN(auto region, lenient.DecodeRegion(cut, {0, 0, 64, 64}, 64, 64, &out));
+  EXPECT_EQ(region.scale_denom, 1);
+  EXPECT_GE(lenient.last_warnings(), 1);
+  // A clean image afterwards reports no warnings; fatal damage still fails.
+  ASSERT_OK(lenient.Decode(jpeg, &out));
+  EXPECT_EQ(lenient.last_warnings(), 0);
+  EXPECT_TRUE(lenient.last_warning().empty());
+  std::vector<std::byte> header_only(jpeg.begin(), jpeg.begin() + 20);
+  EXPECT_EQ(lenient.Decode(header_only, &out).code(), StatusCode::kCorrupt);
+}
+
 TEST(JpegDecoder, WarningsCountAsCorruption) {
   // Losing the EOI marker makes libjpeg warn ("Premature end of JPEG file") and pad the image;
   // a lenient decoder would return pixels, a strict one must not.
