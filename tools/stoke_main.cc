@@ -128,6 +128,15 @@ int main(int argc, char** argv) {
       "decode", "Full, scaled and region decode, and the whole training sample, on one core");
   bench_decode->add_option("DB", bench_db, "Packed dataset (default: pack --data first)");
   add_common(bench_decode);
+  stoke::bench::PipelineBenchOptions pipeline;
+  auto* bench_pipeline = bench_cmd->add_subcommand(
+      "pipeline", "The loader end to end on N threads, beside TurboJPEG full decode");
+  bench_pipeline->add_option("DB", bench_db, "Packed dataset (default: pack --data first)");
+  bench_pipeline->add_option("--batch", pipeline.batch, "Samples per batch")->check(CLI::PositiveNumber);
+  bench_pipeline->add_option("--epochs", pipeline.epochs, "Epochs per loader run (first untimed)")
+      ->check(CLI::Range(2, 1000000));
+  bench_pipeline->add_option("--ring", pipeline.ring, "Batch buffers in the ring")->check(CLI::Range(2, 1024));
+  add_common(bench_pipeline);
 
   // ---- synth
   std::string synth_dir;
@@ -186,10 +195,12 @@ int main(int argc, char** argv) {
                 synth_dir.c_str());
     return 0;
   }
-  if (bench_pack->parsed() || bench_read->parsed() || bench_decode->parsed()) {
-    auto result = bench_pack->parsed()   ? stoke::bench::BenchPack(bench)
-                  : bench_read->parsed() ? stoke::bench::BenchRead(bench)
-                                         : stoke::bench::BenchDecode(bench, bench_db);
+  if (bench_pack->parsed() || bench_read->parsed() || bench_decode->parsed() ||
+      bench_pipeline->parsed()) {
+    auto result = bench_pack->parsed()     ? stoke::bench::BenchPack(bench)
+                  : bench_read->parsed()   ? stoke::bench::BenchRead(bench)
+                  : bench_decode->parsed() ? stoke::bench::BenchDecode(bench, bench_db)
+                                           : stoke::bench::BenchPipeline(bench, bench_db, pipeline);
     if (!result.ok()) return Fail(result.status());
     std::cout << *result;
     return 0;

@@ -1,5 +1,6 @@
 #include "tools/bench/bench_commands.h"
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -27,6 +28,7 @@
 #include "augment/crop_plan.h"
 #include "augment/transform.h"
 #include "decode/jpeg_decoder.h"
+#include "prefetch/loader.h"
 #include "tools/pack/packer.h"
 
 namespace stoke::bench {
@@ -450,6 +452,199 @@ Result<std::string> BenchDecode(const BenchOptions& o, const fs::path& dataset_p
   }
   const double whole = Median(stages.back().rates) / full;
   t += fmt::format("  target: whole sample >= 1.15x full decode: {}\n", whole >= 1.15 ? "met" : "NOT met");
+  STOKE_RETURN_IF_ERROR(MaybeWriteJson(o, j));
+  return t;
+}
+
+namespace {
+
+// Resident set size now, from /proc/self/statm.
+double RssMiB() {
+  std::ifstream in("/proc/self/statm");
+  long pages = 0, resident = 0;
+  in >> pages >> resident;
+  return static_cast<double>(resident) * static_cast<double>(::sysconf(_SC_PAGESIZE)) / (1 << 20);
+}
+
+double PeakRssMiB() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024;  // KiB on Linux
+}
+
+struct LoaderRun {
+  double img_s = 0;           // over the timed epochs
+  double wait_fraction = 0;   // consumer wait / elapsed, timed epochs
+  std::vector<double> epoch_img_s;
+  std::vector<double> epoch_rss_mib;
+  prefetch::LoaderStats stats;
+};
+
+Result<LoaderRun> RunLoader(const dataset::Dataset& ds, int threads, const PipelineBenchOptions& p,
+                            int epochs) {
+  prefetch::LoaderOptions o;
+  o.sampler.seed = 1;
+  o.batch_size = p.batch;
+  o.ring_size = p.ring;
+  o.threads = threads;
+  o.epochs = epochs;
+  o.device = prefetch::DeviceMode::kHost;
+  STOKE_ASSIGN_OR_RETURN(auto loader, prefetch::Loader::Create(ds, o));
+  LoaderRun run;
+  // Rates are batches received over the time between receipts: with a consumer that takes no
+  // time, consecutive receipts are one production period apart. The warm-up epoch ends at the
+  // receipt of its last batch; each epoch's span runs from the previous epoch's last receipt.
+  using Clock = std::chrono::steady_clock;
+  auto secs_between = [](Clock::time_point a, Clock::time_point b) {
+    return std::chrono::duration<double>(b - a).count();
+  };
+  Clock::time_point epoch_mark = Clock::now(), last_receipt = epoch_mark, timed_from{};
+  double wait_at_timed = 0;
+  int64_t epoch_samples = 0, timed_samples = 0, epoch = 0;
+  for (;;) {
+    STOKE_ASSIGN_OR_RETURN(prefetch::BatchLease lease, loader->Next());
+    const auto now = Clock::now();
+    if (!lease || lease->epoch != epoch) {  // `epoch` ended with the previous receipt
+      run.epoch_img_s.push_back(static_cast<double>(epoch_samples) / secs_between(epoch_mark, last_receipt));
+      run.epoch_rss_mib.push_back(RssMiB());
+      if (epoch == 0) {
+        timed_from = last_receipt;
+        wait_at_timed = loader->stats().consumer_wait_s;
+      }
+      epoch_mark = last_receipt;
+      epoch_samples = 0;
+      if (!lease) break;
+      epoch = lease->epoch;
+    }
+    epoch_samples += lease->size;
+    if (epoch > 0) timed_samples += lease->size;
+    last_receipt = now;
+  }
+  run.stats = loader->stats();
+  const double secs = secs_between(timed_from, last_receipt);
+  if (epochs > 1 && secs > 0) {
+    run.img_s = static_cast<double>(timed_samples) / secs;
+    run.wait_fraction = std::min(1.0, (run.stats.consumer_wait_s - wait_at_timed) / secs);
+  } else {
+    run.img_s = run.epoch_img_s.front();
+    run.wait_fraction = run.stats.consumer_wait_s / run.stats.elapsed_s;
+  }
+  return run;
+}
+
+// Plain TurboJPEG full decode of every JPEG on `threads` threads, each decoding its share.
+double TurboJpegRate(const std::vector<std::span<const std::byte>>& jpegs, int threads) {
+  std::vector<std::thread> pool;
+  std::atomic<size_t> next{0};
+  const double secs = Time([&] {
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([&] {
+        TjHandle tj(tjInitDecompress());
+        std::vector<unsigned char> rgb;
+        for (size_t i; (i = next.fetch_add(1)) < jpegs.size();) {
+          const auto* p = reinterpret_cast<const unsigned char*>(jpegs[i].data());
+          int w, h, sub, cs;
+          if (tjDecompressHeader3(tj.get(), p, jpegs[i].size(), &w, &h, &sub, &cs) != 0) continue;
+          rgb.resize(static_cast<size_t>(w) * h * 3);
+          tjDecompress2(tj.get(), p, jpegs[i].size(), rgb.data(), w, 0, h, TJPF_RGB, 0);
+        }
+      });
+    }
+    for (auto& th : pool) th.join();
+  });
+  return static_cast<double>(jpegs.size()) / secs;
+}
+
+}  // namespace
+
+Result<std::string> BenchPipeline(const BenchOptions& o, const fs::path& dataset_path,
+                                  const PipelineBenchOptions& p) {
+  if (o.repeats < 1) return InvalidArgumentError("bench: --repeats must be >= 1");
+  if (p.epochs < 2) return InvalidArgumentError("bench pipeline: --epochs must be >= 2 (the first is a warm-up)");
+  if (p.batch < 1) return InvalidArgumentError("bench pipeline: --batch must be >= 1");
+  const int n = o.threads > 0 ? o.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  STOKE_ASSIGN_OR_RETURN(auto scratch, MakeScratch(o));
+  fs::path db = dataset_path;
+  if (db.empty()) {
+    STOKE_RETURN_IF_ERROR(CheckData(o));
+    db = scratch->dir / "bench_pipeline.lmdb";
+    STOKE_RETURN_IF_ERROR(PackOnce(o, db, 0).status());
+  }
+  STOKE_ASSIGN_OR_RETURN(dataset::Dataset ds, dataset::Dataset::Open(db));
+  // Views into the map for the TurboJPEG runs, valid while `reader` lives.
+  std::vector<std::span<const std::byte>> jpegs;
+  STOKE_ASSIGN_OR_RETURN(auto reader, ds.NewReader({.verify_crc = false}));
+  STOKE_RETURN_IF_ERROR(reader.Scan(0, ds.size(), [&](const dataset::RecordView& r) {
+    if (r.header.encoding == dataset::PayloadEncoding::kJpeg) jpegs.push_back(r.payload);
+    return OkStatus();
+  }));
+  if (jpegs.empty()) return InvalidArgumentError("bench: " + db.string() + ": no JPEG records");
+
+  // Interleaved repeats, so that the machine's drift hits every figure alike.
+  std::vector<double> tj_n, loader_n, loader_1, wait_n;
+  LoaderRun last_n;
+  TurboJpegRate(jpegs, n);  // warm-up: page cache and allocator
+  for (int r = 0; r < o.repeats; ++r) {
+    tj_n.push_back(TurboJpegRate(jpegs, n));
+    STOKE_ASSIGN_OR_RETURN(LoaderRun run, RunLoader(ds, n, p, p.epochs));
+    loader_n.push_back(run.img_s);
+    wait_n.push_back(run.wait_fraction);
+    last_n = run;
+    if (n > 1) {
+      STOKE_ASSIGN_OR_RETURN(LoaderRun one, RunLoader(ds, 1, p, std::min(p.epochs, 3)));
+      loader_1.push_back(one.img_s);
+    }
+  }
+  const double tj = Median(tj_n), ld = Median(loader_n);
+  const double ld1 = n > 1 ? Median(loader_1) : ld;
+  const double efficiency = ld / (n * ld1);
+  // RSS over the timed epochs of the last N-thread run, relative to the first timed epoch.
+  const auto& rss = last_n.epoch_rss_mib;
+  double drift = 0;
+  for (size_t e = 2; e < rss.size(); ++e) drift = std::max(drift, std::abs(rss[e] / rss[1] - 1));
+
+  nlohmann::json j = {{"machine", MachineJson(n)}, {"dataset", db.string()}, {"images", jpegs.size()},
+                      {"batch", p.batch}, {"epochs", p.epochs}, {"ring", p.ring}, {"repeats", o.repeats}};
+  j["results"] = {{"loader_img_s", ld},
+                  {"loader_img_s_per_thread", ld / n},
+                  {"loader_1_thread_img_s", ld1},
+                  {"parallel_efficiency", efficiency},
+                  {"turbojpeg_full_decode_img_s", tj},
+                  {"vs_turbojpeg", ld / tj},
+                  {"consumer_wait_fraction", Median(wait_n)},
+                  {"rss_mib_per_epoch", rss},
+                  {"rss_max_drift", drift},
+                  {"peak_rss_mib", PeakRssMiB()},
+                  {"stage_s", {{"read", last_n.stats.read_s}, {"decode", last_n.stats.decode_s},
+                               {"augment", last_n.stats.augment_s}}}};
+  std::string t = fmt::format(
+      "stoke bench pipeline: {} JPEG records of {}, batch {}, ring {}, {} epochs per run (first "
+      "untimed), median of {} runs\n"
+      "machine: {}, {} cores, {}\n"
+      "  RandomResizedCrop 224 + flip -> uint8 HWC batches, {} threads\n",
+      jpegs.size(), db.string(), p.batch, p.ring, p.epochs, o.repeats, CpuModel(),
+      std::thread::hardware_concurrency(), Today(), n);
+  t += fmt::format("  {:<44} {:9.1f} img/s  ({:.1f} per thread)\n", fmt::format("loader, {} threads", n), ld, ld / n);
+  if (n > 1) t += fmt::format("  {:<44} {:9.1f} img/s\n", "loader, 1 thread", ld1);
+  t += fmt::format("  {:<44} {:9.1f} img/s\n", fmt::format("TurboJPEG full decode, {} threads", n), tj);
+  t += fmt::format("  loader / TurboJPEG full decode: {:.2f}x (target >= 1.15x: {})\n", ld / tj,
+                   ld / tj >= 1.15 ? "met" : "NOT met");
+  if (n > 1) {
+    t += fmt::format("  parallel efficiency 1 -> {} threads: {:.2f} (target >= 0.9: {})\n", n, efficiency,
+                     efficiency >= 0.9 ? "met" : "NOT met");
+  }
+  t += fmt::format("  consumer wait: {:.1f}% of the time (a consumer that does nothing waits for every batch)\n",
+                   100 * Median(wait_n));
+  const double busy = last_n.stats.read_s + last_n.stats.decode_s + last_n.stats.augment_s;
+  if (busy > 0) {
+    t += fmt::format("  worker time: read {:.1f}%, plan + decode {:.1f}%, resize + flip {:.1f}%\n",
+                     100 * last_n.stats.read_s / busy, 100 * last_n.stats.decode_s / busy,
+                     100 * last_n.stats.augment_s / busy);
+  }
+  t += "  RSS per epoch (MiB):";
+  for (double r : rss) t += fmt::format(" {:.1f}", r);
+  t += fmt::format("\n  RSS drift over the timed epochs: {:.2f}% (target <= 2%: {}); peak RSS {:.1f} MiB\n",
+                   100 * drift, drift <= 0.02 ? "met" : "NOT met", PeakRssMiB());
   STOKE_RETURN_IF_ERROR(MaybeWriteJson(o, j));
   return t;
 }

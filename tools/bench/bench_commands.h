@@ -30,4 +30,17 @@ Result<std::string> BenchRead(const BenchOptions& options);
 // packed dataset; empty: pack options.data first). Target: whole sample >= 1.15x full decode.
 Result<std::string> BenchDecode(const BenchOptions& options, const std::filesystem::path& dataset);
 
+struct PipelineBenchOptions {
+  int batch = 256;   // samples per batch
+  int epochs = 5;    // per loader run; the first is the warm-up and is not timed
+  int ring = 4;      // batch buffers
+};
+
+// The CPU stage end to end: the loader (RandomResizedCrop 224 + flip into uint8 batches) over
+// `dataset` (empty: pack options.data first) on N threads for several epochs, beside a plain
+// TurboJPEG full decode of the same images on the same N threads, and the loader on one thread
+// (parallel efficiency). Images/s, per thread, consumer wait, RSS per epoch and peak RSS.
+Result<std::string> BenchPipeline(const BenchOptions& options, const std::filesystem::path& dataset,
+                                  const PipelineBenchOptions& pipeline);
+
 }  // namespace stoke::bench

@@ -1,0 +1,611 @@
+#include "prefetch/loader.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include <fmt/format.h>
+#include <oneapi/tbb/concurrent_queue.h>
+#include <oneapi/tbb/concurrent_unordered_map.h>
+#include <oneapi/tbb/enumerable_thread_specific.h>
+#include <oneapi/tbb/global_control.h>
+#include <oneapi/tbb/parallel_pipeline.h>
+#include <oneapi/tbb/task_arena.h>
+
+#include "augment/transform.h"
+#include "common/logging.h"
+#include "common/random.h"
+#include "common/tsan.h"
+#include "decode/jpeg_decoder.h"
+#include "prefetch/batch_memory.h"
+
+namespace stoke::prefetch {
+
+Result<CropMode> ParseCropMode(std::string_view name) {
+  if (name == "random-resized") return CropMode::kRandomResized;
+  if (name == "center") return CropMode::kCenter;
+  return InvalidArgumentError(fmt::format("crop mode '{}' (expected random-resized or center)", name));
+}
+
+Result<ErrorPolicy> ParseErrorPolicy(std::string_view name) {
+  if (name == "skip") return ErrorPolicy::kSkip;
+  if (name == "fail") return ErrorPolicy::kFail;
+  return InvalidArgumentError(fmt::format("error policy '{}' (expected skip or fail)", name));
+}
+
+namespace detail {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t Nanos(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count();
+}
+
+constexpr size_t kAlign = 64;
+size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+// What one decoding thread owns: its read transaction, its decoder and its decode scratch.
+struct Worker {
+  explicit Worker(const decode::DecoderOptions& o) : decoder(o) {}
+  std::optional<dataset::Reader> reader;
+  decode::JpegDecoder decoder;
+  Image image;
+};
+
+}  // namespace
+
+// One batch buffer of the ring. Owned by exactly one party at a time: the free queue, the
+// pipeline (from the input stage taking it to the output stage publishing it), or the consumer.
+struct Slot {
+  int id = 0;
+  Batch batch;
+  uint8_t* images = nullptr;
+  int32_t* labels = nullptr;
+  int64_t* indices = nullptr;
+  std::shared_ptr<const std::vector<int64_t>> order;  // the epoch's sample order
+  std::atomic<int> replaced{0};
+};
+
+// A run of consecutive samples of one batch: the unit of parallel work.
+struct Chunk {
+  Slot* slot = nullptr;
+  int begin = 0;
+  int end = 0;
+  bool last = false;  // the batch's final chunk
+  Status error;
+};
+
+struct Ready {
+  enum Kind { kBatch, kEnd, kError } kind = kEnd;
+  int slot = -1;
+  Status error;
+};
+
+struct LoaderState {
+  const dataset::Dataset* dataset = nullptr;
+  LoaderOptions o;
+  std::optional<dataset::Sampler> sampler;
+  decode::DecoderOptions decoder_options;
+  int64_t per_epoch = 0;
+  int64_t batches_per_epoch = 0;
+  int threads = 1;
+  int chunk = 1;
+  int out_w = 0, out_h = 0;
+  size_t sample_bytes = 0;
+  size_t labels_offset = 0;
+  int64_t max_bad = 0;
+
+  std::unique_ptr<BatchMemory> memory;
+  std::vector<std::unique_ptr<Slot>> slots;
+  // concurrent_bounded_queue for both ends of the ring: the input stage blocks on `free` when
+  // every buffer is in use, the consumer blocks on `ready` until a batch is published. Neither
+  // can grow past the ring size (plus the end/stop markers). A stop pushes a marker into each
+  // rather than abort()ing them, so a thread that is about to wait still sees it.
+  tbb::concurrent_bounded_queue<int> free;      // slot ids; -1 = stop
+  tbb::concurrent_bounded_queue<Ready> ready;
+  // concurrent_unordered_map: workers insert bad records while stats()/bad_records() traverse;
+  // nothing is ever erased, which is what this container allows concurrently.
+  tbb::concurrent_unordered_map<int64_t, std::string> bad;
+  std::atomic<int64_t> bad_count{0};
+
+  std::unique_ptr<tbb::global_control> allow_threads;  // when asked for more threads than cores
+  std::unique_ptr<tbb::task_arena> arena;
+  tbb::enumerable_thread_specific<std::unique_ptr<Worker>> workers;
+  std::thread driver;
+  std::atomic<bool> stop{false};      // consumer asked to stop
+  std::atomic<int> leased{0};         // slots the consumer holds
+  std::atomic<bool> failing{false};   // the pipeline hit an error and is winding down
+
+  // Input stage (serial): where the run is.
+  int64_t epoch = 0;
+  int64_t batch = 0;
+  int pos = 0;
+  Slot* filling = nullptr;
+  std::shared_ptr<const std::vector<int64_t>> order;
+  int64_t order_epoch = -1;
+  bool input_done = false;
+  // Output stage (serial).
+  bool output_failed = false;
+
+  // Statistics.
+  Clock::time_point started;
+  std::atomic<int64_t> read_ns{0}, decode_ns{0}, augment_ns{0};
+  std::atomic<int64_t> batches_out{0}, samples_out{0}, wait_ns{0};
+  std::atomic<int64_t> depth_sum{0}, depth_calls{0};
+  std::atomic<int> depth_max{0};
+  bool finished = false;  // consumer only
+
+  Worker& LocalWorker() {
+    auto& w = workers.local();
+    if (w == nullptr) w = std::make_unique<Worker>(decoder_options);
+    return *w;
+  }
+
+  augment::CropPlan Plan(int width, int height, SplitMix64& rng) const {
+    if (o.augment.mode == CropMode::kRandomResized) {
+      return augment::PlanRandomResizedCrop(width, height, o.augment.random, rng);
+    }
+    return augment::PlanCenterCrop(width, height, o.augment.resize, o.augment.crop);
+  }
+
+  // Produces the sample of record `index` into dst; the record's label into *label.
+  Status MakeSample(Worker& w, int64_t index, uint64_t seed, int64_t ep, uint8_t* dst, int32_t* label) {
+    const auto t0 = Clock::now();
+    STOKE_ASSIGN_OR_RETURN(dataset::RecordView r, w.reader->Get(index));
+    const auto t1 = Clock::now();
+    read_ns.fetch_add(Nanos(t0, t1), std::memory_order_relaxed);
+    const dataset::RecordHeader& h = r.header;
+    SplitMix64 rng = SampleRng(seed, ep, index);
+    augment::ImageView view;
+    augment::RectF where;
+    augment::CropPlan plan;
+    if (h.encoding == dataset::PayloadEncoding::kJpeg) {
+      STOKE_ASSIGN_OR_RETURN(decode::JpegInfo info, w.decoder.ReadHeader(r.payload));
+      if (static_cast<uint32_t>(info.width) != h.width || static_cast<uint32_t>(info.height) != h.height) {
+        return CorruptError(fmt::format("record header says {}x{}, its JPEG is {}x{}", h.width,
+                                        h.height, info.width, info.height));
+      }
+      plan = Plan(info.width, info.height, rng);
+      const int d = decode::ChooseRegionScale(static_cast<int>(plan.region.width),
+                                              static_cast<int>(plan.region.height), out_w, out_h);
+      plan = augment::SnapToScale(plan, d, info.width, info.height);
+      const decode::Region region{static_cast<int>(plan.region.x), static_cast<int>(plan.region.y),
+                                  static_cast<int>(plan.region.width),
+                                  static_cast<int>(plan.region.height)};
+      STOKE_ASSIGN_OR_RETURN(decode::DecodedRegion dr,
+                             w.decoder.DecodeRegion(r.payload, region, out_w, out_h, &w.image, d));
+      view = {w.image.pixels.data(), w.image.width, w.image.height, w.image.channels, w.image.row_bytes()};
+      where = {dr.x, dr.y, dr.width, dr.height};
+    } else if (h.encoding == dataset::PayloadEncoding::kRaw) {
+      const uint64_t need = uint64_t{h.width} * h.height * h.channels;
+      if ((h.channels != 1 && h.channels != 3) || h.width == 0 || h.height == 0 ||
+          r.payload.size() != need) {
+        return CorruptError(fmt::format("raw record of {}x{}x{} with {} payload bytes", h.width,
+                                        h.height, h.channels, r.payload.size()));
+      }
+      plan = Plan(static_cast<int>(h.width), static_cast<int>(h.height), rng);
+      view = {reinterpret_cast<const uint8_t*>(r.payload.data()), static_cast<int>(h.width),
+              static_cast<int>(h.height), h.channels, size_t{h.width} * h.channels};
+      where = plan.region;
+    } else {
+      return CorruptError(fmt::format("unknown payload encoding {}", static_cast<int>(h.encoding)));
+    }
+    const auto t2 = Clock::now();
+    decode_ns.fetch_add(Nanos(t1, t2), std::memory_order_relaxed);
+    STOKE_RETURN_IF_ERROR(augment::ApplyPlan(view, where, plan, std::span<uint8_t>(dst, sample_bytes)));
+    augment_ns.fetch_add(Nanos(t2, Clock::now()), std::memory_order_relaxed);
+    *label = h.label;
+    return OkStatus();
+  }
+
+  // Records a bad record once (logging it the first time); an error when the policy says stop.
+  Status NoteBad(Worker& w, int64_t index, const Status& s) {
+    std::string where = fmt::format("record {}", index);
+    if (auto path = w.reader->SourcePath(index); path.ok() && !path->empty()) {
+      where += fmt::format(" ({})", *path);
+    }
+    std::string reason = fmt::format("{} of {}: {}", where, dataset->path().string(), s.message());
+    if (o.on_error == ErrorPolicy::kFail) {
+      return Status(s.code(), reason + " (on_error fail)");
+    }
+    if (bad.emplace(index, reason).second) {
+      const int64_t n = bad_count.fetch_add(1) + 1;
+      STOKE_LOG(WARN, "skipping {}", reason);
+      if (n > max_bad) {
+        return CorruptError(fmt::format(
+            "{} bad records, more than max_skip_fraction {} of the {} samples of an epoch allows "
+            "(latest: {})", n, o.max_skip_fraction, per_epoch, reason));
+      }
+    }
+    return OkStatus();
+  }
+
+  // Fills sample `s` of the slot: the record at its epoch position, or, when that record is bad
+  // and the policy is skip, the next good record of the epoch order (wrapping around), keyed by
+  // the attempt number so a stand-in differs from that record's own sample.
+  Status FillSample(Worker& w, Slot& slot, int s) {
+    const auto& order = *slot.order;
+    const int64_t n = static_cast<int64_t>(order.size());
+    const int64_t pos = slot.batch.number * o.batch_size + s;
+    uint8_t* dst = slot.images + static_cast<size_t>(s) * sample_bytes;
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t index = order[static_cast<size_t>((pos + k) % n)];
+      const uint64_t seed = k == 0 ? o.sampler.seed : MixSeed(o.sampler.seed, static_cast<uint64_t>(k));
+      Status st = MakeSample(w, index, seed, slot.batch.epoch, dst, &slot.labels[s]);
+      if (st.ok()) {
+        slot.indices[s] = index;
+        if (k > 0) slot.replaced.fetch_add(1, std::memory_order_relaxed);
+        return OkStatus();
+      }
+      if (st.code() == StatusCode::kInternal) return st;  // not the record's fault
+      STOKE_RETURN_IF_ERROR(NoteBad(w, index, st));
+    }
+    return CorruptError(fmt::format("{}: no readable record in the epoch", dataset->path().string()));
+  }
+
+  // --- pipeline stages ---
+
+  Chunk* Input(tbb::flow_control& fc) {
+    if (input_done || stop.load() || failing.load()) {
+      input_done = true;
+      fc.stop();
+      return nullptr;
+    }
+    if (filling == nullptr) {
+      if (o.epochs > 0 && epoch >= o.start_epoch + o.epochs) {
+        input_done = true;
+        fc.stop();
+        return nullptr;
+      }
+      int id = -1;
+      free.pop(id);
+      if (id < 0) {  // stop marker
+        input_done = true;
+        fc.stop();
+        return nullptr;
+      }
+      Slot* slot = slots[static_cast<size_t>(id)].get();
+      STOKE_TSAN_ACQUIRE(slot);
+      if (order_epoch != epoch) {
+        order = std::make_shared<const std::vector<int64_t>>(sampler->Epoch(epoch));
+        order_epoch = epoch;
+      }
+      slot->order = order;
+      slot->batch.epoch = epoch;
+      slot->batch.number = batch;
+      slot->batch.size = static_cast<int>(std::min<int64_t>(o.batch_size, per_epoch - batch * o.batch_size));
+      slot->replaced.store(0, std::memory_order_relaxed);
+      filling = slot;
+      pos = 0;
+      Status reusable = memory->WaitHostReusable(id);
+      if (!reusable.ok()) {
+        auto* c = new Chunk{slot, 0, 0, true, reusable};
+        filling = nullptr;
+        return c;
+      }
+    }
+    auto* c = new Chunk{filling, pos, std::min(pos + chunk, filling->batch.size), false, {}};
+    pos = c->end;
+    if (pos == filling->batch.size) {
+      c->last = true;
+      filling = nullptr;
+      if (++batch == batches_per_epoch) {
+        batch = 0;
+        ++epoch;
+      }
+    }
+    return c;
+  }
+
+  void Work(Chunk* c) {
+    if (!c->error.ok() || failing.load(std::memory_order_relaxed)) return;
+    Worker& w = LocalWorker();
+    if (!w.reader) {
+      auto reader = dataset->NewReader({.verify_crc = o.verify_crc});
+      if (!reader.ok()) {
+        c->error = reader.status();
+        return;
+      }
+      w.reader.emplace(std::move(*reader));
+    }
+    for (int s = c->begin; s < c->end; ++s) {
+      Status st = FillSample(w, *c->slot, s);
+      if (!st.ok()) {
+        c->error = std::move(st);
+        return;
+      }
+    }
+  }
+
+  void Output(Chunk* c) {
+    std::unique_ptr<Chunk> owned(c);
+    if (output_failed) return;
+    Slot* slot = c->slot;
+    Status st = c->error;
+    if (st.ok() && failing.load()) st = InternalError("stopped");  // a chunk skipped its work
+    if (st.ok() && c->last) {
+      slot->batch.replaced = slot->replaced.load(std::memory_order_relaxed);
+      const size_t bytes = labels_offset + static_cast<size_t>(slot->batch.size) * sizeof(int32_t);
+      st = memory->CopyToDevice(slot->id, bytes);
+      if (st.ok()) {
+        STOKE_TSAN_RELEASE(slot);
+        ready.push(Ready{Ready::kBatch, slot->id, {}});
+        return;
+      }
+    }
+    if (!st.ok()) {
+      output_failed = true;
+      failing = true;
+      ready.push(Ready{Ready::kError, -1, st});
+    }
+  }
+
+  void Run() {
+    // `anchor` and `done` restate for TSan what task_arena::execute orders (common/tsan.h).
+    int done = 0;
+    auto chain =
+        tbb::make_filter<void, Chunk*>(tbb::filter_mode::serial_in_order,
+                                       [this, &done](tbb::flow_control& fc) -> Chunk* {
+                                         STOKE_TSAN_ACQUIRE(&stoke_tsan_sync_anchor);
+                                         STOKE_TSAN_ACQUIRE(&epoch);  // serial: ordered calls
+                                         Chunk* c = Input(fc);
+                                         if (c != nullptr) STOKE_TSAN_RELEASE(c);
+                                         STOKE_TSAN_RELEASE(&epoch);
+                                         STOKE_TSAN_RELEASE(&done);
+                                         return c;
+                                       }) &
+        tbb::make_filter<Chunk*, Chunk*>(tbb::filter_mode::parallel,
+                                         [this, &done](Chunk* c) {
+                                           STOKE_TSAN_ACQUIRE(&stoke_tsan_sync_anchor);
+                                           STOKE_TSAN_ACQUIRE(c);
+                                           Work(c);
+                                           STOKE_TSAN_RELEASE(c);
+                                           STOKE_TSAN_RELEASE(&done);
+                                           return c;
+                                         }) &
+        tbb::make_filter<Chunk*, void>(tbb::filter_mode::serial_in_order, [this, &done](Chunk* c) {
+          STOKE_TSAN_ACQUIRE(c);
+          STOKE_TSAN_ACQUIRE(&output_failed);
+          Output(c);
+          STOKE_TSAN_RELEASE(&output_failed);
+          STOKE_TSAN_RELEASE(&done);
+        });
+    STOKE_TSAN_RELEASE(&stoke_tsan_sync_anchor);
+    try {
+      // Enough chunks in flight to keep every thread busy while the in-order output stage waits
+      // for a slow one.
+      arena->execute([&] { tbb::parallel_pipeline(static_cast<size_t>(threads) * 4, chain); });
+    } catch (const std::exception& e) {
+      failing = true;
+      ready.push(Ready{Ready::kError, -1, InternalError(fmt::format("loader: {}", e.what()))});
+    }
+    STOKE_TSAN_ACQUIRE(&done);
+    ready.push(Ready{Ready::kEnd, -1, {}});
+  }
+
+  void ReleaseSlot(int id, void* stream) {
+    Status s = memory->MarkConsumed(id, stream);
+    if (!s.ok()) STOKE_LOG(ERROR, "loader: {}", s.message());
+    STOKE_TSAN_RELEASE(slots[static_cast<size_t>(id)].get());
+    leased.fetch_sub(1);
+    free.push(id);
+  }
+
+  void RequestStop() {
+    if (stop.exchange(true)) return;
+    free.push(-1);
+    ready.push(Ready{Ready::kEnd, -1, {}});
+  }
+};
+
+}  // namespace detail
+
+// --- BatchLease ---
+
+BatchLease::~BatchLease() { Release(); }
+
+BatchLease::BatchLease(BatchLease&& other) noexcept
+    : state_(std::move(other.state_)), slot_(other.slot_), batch_(other.batch_) {
+  other.slot_ = -1;
+  other.batch_ = nullptr;
+}
+
+BatchLease& BatchLease::operator=(BatchLease&& other) noexcept {
+  if (this != &other) {
+    Release();
+    state_ = std::move(other.state_);
+    slot_ = other.slot_;
+    batch_ = other.batch_;
+    other.slot_ = -1;
+    other.batch_ = nullptr;
+  }
+  return *this;
+}
+
+void BatchLease::Release(void* stream) {
+  if (slot_ < 0) return;
+  state_->ReleaseSlot(slot_, stream);
+  slot_ = -1;
+  batch_ = nullptr;
+  state_.reset();
+}
+
+// --- Loader ---
+
+namespace {
+
+Status ValidateOptions(const LoaderOptions& o) {
+  if (o.batch_size <= 0) return InvalidArgumentError(fmt::format("loader: batch_size {} (expected > 0)", o.batch_size));
+  if (o.threads < 0) return InvalidArgumentError(fmt::format("loader: threads {} (expected >= 0; 0 = every core)", o.threads));
+  if (o.ring_size < 2) return InvalidArgumentError(fmt::format("loader: ring_size {} (expected >= 2)", o.ring_size));
+  if (!(o.max_skip_fraction >= 0 && o.max_skip_fraction <= 1)) {
+    return InvalidArgumentError(fmt::format("loader: max_skip_fraction {} (expected 0 to 1)", o.max_skip_fraction));
+  }
+  if (o.start_epoch < 0 || o.start_batch < 0 || o.epochs < 0) {
+    return InvalidArgumentError("loader: start_epoch, start_batch and epochs must be >= 0");
+  }
+  if (o.augment.mode == CropMode::kRandomResized) {
+    STOKE_RETURN_IF_ERROR(augment::ValidateOptions(o.augment.random));
+  } else if (o.augment.crop <= 0 || o.augment.resize < o.augment.crop) {
+    return InvalidArgumentError(fmt::format("loader: center crop {} after resize {} (expected 0 < crop <= resize)",
+                                            o.augment.crop, o.augment.resize));
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Loader>> Loader::Create(const dataset::Dataset& ds, LoaderOptions o) {
+  STOKE_RETURN_IF_ERROR(ValidateOptions(o));
+  auto st = std::make_shared<detail::LoaderState>();
+  st->dataset = &ds;
+  STOKE_ASSIGN_OR_RETURN(dataset::Sampler sampler, dataset::Sampler::Create(ds.size(), o.sampler));
+  st->per_epoch = sampler.samples_per_rank();
+  st->sampler.emplace(sampler);
+  st->batches_per_epoch = o.drop_last_batch ? st->per_epoch / o.batch_size
+                                            : (st->per_epoch + o.batch_size - 1) / o.batch_size;
+  if (st->batches_per_epoch == 0) {
+    return InvalidArgumentError(fmt::format(
+        "loader: {}: {} samples per epoch make no batch of {} with drop_last_batch",
+        ds.path().string(), st->per_epoch, o.batch_size));
+  }
+  if (o.start_batch >= st->batches_per_epoch) {
+    return InvalidArgumentError(fmt::format("loader: start_batch {} (an epoch has {} batches)",
+                                            o.start_batch, st->batches_per_epoch));
+  }
+  st->threads = o.threads > 0 ? o.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  // Chunks small enough to spread a batch over every thread, large enough to amortise the
+  // pipeline's per-item cost.
+  st->chunk = std::clamp(o.batch_size / (2 * st->threads), 1, 16);
+  st->out_w = st->out_h = o.augment.out_size();
+  st->sample_bytes = static_cast<size_t>(st->out_w) * st->out_h * 3;
+  const size_t images_bytes = detail::AlignUp(st->sample_bytes * static_cast<size_t>(o.batch_size));
+  st->labels_offset = images_bytes;
+  const size_t indices_offset = detail::AlignUp(images_bytes + sizeof(int32_t) * static_cast<size_t>(o.batch_size));
+  const size_t slot_bytes = indices_offset + sizeof(int64_t) * static_cast<size_t>(o.batch_size);
+  st->max_bad = static_cast<int64_t>(std::floor(o.max_skip_fraction * static_cast<double>(st->per_epoch)));
+  st->decoder_options.strict = o.strict_decode;
+
+  int device = -1;
+  if (o.device == DeviceMode::kCuda) {
+    device = o.device_id;
+  } else if (o.device == DeviceMode::kAuto && ProbeCuda().devices > 0) {
+    device = 0;
+  }
+  STOKE_ASSIGN_OR_RETURN(st->memory, BatchMemory::Create(o.ring_size, slot_bytes, device));
+  for (int i = 0; i < o.ring_size; ++i) {
+    auto slot = std::make_unique<detail::Slot>();
+    slot->id = i;
+    std::byte* base = st->memory->host(i);
+    slot->images = reinterpret_cast<uint8_t*>(base);
+    slot->labels = reinterpret_cast<int32_t*>(base + st->labels_offset);
+    slot->indices = reinterpret_cast<int64_t*>(base + indices_offset);
+    Batch& b = slot->batch;
+    b.width = st->out_w;
+    b.height = st->out_h;
+    if (st->memory->on_device()) {
+      b.device_images = st->memory->device(i);
+      b.device_labels_offset = st->labels_offset;
+      b.copied_event = st->memory->copied_event(i);
+    }
+    st->slots.push_back(std::move(slot));
+    st->free.push(i);
+  }
+  st->epoch = o.start_epoch;
+  st->batch = o.start_batch;
+  st->o = std::move(o);
+  augment::UseCallerThreadsOnly();  // OpenCV must not fan out inside our workers
+  if (st->threads > tbb::this_task_arena::max_concurrency()) {
+    // TBB caps its workers at the core count; honour an explicit larger request.
+    st->allow_threads = std::make_unique<tbb::global_control>(
+        tbb::global_control::max_allowed_parallelism, static_cast<size_t>(st->threads));
+  }
+  st->arena = std::make_unique<tbb::task_arena>(st->threads);
+  st->started = detail::Clock::now();
+  st->driver = std::thread([raw = st.get()] { raw->Run(); });
+  return std::unique_ptr<Loader>(new Loader(std::move(st)));
+}
+
+Loader::~Loader() {
+  state_->RequestStop();
+  if (state_->driver.joinable()) state_->driver.join();
+  // Readers hold read transactions on the dataset; end them now, not when the last lease goes.
+  state_->workers.clear();
+}
+
+void Loader::Stop() { state_->RequestStop(); }
+
+Result<BatchLease> Loader::Next() {
+  detail::LoaderState& st = *state_;
+  if (st.finished) return BatchLease();
+  if (st.leased.load() >= st.o.ring_size) {
+    // Waiting would never end: every buffer is with the consumer.
+    return InvalidArgumentError(fmt::format(
+        "loader: all {} ring buffers are held by the consumer; release a batch before asking for "
+        "the next (or raise ring_size)", st.o.ring_size));
+  }
+  const int depth = std::max(0, static_cast<int>(st.ready.size()));
+  st.depth_sum.fetch_add(depth, std::memory_order_relaxed);
+  st.depth_calls.fetch_add(1, std::memory_order_relaxed);
+  if (depth > st.depth_max.load(std::memory_order_relaxed)) st.depth_max.store(depth, std::memory_order_relaxed);
+  const auto t0 = detail::Clock::now();
+  detail::Ready r;
+  st.ready.pop(r);
+  st.wait_ns.fetch_add(detail::Nanos(t0, detail::Clock::now()), std::memory_order_relaxed);
+  if (r.kind == detail::Ready::kEnd) {
+    st.finished = true;
+    return BatchLease();
+  }
+  if (r.kind == detail::Ready::kError) {
+    st.finished = true;
+    return r.error;
+  }
+  detail::Slot* slot = st.slots[static_cast<size_t>(r.slot)].get();
+  STOKE_TSAN_ACQUIRE(slot);
+  Batch& b = slot->batch;
+  const size_t n = static_cast<size_t>(b.size);
+  b.images = {slot->images, n * st.sample_bytes};
+  b.labels = {slot->labels, n};
+  b.indices = {slot->indices, n};
+  st.leased.fetch_add(1);
+  st.batches_out.fetch_add(1, std::memory_order_relaxed);
+  st.samples_out.fetch_add(b.size, std::memory_order_relaxed);
+  return BatchLease(state_, r.slot, &b);
+}
+
+LoaderStats Loader::stats() const {
+  const detail::LoaderState& st = *state_;
+  LoaderStats s;
+  s.batches = st.batches_out.load();
+  s.samples = st.samples_out.load();
+  s.bad_records = st.bad_count.load();
+  s.elapsed_s = std::chrono::duration<double>(detail::Clock::now() - st.started).count();
+  s.images_per_s = s.elapsed_s > 0 ? static_cast<double>(s.samples) / s.elapsed_s : 0;
+  s.consumer_wait_s = static_cast<double>(st.wait_ns.load()) / 1e9;
+  s.read_s = static_cast<double>(st.read_ns.load()) / 1e9;
+  s.decode_s = static_cast<double>(st.decode_ns.load()) / 1e9;
+  s.augment_s = static_cast<double>(st.augment_ns.load()) / 1e9;
+  const int64_t calls = st.depth_calls.load();
+  s.ready_depth_mean = calls > 0 ? static_cast<double>(st.depth_sum.load()) / static_cast<double>(calls) : 0;
+  s.ready_depth_max = st.depth_max.load();
+  s.threads = st.threads;
+  s.pinned = st.memory->pinned();
+  return s;
+}
+
+std::vector<BadRecord> Loader::bad_records() const {
+  std::vector<BadRecord> out;
+  for (const auto& [index, reason] : state_->bad) out.push_back({index, reason});
+  std::sort(out.begin(), out.end(), [](const BadRecord& a, const BadRecord& b) { return a.index < b.index; });
+  return out;
+}
+
+int64_t Loader::batches_per_epoch() const { return state_->batches_per_epoch; }
+const LoaderOptions& Loader::options() const { return state_->o; }
+
+}  // namespace stoke::prefetch

@@ -1,0 +1,177 @@
+// The CPU stage: a TBB pipeline that reads records zero-copy from the dataset, plans each
+// sample's crop from its JPEG header, decodes only that region at the best DCT scale, resizes
+// and flips it straight into a slot of a batch buffer, and hands finished batches to the
+// consumer in sampler order through a bounded ring.
+//
+//   Loader::Create(dataset, options)      // threads start filling the ring at once
+//   while (auto lease = loader->Next())   // Result<BatchLease>: check lease.ok() first
+//     ... use lease->images / labels ...  // the slot returns to the ring when the lease dies
+//
+// Determinism: the sample at (seed, epoch, record index) is bit-identical whatever the thread
+// count or scheduling, batches come out in sampler order, and a loader started at (epoch, batch)
+// produces exactly the batches an uninterrupted one would from there.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "augment/crop_plan.h"
+#include "common/status.h"
+#include "dataset/dataset.h"
+#include "dataset/sampler.h"
+
+namespace stoke::prefetch {
+
+enum class CropMode {
+  kRandomResized,  // training: RandomResizedCrop (+ flip, optional colour jitter)
+  kCenter,         // evaluation: resize the shorter side, then a centre crop
+};
+Result<CropMode> ParseCropMode(std::string_view name);  // "random-resized" | "center"
+
+struct AugmentOptions {
+  CropMode mode = CropMode::kRandomResized;
+  augment::RandomResizedCropOptions random;  // kRandomResized (size 224 by default)
+  int resize = 256;                          // kCenter: shorter side before cropping
+  int crop = 224;                            // kCenter: output side
+  int out_size() const { return mode == CropMode::kRandomResized ? random.size : crop; }
+};
+
+enum class ErrorPolicy {
+  kSkip,  // a bad record's slot is refilled from the next records of the epoch, counted, logged once
+  kFail,  // the first bad record ends the run with its error
+};
+Result<ErrorPolicy> ParseErrorPolicy(std::string_view name);  // "skip" | "fail"
+
+enum class DeviceMode {
+  kAuto,  // batches go to GPU 0 when the CUDA backend is built and a GPU is present
+  kHost,  // host memory only
+  kCuda,  // GPU `device_id`; kUnavailable when there is none
+};
+
+struct LoaderOptions {
+  dataset::SamplerOptions sampler;  // order, shard and seed (the seed also keys augmentation)
+  AugmentOptions augment;
+  int batch_size = 256;          // > 0
+  bool drop_last_batch = false;  // false: an epoch may end with a short batch
+  int threads = 0;               // decoding threads; 0 = every core
+  int ring_size = 4;             // batch buffers in the ring; >= 2
+  ErrorPolicy on_error = ErrorPolicy::kSkip;
+  // kSkip: the run fails once more than this fraction of an epoch's samples are distinct bad
+  // records. [0, 1].
+  double max_skip_fraction = 0.01;
+  bool verify_crc = true;     // check every record's CRC-32C (a few % of a decode)
+  bool strict_decode = true;  // libjpeg warnings are errors (see decode::DecoderOptions)
+  // Where the run starts and how long it lasts: epochs [start_epoch, start_epoch + epochs),
+  // beginning at batch `start_batch` of the first. epochs == 0 runs until stopped.
+  int64_t start_epoch = 0;
+  int64_t start_batch = 0;
+  int64_t epochs = 1;
+  DeviceMode device = DeviceMode::kAuto;
+  int device_id = 0;
+};
+
+// One batch, in sampler order. Host pixels are `size` consecutive HWC uint8 RGB images of
+// height x width. On a device, device_images holds the same bytes followed by the labels (int32,
+// at device_labels_offset) once `copied_event` (a cudaEvent_t) has fired: wait on it with
+// cudaStreamWaitEvent before using them.
+struct Batch {
+  int64_t epoch = 0;
+  int64_t number = 0;  // within the epoch
+  int size = 0;        // samples; the last batch of an epoch may be short
+  int width = 0;
+  int height = 0;
+  std::span<const uint8_t> images;   // size * height * width * 3 bytes
+  std::span<const int32_t> labels;   // size
+  std::span<const int64_t> indices;  // record index of each sample (after any replacement)
+  int replaced = 0;                  // samples whose record was bad and was replaced
+  const void* device_images = nullptr;
+  size_t device_labels_offset = 0;
+  void* copied_event = nullptr;
+};
+
+struct LoaderStats {
+  int64_t batches = 0;          // handed to the consumer
+  int64_t samples = 0;
+  int64_t bad_records = 0;      // distinct records skipped so far
+  double elapsed_s = 0;         // since Create()
+  double images_per_s = 0;      // samples / elapsed_s
+  double consumer_wait_s = 0;   // time spent blocked in Next()
+  double read_s = 0;            // worker time, summed over threads: record lookup (+ CRC)
+  double decode_s = 0;          //   header, plan and region decode
+  double augment_s = 0;         //   resize, flip, jitter into the slot
+  double ready_depth_mean = 0;  // batches waiting when Next() was called
+  int ready_depth_max = 0;
+  int threads = 0;
+  bool pinned = false;          // batch buffers are pinned and copied to a GPU
+};
+
+struct BadRecord {
+  int64_t index = 0;
+  std::string reason;  // names the record, its source path when known, and what was wrong
+};
+
+namespace detail {
+struct LoaderState;
+}
+
+// A batch on loan from the ring. Destroying (or Release()-ing) it returns the slot for refilling.
+// Default-constructed / end-of-run leases are empty. May outlive the Loader safely.
+class BatchLease {
+ public:
+  BatchLease() = default;
+  ~BatchLease();
+  BatchLease(BatchLease&& other) noexcept;
+  BatchLease& operator=(BatchLease&& other) noexcept;
+  BatchLease(const BatchLease&) = delete;
+  BatchLease& operator=(const BatchLease&) = delete;
+
+  explicit operator bool() const { return slot_ >= 0; }
+  const Batch& operator*() const { return *batch_; }
+  const Batch* operator->() const { return batch_; }
+  // Returns the slot. With a device, `stream` (a cudaStream_t, nullptr = default stream) is where
+  // the consumer queued its work on device_images: the next copy into the slot waits for it.
+  void Release(void* stream = nullptr);
+
+ private:
+  friend class Loader;
+  BatchLease(std::shared_ptr<detail::LoaderState> state, int slot, const Batch* batch)
+      : state_(std::move(state)), slot_(slot), batch_(batch) {}
+  std::shared_ptr<detail::LoaderState> state_;
+  int slot_ = -1;
+  const Batch* batch_ = nullptr;
+};
+
+class Loader {
+ public:
+  // Validates the options (kInvalidArgument naming the option), allocates the ring and starts the
+  // pipeline. The dataset must outlive the loader.
+  static Result<std::unique_ptr<Loader>> Create(const dataset::Dataset& dataset, LoaderOptions options);
+  // Stops the pipeline and joins every thread; leases still held stay valid.
+  ~Loader();
+  Loader(const Loader&) = delete;
+  Loader& operator=(const Loader&) = delete;
+
+  // The next batch; an empty lease at the end of the run (or after Stop()); the run's error
+  // (a bad record under kFail, too many bad records under kSkip, I/O) after the batches before it.
+  // kInvalidArgument, at once, when the consumer already holds all ring_size batches (waiting
+  // would never end). Not thread-safe: one consumer.
+  Result<BatchLease> Next();
+  // Ends the run early: Next() returns an empty lease from now on. Safe from any thread.
+  void Stop();
+
+  LoaderStats stats() const;
+  std::vector<BadRecord> bad_records() const;  // sorted by index
+  int64_t batches_per_epoch() const;
+  const LoaderOptions& options() const;
+
+ private:
+  explicit Loader(std::shared_ptr<detail::LoaderState> state) : state_(std::move(state)) {}
+  std::shared_ptr<detail::LoaderState> state_;
+};
+
+}  // namespace stoke::prefetch

@@ -1,0 +1,459 @@
+// Tests for prefetch/: the loader's batches are deterministic (any thread count, any ring size,
+// resumed or not), follow the sampler, replace bad records by policy, stay within the ring, and
+// the loader stops cleanly wherever the consumer leaves it.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <random>
+#include <set>
+#include <map>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "augment/transform.h"
+#include "dataset/dataset.h"
+#include "dataset/writer.h"
+#include "prefetch/batch_memory.h"
+#include "prefetch/loader.h"
+#include "tests/testing/test_util.h"
+
+#if STOKE_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace stoke::prefetch {
+namespace {
+namespace fs = std::filesystem;
+using dataset::PayloadEncoding;
+using dataset::RecordHeader;
+
+struct Spec {
+  int records = 40;
+  std::set<int> bad;  // these records get a truncated JPEG (with a valid CRC: only decode fails)
+  bool raw = false;   // raw-pixel records instead of JPEGs
+};
+
+// A packed dataset of synthetic pictures of varied sizes, every fifth one grayscale; label i % 4.
+fs::path WriteDataset(const fs::path& dir, const Spec& spec) {
+  auto writer = dataset::DatasetWriter::Create(dir, {});
+  EXPECT_TRUE(writer.ok()) << writer.status().ToString();
+  dataset::Manifest m;
+  m.format_version = dataset::kFormatVersion;
+  m.classes = {"a", "b", "c", "d"};
+  m.class_counts = {0, 0, 0, 0};
+  for (int i = 0; i < spec.records; ++i) {
+    const int channels = i % 5 == 4 ? 1 : 3;
+    Image img = testing::MakeImage(60 + (i * 37) % 90, 50 + (i * 23) % 80, channels, static_cast<uint32_t>(i));
+    RecordHeader h;
+    h.label = i % 4;
+    h.width = static_cast<uint32_t>(img.width);
+    h.height = static_cast<uint32_t>(img.height);
+    h.channels = static_cast<uint8_t>(channels);
+    std::vector<std::byte> payload;
+    if (spec.raw) {
+      h.encoding = PayloadEncoding::kRaw;
+      payload.assign(reinterpret_cast<const std::byte*>(img.pixels.data()),
+                     reinterpret_cast<const std::byte*>(img.pixels.data()) + img.pixels.size());
+    } else {
+      payload = testing::EncodeJpeg(img);
+      if (spec.bad.contains(i)) payload.resize(payload.size() / 2);
+    }
+    m.class_counts[static_cast<size_t>(h.label)]++;
+    m.payload_bytes += static_cast<int64_t>(payload.size());
+    writer->Append(h, std::move(payload), fmt::format("class/{}.jpg", i));
+  }
+  m.records = spec.records;
+  m.has_paths = true;
+  m.packing = {{"tool", "loader_test"}};
+  EXPECT_OK(writer->Finish(m));
+  return dir;
+}
+
+LoaderOptions SmallOptions(int threads) {
+  LoaderOptions o;
+  o.sampler.seed = 17;
+  o.augment.random.size = 32;
+  o.augment.random.brightness = 0.2;
+  o.batch_size = 6;
+  o.threads = threads;
+  o.ring_size = 3;
+  o.epochs = 2;
+  o.device = DeviceMode::kHost;
+  return o;
+}
+
+struct Seen {
+  int64_t epoch, number;
+  std::vector<uint8_t> images;
+  std::vector<int32_t> labels;
+  std::vector<int64_t> indices;
+  int replaced;
+  bool operator==(const Seen&) const = default;
+};
+
+std::vector<Seen> Drain(Loader& loader, int limit = -1) {
+  std::vector<Seen> out;
+  while (limit < 0 || static_cast<int>(out.size()) < limit) {
+    auto lease = loader.Next();
+    EXPECT_TRUE(lease.ok()) << lease.status().ToString();
+    if (!lease.ok() || !*lease) break;
+    const Batch& b = **lease;
+    out.push_back({b.epoch, b.number, {b.images.begin(), b.images.end()}, {b.labels.begin(), b.labels.end()},
+                   {b.indices.begin(), b.indices.end()}, b.replaced});
+  }
+  return out;
+}
+
+std::vector<Seen> RunAll(const dataset::Dataset& ds, const LoaderOptions& o) {
+  auto loader = Loader::Create(ds, o);
+  EXPECT_TRUE(loader.ok()) << loader.status().ToString();
+  if (!loader.ok()) return {};
+  return Drain(**loader);
+}
+
+TEST(Loader, BatchesAreBitIdenticalForAnyThreadCountAndRing) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {}));
+  ASSERT_OK(ds.status());
+  const auto one = RunAll(*ds, SmallOptions(1));
+  ASSERT_EQ(one.size(), 14u);  // 40 samples in batches of 6: 7 per epoch, the last one short
+  for (int threads : {2, 4}) {
+    for (int ring : {2, 5}) {
+      LoaderOptions o = SmallOptions(threads);
+      o.ring_size = ring;
+      EXPECT_EQ(RunAll(*ds, o), one) << threads << " threads, ring " << ring;
+    }
+  }
+}
+
+TEST(Loader, FollowsTheSamplerAndCarriesLabels) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {}));
+  ASSERT_OK(ds.status());
+  LoaderOptions o = SmallOptions(2);
+  auto sampler = dataset::Sampler::Create(ds->size(), o.sampler);
+  ASSERT_OK(sampler.status());
+  const auto seen = RunAll(*ds, o);
+  ASSERT_EQ(seen.size(), 14u);
+  for (int64_t e = 0; e < 2; ++e) {
+    const auto order = sampler->Epoch(e);
+    std::vector<int64_t> got;
+    for (const auto& b : seen) {
+      if (b.epoch != e) continue;
+      EXPECT_EQ(b.number, static_cast<int64_t>(got.size()) / 6);
+      for (size_t s = 0; s < b.indices.size(); ++s) EXPECT_EQ(b.labels[s], b.indices[s] % 4);
+      EXPECT_EQ(b.images.size(), b.indices.size() * 32 * 32 * 3);
+      got.insert(got.end(), b.indices.begin(), b.indices.end());
+    }
+    EXPECT_EQ(got, order) << "epoch " << e;
+  }
+  EXPECT_NE(seen[0].indices, seen[7].indices);  // a fresh shuffle each epoch
+  // drop_last_batch keeps only full batches.
+  o.drop_last_batch = true;
+  const auto full = RunAll(*ds, o);
+  ASSERT_EQ(full.size(), 12u);
+  for (const auto& b : full) EXPECT_EQ(b.indices.size(), 6u);
+}
+
+TEST(Loader, SamplesDependOnlyOnSeedEpochAndRecord) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {}));
+  ASSERT_OK(ds.status());
+  // Different batch sizes put a record in different slots; its pixels stay the same.
+  auto by_record = [&](int batch) {
+    LoaderOptions o = SmallOptions(2);
+    o.batch_size = batch;
+    o.epochs = 1;
+    std::map<int64_t, std::vector<uint8_t>> m;
+    for (const auto& b : RunAll(*ds, o)) {
+      for (size_t s = 0; s < b.indices.size(); ++s) {
+        m[b.indices[s]].assign(b.images.begin() + static_cast<ptrdiff_t>(s * 3072),
+                               b.images.begin() + static_cast<ptrdiff_t>((s + 1) * 3072));
+      }
+    }
+    return m;
+  };
+  const auto a = by_record(6), b = by_record(16);
+  ASSERT_EQ(a.size(), 40u);
+  EXPECT_EQ(a, b);
+}
+
+TEST(Loader, ResumeFromABatchGivesTheSameBatches) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {}));
+  ASSERT_OK(ds.status());
+  LoaderOptions o = SmallOptions(2);
+  o.epochs = 3;
+  const auto whole = RunAll(*ds, o);
+  ASSERT_EQ(whole.size(), 21u);
+  for (int64_t start : {1, 7, 10, 20}) {
+    LoaderOptions r = o;
+    r.start_epoch = start / 7;
+    r.start_batch = start % 7;
+    r.epochs = 3 - r.start_epoch;
+    const auto resumed = RunAll(*ds, r);
+    EXPECT_EQ(resumed, std::vector<Seen>(whole.begin() + start, whole.end())) << "from batch " << start;
+  }
+}
+
+TEST(Loader, SkipPolicyReplacesBadRecordsDeterministicallyAndCounts) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.bad = {3, 4, 21}}));
+  ASSERT_OK(ds.status());
+  LoaderOptions o = SmallOptions(1);
+  o.max_skip_fraction = 0.1;  // 4 of 40
+  auto loader = Loader::Create(*ds, o);
+  ASSERT_OK(loader.status());
+  const auto one = Drain(**loader);
+  ASSERT_EQ(one.size(), 14u);
+  int replaced = 0;
+  for (const auto& b : one) {
+    replaced += b.replaced;
+    for (int64_t i : b.indices) EXPECT_TRUE(i != 3 && i != 4 && i != 21) << "bad record " << i << " served";
+    EXPECT_EQ(b.indices.size(), b.epoch == 0 && b.number == 6 ? 4u : b.indices.size());
+  }
+  EXPECT_EQ(replaced, 6);  // three bad records in each of two epochs
+  const auto bad = (*loader)->bad_records();
+  ASSERT_EQ(bad.size(), 3u);  // each named once
+  EXPECT_EQ(bad[0].index, 3);
+  EXPECT_NE(bad[0].reason.find("class/3.jpg"), std::string::npos) << bad[0].reason;
+  EXPECT_NE(bad[0].reason.find("record 3"), std::string::npos) << bad[0].reason;
+  EXPECT_EQ((*loader)->stats().bad_records, 3);
+  LoaderOptions four = o;
+  four.threads = 4;
+  EXPECT_EQ(RunAll(*ds, four), one);
+}
+
+TEST(Loader, FailPolicyStopsAtTheBadRecordAfterTheBatchesBeforeIt) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.bad = {5}}));
+  ASSERT_OK(ds.status());
+  LoaderOptions o = SmallOptions(3);
+  o.sampler.mode = dataset::ShuffleMode::kSequential;
+  o.on_error = ErrorPolicy::kFail;
+  o.batch_size = 2;  // record 5 is in batch 2
+  auto loader = Loader::Create(*ds, o);
+  ASSERT_OK(loader.status());
+  for (int b = 0; b < 2; ++b) {
+    auto lease = (*loader)->Next();
+    ASSERT_OK(lease.status());
+    ASSERT_TRUE(*lease);
+    EXPECT_EQ((*lease)->number, b);
+  }
+  auto failed = (*loader)->Next();
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.status().code(), StatusCode::kCorrupt);
+  EXPECT_NE(failed.status().message().find("record 5 (class/5.jpg)"), std::string::npos)
+      << failed.status().ToString();
+  auto after = (*loader)->Next();  // the run is over
+  ASSERT_OK(after.status());
+  EXPECT_FALSE(*after);
+}
+
+TEST(Loader, TooManyBadRecordsEndTheRun) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.bad = {1, 2, 3, 30}}));
+  ASSERT_OK(ds.status());
+  LoaderOptions o = SmallOptions(2);
+  o.max_skip_fraction = 0.05;  // 2 of 40
+  auto loader = Loader::Create(*ds, o);
+  ASSERT_OK(loader.status());
+  Status end;
+  for (;;) {
+    auto lease = (*loader)->Next();
+    if (!lease.ok()) {
+      end = lease.status();
+      break;
+    }
+    if (!*lease) break;
+  }
+  EXPECT_EQ(end.code(), StatusCode::kCorrupt);
+  EXPECT_NE(end.message().find("max_skip_fraction"), std::string::npos) << end.ToString();
+}
+
+TEST(Loader, RawRecordsAreCroppedWithoutDecoding) {
+  testing::TempDir dir;
+  auto raw = dataset::Dataset::Open(WriteDataset(dir.path() / "raw", {.records = 12, .raw = true}));
+  ASSERT_OK(raw.status());
+  LoaderOptions o = SmallOptions(2);
+  o.augment.mode = CropMode::kCenter;
+  o.augment.resize = 40;
+  o.augment.crop = 32;
+  o.sampler.mode = dataset::ShuffleMode::kSequential;
+  o.epochs = 1;
+  const auto seen = RunAll(*raw, o);
+  ASSERT_EQ(seen.size(), 2u);
+  // Record 0's sample is its centre-crop plan applied to its pixels.
+  Image img = testing::MakeImage(60, 50, 3, 0);
+  augment::CropPlan plan = augment::PlanCenterCrop(60, 50, 40, 32);
+  std::vector<uint8_t> expect(32 * 32 * 3);
+  ASSERT_OK(augment::ApplyPlan({img.pixels.data(), 60, 50, 3, 180}, plan.region, plan, expect));
+  EXPECT_EQ(std::vector<uint8_t>(seen[0].images.begin(), seen[0].images.begin() + 3072), expect);
+}
+
+TEST(Loader, MemoryInFlightIsBoundedByTheRing) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {}));
+  ASSERT_OK(ds.status());
+  LoaderOptions o = SmallOptions(2);
+  o.ring_size = 3;
+  auto loader = Loader::Create(*ds, o);
+  ASSERT_OK(loader.status());
+  std::vector<BatchLease> held;
+  for (int i = 0; i < 3; ++i) {
+    auto lease = (*loader)->Next();
+    ASSERT_OK(lease.status());
+    held.push_back(std::move(*lease));
+  }
+  // Every buffer is with the consumer: nothing more can be produced, and asking says so at once
+  // instead of waiting forever.
+  auto stuck = (*loader)->Next();
+  ASSERT_FALSE(stuck.ok());
+  EXPECT_EQ(stuck.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(stuck.status().message().find("all 3 ring buffers"), std::string::npos);
+  EXPECT_EQ((*loader)->stats().batches, 3);
+  // With one back, the next batch is produced into it.
+  held.front().Release();
+  auto next = (*loader)->Next();
+  ASSERT_OK(next.status());
+  ASSERT_TRUE(*next);
+  EXPECT_EQ((*next)->number, 3);
+  // While the consumer holds two, at most one batch can wait in the ready queue.
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  held.clear();
+  EXPECT_LE((*loader)->stats().ready_depth_max, 3);
+}
+
+TEST(Loader, StopsCleanlyWhereverTheConsumerLeaves) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.bad = {7}}));
+  ASSERT_OK(ds.status());
+  std::mt19937 rng(5);
+  for (int round = 0; round < 60; ++round) {
+    LoaderOptions o = SmallOptions(1 + static_cast<int>(rng() % 4));
+    o.ring_size = 2 + static_cast<int>(rng() % 3);
+    o.epochs = 0;  // endless: only the consumer ends it
+    o.max_skip_fraction = 0.1;
+    auto loader = Loader::Create(*ds, o);
+    ASSERT_OK(loader.status());
+    const int take = static_cast<int>(rng() % 6);
+    std::vector<BatchLease> kept;
+    for (int i = 0; i < take; ++i) {
+      auto lease = (*loader)->Next();
+      if (static_cast<int>(kept.size()) == o.ring_size) {
+        EXPECT_EQ(lease.status().code(), StatusCode::kInvalidArgument);  // all buffers held
+        break;
+      }
+      ASSERT_OK(lease.status());
+      if (rng() % 2) kept.push_back(std::move(*lease));  // some outlive the loader
+    }
+    if (rng() % 3 == 0) {  // a stop from another thread while the consumer may be waiting
+      kept.clear();
+      std::thread stopper([&] { (*loader)->Stop(); });
+      while (true) {
+        auto lease = (*loader)->Next();
+        ASSERT_OK(lease.status());
+        if (!*lease) break;
+      }
+      stopper.join();
+    }
+    loader->reset();
+    for (auto& lease : kept) EXPECT_EQ(lease->images.size(), lease->indices.size() * 3072);
+  }
+}
+
+TEST(Loader, RejectsBadOptionsByName) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.records = 4}));
+  ASSERT_OK(ds.status());
+  auto expect_error = [&](LoaderOptions o, const char* what) {
+    auto loader = Loader::Create(*ds, o);
+    ASSERT_FALSE(loader.ok()) << what;
+    EXPECT_EQ(loader.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(loader.status().message().find(what), std::string::npos) << loader.status().ToString();
+  };
+  LoaderOptions o = SmallOptions(1);
+  o.batch_size = 0;
+  expect_error(o, "batch_size");
+  o = SmallOptions(1);
+  o.ring_size = 1;
+  expect_error(o, "ring_size");
+  o = SmallOptions(1);
+  o.max_skip_fraction = 2;
+  expect_error(o, "max_skip_fraction");
+  o = SmallOptions(1);
+  o.drop_last_batch = true;
+  o.batch_size = 8;
+  expect_error(o, "drop_last_batch");
+  o = SmallOptions(1);
+  o.start_batch = 5;
+  expect_error(o, "start_batch");
+  o = SmallOptions(1);
+  o.augment.random.scale_min = 0;
+  expect_error(o, "scale");
+  EXPECT_EQ(ParseErrorPolicy("ignore").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseCropMode("random-resized").value(), CropMode::kRandomResized);
+}
+
+TEST(LoaderDevice, CudaWithoutAGpuIsAClearError) {
+  const CudaProbe probe = ProbeCuda();
+  if (probe.devices > 0) GTEST_SKIP() << "a GPU is present; LoaderDevice.BatchesArriveOnTheGpu covers it";
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.records = 8}));
+  ASSERT_OK(ds.status());
+  LoaderOptions o = SmallOptions(1);
+  o.device = DeviceMode::kCuda;
+  auto loader = Loader::Create(*ds, o);
+  ASSERT_FALSE(loader.ok());
+  EXPECT_EQ(loader.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(loader.status().message().find("CUDA device 0"), std::string::npos) << loader.status().ToString();
+  // kAuto falls back to host memory.
+  o.device = DeviceMode::kAuto;
+  auto host = Loader::Create(*ds, o);
+  ASSERT_OK(host.status());
+  EXPECT_FALSE((*host)->stats().pinned);
+}
+
+TEST(LoaderDevice, BatchesArriveOnTheGpu) {
+  const CudaProbe probe = ProbeCuda();
+  if (probe.devices == 0) GTEST_SKIP() << "no GPU: " << probe.reason;
+#if STOKE_WITH_CUDA
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {}));
+  ASSERT_OK(ds.status());
+  LoaderOptions o = SmallOptions(2);
+  o.device = DeviceMode::kCuda;
+  auto loader = Loader::Create(*ds, o);
+  ASSERT_OK(loader.status());
+  EXPECT_TRUE((*loader)->stats().pinned);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  const auto host_run = RunAll(*ds, SmallOptions(2));
+  size_t k = 0;
+  for (;;) {
+    auto lease = (*loader)->Next();
+    ASSERT_OK(lease.status());
+    if (!*lease) break;
+    const Batch& b = **lease;
+    ASSERT_NE(b.device_images, nullptr);
+    ASSERT_EQ(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(b.copied_event), 0), cudaSuccess);
+    std::vector<uint8_t> images(b.images.size());
+    std::vector<int32_t> labels(b.labels.size());
+    ASSERT_EQ(cudaMemcpyAsync(images.data(), b.device_images, images.size(), cudaMemcpyDeviceToHost, stream), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(labels.data(), static_cast<const std::byte*>(b.device_images) + b.device_labels_offset,
+                              labels.size() * 4, cudaMemcpyDeviceToHost, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    ASSERT_LT(k, host_run.size());
+    EXPECT_EQ(images, host_run[k].images);
+    EXPECT_EQ(labels, host_run[k].labels);
+    lease->Release(stream);
+    ++k;
+  }
+  EXPECT_EQ(k, host_run.size());
+  cudaStreamDestroy(stream);
+#endif
+}
+
+}  // namespace
+}  // namespace stoke::prefetch
