@@ -16,6 +16,17 @@ constexpr size_t kAlign = 4096;
 
 size_t RoundUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
+// Page-aligned host buffers for a ring without a device.
+Status AllocateAligned(std::byte** host, int slots, size_t bytes) {
+  for (int i = 0; i < slots; ++i) {
+    host[i] = static_cast<std::byte*>(std::aligned_alloc(kAlign, RoundUp(bytes)));
+    if (host[i] == nullptr) {
+      return ResourceExhaustedError(fmt::format("batch memory: cannot allocate {} bytes", bytes));
+    }
+  }
+  return OkStatus();
+}
+
 }  // namespace
 
 #if STOKE_WITH_CUDA
@@ -89,12 +100,7 @@ Result<std::unique_ptr<BatchMemory>> BatchMemory::Create(int slots, size_t bytes
     }
     return m;
   }
-  for (int i = 0; i < slots; ++i) {
-    m->host_[i] = static_cast<std::byte*>(std::aligned_alloc(kAlign, RoundUp(bytes)));
-    if (m->host_[i] == nullptr) {
-      return ResourceExhaustedError(fmt::format("batch memory: cannot allocate {} bytes", bytes));
-    }
-  }
+  STOKE_RETURN_IF_ERROR(AllocateAligned(m->host_.get(), slots, bytes));
   return m;
 }
 
@@ -163,12 +169,7 @@ Result<std::unique_ptr<BatchMemory>> BatchMemory::Create(int slots, size_t bytes
   m->slots_ = slots;
   m->bytes_ = bytes;
   m->host_ = std::make_unique<std::byte*[]>(static_cast<size_t>(slots));
-  for (int i = 0; i < slots; ++i) {
-    m->host_[i] = static_cast<std::byte*>(std::aligned_alloc(kAlign, RoundUp(bytes)));
-    if (m->host_[i] == nullptr) {
-      return ResourceExhaustedError(fmt::format("batch memory: cannot allocate {} bytes", bytes));
-    }
-  }
+  STOKE_RETURN_IF_ERROR(AllocateAligned(m->host_.get(), slots, bytes));
   return m;
 }
 

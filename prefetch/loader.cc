@@ -327,7 +327,6 @@ struct LoaderState {
     if (output_failed) return;
     Slot* slot = c->slot;
     Status st = c->error;
-    if (st.ok() && failing.load()) st = InternalError("stopped");  // a chunk skipped its work
     if (st.ok() && c->last) {
       slot->batch.replaced = slot->replaced.load(std::memory_order_relaxed);
       const size_t bytes = labels_offset + static_cast<size_t>(slot->batch.size) * sizeof(int32_t);

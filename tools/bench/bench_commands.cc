@@ -129,6 +129,26 @@ nlohmann::json MachineJson(int threads) {
                                          LIBJPEG_TURBO_VERSION_NUMBER % 1000)}};
 }
 
+// One plain TurboJPEG full decode to RGB (the yardstick every target is expressed in).
+bool TurboJpegFullDecode(tjhandle tj, std::span<const std::byte> jpeg, std::vector<unsigned char>& rgb) {
+  int w = 0, h = 0, sub = 0, cs = 0;
+  const auto* p = reinterpret_cast<const unsigned char*>(jpeg.data());
+  if (tjDecompressHeader3(tj, p, jpeg.size(), &w, &h, &sub, &cs) != 0) return false;
+  rgb.resize(static_cast<size_t>(w) * h * 3);
+  return tjDecompress2(tj, p, jpeg.size(), rgb.data(), w, 0, h, TJPF_RGB, 0) == 0;
+}
+
+// Views into the map of every JPEG record of `ds`, valid while `reader` lives.
+Result<std::vector<std::span<const std::byte>>> JpegViews(const dataset::Dataset& ds, dataset::Reader& reader) {
+  std::vector<std::span<const std::byte>> jpegs;
+  STOKE_RETURN_IF_ERROR(reader.Scan(0, ds.size(), [&](const dataset::RecordView& r) {
+    if (r.header.encoding == dataset::PayloadEncoding::kJpeg) jpegs.push_back(r.payload);
+    return OkStatus();
+  }));
+  if (jpegs.empty()) return InvalidArgumentError("bench: " + ds.path().string() + ": no JPEG records");
+  return jpegs;
+}
+
 Result<double> PackOnce(const BenchOptions& o, const fs::path& out, int threads,
                         pack::ValidateMode validate = pack::ValidateMode::kCoefficients) {
   pack::PackOptions p;
@@ -169,14 +189,7 @@ Result<std::string> BenchPack(const BenchOptions& o) {
   int failures = 0;
   auto decode_all = [&] {
     for (const auto& j : jpegs) {
-      int w = 0, h = 0, sub = 0, cs = 0;
-      const auto* p = reinterpret_cast<const unsigned char*>(j.data());
-      if (tjDecompressHeader3(tj.get(), p, j.size(), &w, &h, &sub, &cs) != 0) {
-        ++failures;
-        continue;
-      }
-      rgb.resize(static_cast<size_t>(w) * h * 3);
-      if (tjDecompress2(tj.get(), p, j.size(), rgb.data(), w, 0, h, TJPF_RGB, 0) != 0) ++failures;
+      if (!TurboJpegFullDecode(tj.get(), j, rgb)) ++failures;
     }
   };
   decode_all();  // warm-up
@@ -363,12 +376,7 @@ Result<std::string> BenchDecode(const BenchOptions& o, const fs::path& dataset_p
   }
   STOKE_ASSIGN_OR_RETURN(dataset::Dataset ds, dataset::Dataset::Open(db));
   STOKE_ASSIGN_OR_RETURN(auto reader, ds.NewReader({.verify_crc = false}));
-  std::vector<std::span<const std::byte>> jpegs;  // views into the map
-  STOKE_RETURN_IF_ERROR(reader.Scan(0, ds.size(), [&](const dataset::RecordView& r) {
-    if (r.header.encoding == dataset::PayloadEncoding::kJpeg) jpegs.push_back(r.payload);
-    return OkStatus();
-  }));
-  if (jpegs.empty()) return InvalidArgumentError("bench: " + db.string() + ": no JPEG records");
+  STOKE_ASSIGN_OR_RETURN(auto jpegs, JpegViews(ds, reader));  // views into the map
 
   augment::UseCallerThreadsOnly();  // as the training pipeline runs it
   constexpr int kOut = 224;
@@ -541,13 +549,7 @@ double TurboJpegRate(const std::vector<std::span<const std::byte>>& jpegs, int t
       pool.emplace_back([&] {
         TjHandle tj(tjInitDecompress());
         std::vector<unsigned char> rgb;
-        for (size_t i; (i = next.fetch_add(1)) < jpegs.size();) {
-          const auto* p = reinterpret_cast<const unsigned char*>(jpegs[i].data());
-          int w, h, sub, cs;
-          if (tjDecompressHeader3(tj.get(), p, jpegs[i].size(), &w, &h, &sub, &cs) != 0) continue;
-          rgb.resize(static_cast<size_t>(w) * h * 3);
-          tjDecompress2(tj.get(), p, jpegs[i].size(), rgb.data(), w, 0, h, TJPF_RGB, 0);
-        }
+        for (size_t i; (i = next.fetch_add(1)) < jpegs.size();) TurboJpegFullDecode(tj.get(), jpegs[i], rgb);
       });
     }
     for (auto& th : pool) th.join();
@@ -571,14 +573,8 @@ Result<std::string> BenchPipeline(const BenchOptions& o, const fs::path& dataset
     STOKE_RETURN_IF_ERROR(PackOnce(o, db, 0).status());
   }
   STOKE_ASSIGN_OR_RETURN(dataset::Dataset ds, dataset::Dataset::Open(db));
-  // Views into the map for the TurboJPEG runs, valid while `reader` lives.
-  std::vector<std::span<const std::byte>> jpegs;
   STOKE_ASSIGN_OR_RETURN(auto reader, ds.NewReader({.verify_crc = false}));
-  STOKE_RETURN_IF_ERROR(reader.Scan(0, ds.size(), [&](const dataset::RecordView& r) {
-    if (r.header.encoding == dataset::PayloadEncoding::kJpeg) jpegs.push_back(r.payload);
-    return OkStatus();
-  }));
-  if (jpegs.empty()) return InvalidArgumentError("bench: " + db.string() + ": no JPEG records");
+  STOKE_ASSIGN_OR_RETURN(auto jpegs, JpegViews(ds, reader));  // for the TurboJPEG runs
 
   // Interleaved repeats, so that the machine's drift hits every figure alike.
   std::vector<double> tj_n, loader_n, loader_1, wait_n;
