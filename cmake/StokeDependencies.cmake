@@ -8,6 +8,9 @@ find_package(spdlog REQUIRED CONFIG)               # spdlog::spdlog (with fmt::f
 find_package(fmt REQUIRED CONFIG)
 find_package(nlohmann_json REQUIRED CONFIG)
 find_package(CLI11 REQUIRED CONFIG)
+find_package(yaml-cpp REQUIRED CONFIG)             # yaml-cpp
+find_package(dnnl REQUIRED CONFIG)                 # DNNL::dnnl (Debian: OpenMP; its config wants OpenCL headers)
+find_package(OpenMP REQUIRED)                      # to size oneDNN's OpenMP thread team
 find_package(Threads REQUIRED)
 if(STOKE_BUILD_TESTS)
   find_package(GTest REQUIRED CONFIG)

@@ -1,0 +1,325 @@
+// The CPU backend: finite-difference gradient checks for every layer, model resolution errors,
+// presets, state round trips and learning on a synthetic task.
+#include <cmath>
+#include <map>
+#include <random>
+
+#include <gtest/gtest.h>
+
+#include "tests/testing/test_util.h"
+#include "train/cpu_network.h"
+
+namespace stoke::train {
+namespace {
+
+LayerSpec L(LayerType type, std::string name = "", std::vector<std::string> inputs = {}) {
+  LayerSpec l;
+  l.type = type;
+  l.name = std::move(name);
+  l.inputs = std::move(inputs);
+  return l;
+}
+LayerSpec Conv(int out, int k, int s, int p, std::string name = "", std::vector<std::string> in = {}) {
+  LayerSpec l = L(LayerType::kConv, std::move(name), std::move(in));
+  l.out = out;
+  l.kernel = k;
+  l.stride = s;
+  l.pad = p;
+  return l;
+}
+LayerSpec Linear(int out, std::string name = "") {
+  LayerSpec l = L(LayerType::kLinear, std::move(name));
+  l.out = out;
+  return l;
+}
+LayerSpec Pool(LayerType type, int k, int s, int p) {
+  LayerSpec l = L(type);
+  l.kernel = k;
+  l.stride = s;
+  l.pad = p;
+  return l;
+}
+
+struct Fixture {
+  std::unique_ptr<CpuNetwork> net;
+  std::vector<float> input;
+  std::vector<int32_t> labels;
+};
+
+Fixture Build(std::vector<LayerSpec> layers, int classes, int size, int batch, double smoothing = 0,
+              uint64_t seed = 1) {
+  NetworkOptions o;
+  o.model.layers = std::move(layers);
+  o.model.classes = classes;
+  o.image_size = size;
+  o.batch = batch;
+  o.label_smoothing = smoothing;
+  o.seed = seed;
+  o.threads = 2;
+  auto net = CpuNetwork::Create(o);
+  EXPECT_TRUE(net.ok()) << net.status().ToString();
+  Fixture f;
+  if (!net.ok()) return f;
+  f.net = std::move(*net);
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  std::normal_distribution<float> normal(0.f, 1.f);
+  f.input.resize(static_cast<size_t>(batch) * 3 * size * size);
+  for (float& v : f.input) v = normal(rng);
+  for (int i = 0; i < batch; ++i) f.labels.push_back(static_cast<int32_t>(rng() % static_cast<uint32_t>(classes)));
+  return f;
+}
+
+// Compares every parameter's analytic gradient with central differences of the loss, on up to
+// `per_tensor` entries of each tensor.
+void CheckGradients(Fixture& f, int64_t step = 7, int per_tensor = 12, double rel_tol = 3e-2, float eps = 1e-3f) {
+  ASSERT_TRUE(f.net);
+  ASSERT_OK_AND_ASSIGN(BatchStats base, f.net->ForwardBackward(f.input, f.labels, step));
+  ASSERT_TRUE(std::isfinite(base.loss()));
+  const std::vector<NamedTensor> grads = f.net->Gradients();
+  const std::vector<NamedTensor> state = f.net->State();
+  std::map<std::string, size_t> where;
+  for (size_t i = 0; i < state.size(); ++i) where[state[i].name] = i;
+  std::mt19937 rng(3);
+  int checked = 0;
+  for (const NamedTensor& g : grads) {
+    const size_t si = where.at(g.name);
+    const size_t n = g.values.size();
+    for (int t = 0; t < per_tensor && t < static_cast<int>(n); ++t) {
+      const size_t k = n <= static_cast<size_t>(per_tensor) ? static_cast<size_t>(t) : rng() % n;
+      auto loss_at = [&](float delta) {
+        std::vector<NamedTensor> s = state;
+        s[si].values[k] += delta;
+        EXPECT_OK(f.net->LoadState(s));
+        auto r = f.net->ForwardBackward(f.input, f.labels, step);
+        EXPECT_TRUE(r.ok());
+        return r.ok() ? r->loss() : 0.0;
+      };
+      const double numeric = (loss_at(eps) - loss_at(-eps)) / (2 * eps);
+      const double analytic = g.values[k];
+      EXPECT_NEAR(numeric, analytic, 2e-3 + rel_tol * std::abs(analytic))
+          << g.name << "[" << k << "]: numeric " << numeric << ", analytic " << analytic;
+      ++checked;
+    }
+  }
+  EXPECT_OK(f.net->LoadState(state));
+  EXPECT_GT(checked, 0);
+}
+
+TEST(GradientCheck, ConvolutionWithBiasStrideAndPadding) {
+  LayerSpec conv = Conv(4, 3, 2, 1);
+  conv.bias = true;
+  Fixture f = Build({conv, L(LayerType::kFlatten), Linear(3)}, 3, 7, 2);
+  CheckGradients(f);
+}
+
+TEST(GradientCheck, BatchNormAndRelu) {
+  Fixture f = Build({Conv(5, 3, 1, 1), L(LayerType::kBatchNorm), L(LayerType::kRelu),
+                     L(LayerType::kGlobalAvgPool), Linear(4)},
+                    4, 5, 3);
+  CheckGradients(f);
+}
+
+TEST(GradientCheck, MaxPool) {
+  Fixture f = Build({Conv(3, 3, 1, 1), Pool(LayerType::kMaxPool, 3, 2, 1), L(LayerType::kFlatten), Linear(3)}, 3, 6, 2);
+  CheckGradients(f);
+}
+
+TEST(GradientCheck, AveragePoolCountsPadding) {
+  Fixture f = Build({Conv(3, 1, 1, 0), Pool(LayerType::kAvgPool, 3, 2, 1), L(LayerType::kFlatten), Linear(3)}, 3, 6, 2);
+  CheckGradients(f);
+}
+
+TEST(GradientCheck, ResidualAddWithTwoConsumers) {
+  // "a" feeds both branches, so its gradient is the sum of two contributions.
+  Fixture f = Build({Conv(4, 3, 1, 1, "a"), Conv(4, 3, 1, 1, "b", {"a"}), L(LayerType::kBatchNorm, "bn", {"b"}),
+                     L(LayerType::kAdd, "sum", {"bn", "a"}), L(LayerType::kRelu), L(LayerType::kGlobalAvgPool),
+                     Linear(3)},
+                    3, 5, 2);
+  CheckGradients(f);
+}
+
+TEST(GradientCheck, LinearDropoutAndVectorBatchNorm) {
+  LayerSpec drop = L(LayerType::kDropout);
+  drop.p = 0.3;
+  Fixture f = Build({L(LayerType::kFlatten), Linear(8), L(LayerType::kBatchNorm), L(LayerType::kRelu), drop,
+                     Linear(3)},
+                    3, 3, 4);
+  CheckGradients(f);
+}
+
+TEST(GradientCheck, LabelSmoothing) {
+  Fixture f = Build({L(LayerType::kFlatten), Linear(5)}, 5, 3, 3, /*smoothing=*/0.2);
+  CheckGradients(f);
+}
+
+TEST(GradientCheck, SmallResNetPreset) {
+  // A full preset at a small size exercises projection shortcuts and blocked layouts together.
+  // With thousands of ReLUs a step of 1e-3 crosses kinks (the difference quotient drifts from the
+  // derivative as the step grows); 1e-4 is small enough and float32 still resolves it.
+  ASSERT_OK_AND_ASSIGN(auto layers, ExpandPreset("resnet20", 4));
+  Fixture f = Build(layers, 4, 8, 8);
+  CheckGradients(f, 7, 3, 0.05, 1e-4f);
+}
+
+TEST(Dropout, SameStepSameMaskOtherStepOtherMask) {
+  LayerSpec drop = L(LayerType::kDropout);
+  drop.p = 0.5;
+  Fixture f = Build({L(LayerType::kFlatten), Linear(16), drop, Linear(3)}, 3, 3, 4);
+  ASSERT_OK_AND_ASSIGN(auto a, f.net->ForwardBackward(f.input, f.labels, 1));
+  ASSERT_OK_AND_ASSIGN(auto b, f.net->ForwardBackward(f.input, f.labels, 1));
+  ASSERT_OK_AND_ASSIGN(auto c, f.net->ForwardBackward(f.input, f.labels, 2));
+  EXPECT_EQ(a.loss_sum, b.loss_sum);
+  EXPECT_NE(a.loss_sum, c.loss_sum);
+}
+
+TEST(Model, ResolveErrorsNameTheLayer) {
+  ModelSpec m;
+  m.classes = 3;
+  m.layers = {Conv(4, 3, 1, 1, "c1"), L(LayerType::kAdd, "sum", {"c1", "nope"})};
+  auto r = ResolveModel(m, {3, 8, 8});
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("layer 1 ('sum', add): input 'nope'"), std::string::npos)
+      << r.status().ToString();
+
+  m.layers = {Conv(4, 3, 2, 1, "c1"), L(LayerType::kAdd, "sum", {"c1", "input"})};
+  r = ResolveModel(m, {3, 8, 8});
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("differ in shape"), std::string::npos) << r.status().ToString();
+
+  m.layers = {Conv(4, 3, 1, 1), L(LayerType::kGlobalAvgPool)};
+  r = ResolveModel(m, {3, 8, 8});
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("vector of 3 logits"), std::string::npos) << r.status().ToString();
+
+  m.layers = {L(LayerType::kFlatten), Conv(4, 3, 1, 1)};
+  r = ResolveModel(m, {3, 8, 8});
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("needs a C x H x W input"), std::string::npos) << r.status().ToString();
+
+  m.layers = {Conv(4, 9, 1, 0)};
+  r = ResolveModel(m, {3, 8, 8});
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("does not fit"), std::string::npos) << r.status().ToString();
+
+  EXPECT_FALSE(ExpandPreset("resnet101", 10).ok());
+  EXPECT_NE(ExpandPreset("resnet101", 10).status().message().find("resnet50"), std::string::npos);
+}
+
+TEST(Model, PresetsHaveTheKnownParameterCounts) {
+  // Counts of the reference architectures (ImageNet ones for 1000 classes at 224).
+  const std::map<std::string, std::pair<int, int64_t>> expected = {
+      {"resnet18", {224, 11689512}}, {"resnet34", {224, 21797672}}, {"resnet50", {224, 25557032}}};
+  for (const auto& [name, want] : expected) {
+    ModelSpec m;
+    m.classes = 1000;
+    ASSERT_OK_AND_ASSIGN(m.layers, ExpandPreset(name, 1000));
+    const Shape input{3, want.first, want.first};
+    ASSERT_OK_AND_ASSIGN(auto shapes, ResolveModel(m, input));
+    EXPECT_EQ(CountParameters(m, shapes, input), want.second) << name;
+  }
+  ModelSpec r20;
+  r20.classes = 10;
+  ASSERT_OK_AND_ASSIGN(r20.layers, ExpandPreset("resnet20", 10));
+  ASSERT_OK_AND_ASSIGN(auto shapes, ResolveModel(r20, {3, 32, 32}));
+  // 0.27M with projection shortcuts on the two stage changes.
+  EXPECT_NEAR(static_cast<double>(CountParameters(r20, shapes, {3, 32, 32})), 0.27e6, 0.01e6);
+  ModelSpec lenet;
+  lenet.classes = 10;
+  ASSERT_OK_AND_ASSIGN(lenet.layers, ExpandPreset("lenet", 10));
+  ASSERT_OK_AND_ASSIGN(shapes, ResolveModel(lenet, {3, 32, 32}));
+  EXPECT_EQ(CountParameters(lenet, shapes, {3, 32, 32}), 62006);
+}
+
+TEST(Network, StateRoundTripAndShapeErrors) {
+  Fixture f = Build({Conv(4, 3, 1, 1, "c"), L(LayerType::kBatchNorm, "bn"), L(LayerType::kGlobalAvgPool), Linear(3, "fc")},
+                    3, 6, 2);
+  std::vector<NamedTensor> s = f.net->State();
+  std::vector<std::string> names;
+  for (const auto& t : s) names.push_back(t.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"c.weight", "c.bias", "bn.weight", "bn.bias", "fc.weight", "fc.bias",
+                                              "bn.running_mean", "bn.running_var", "c.weight.momentum",
+                                              "c.bias.momentum", "bn.weight.momentum", "bn.bias.momentum", "fc.weight.momentum",
+                                              "fc.bias.momentum"}));
+  for (auto& t : s) {
+    for (size_t i = 0; i < t.values.size(); ++i) t.values[i] = 0.01f * static_cast<float>(i % 17);
+  }
+  ASSERT_OK(f.net->LoadState(s));
+  const auto back = f.net->State();
+  for (size_t i = 0; i < s.size(); ++i) EXPECT_EQ(back[i].values, s[i].values) << s[i].name;
+
+  s[0].dims = {4, 3, 3, 2};
+  Status bad = f.net->LoadState(s);
+  EXPECT_FALSE(bad.ok());
+  EXPECT_NE(bad.message().find("'c.weight' has shape [4, 3, 3, 2], the model needs [4, 3, 3, 3]"), std::string::npos)
+      << bad.ToString();
+  s[0].dims = {4, 3, 3, 3};
+  s.erase(s.begin() + 4);  // fc.weight
+  bad = f.net->LoadState(s);
+  EXPECT_NE(bad.message().find("no tensor 'fc.weight'"), std::string::npos) << bad.ToString();
+}
+
+// Images whose class is the quadrant holding a bright square: learnable in a few dozen steps.
+prefetch::Batch QuadrantBatch(int batch, int size, uint32_t seed, std::vector<uint8_t>& images,
+                              std::vector<int32_t>& labels) {
+  std::mt19937 rng(seed);
+  images.assign(static_cast<size_t>(batch) * size * size * 3, 0);
+  labels.resize(static_cast<size_t>(batch));
+  for (int i = 0; i < batch; ++i) {
+    const int q = static_cast<int>(rng() % 4);
+    labels[static_cast<size_t>(i)] = q;
+    const int half = size / 2;
+    for (int y = 0; y < size; ++y) {
+      for (int x = 0; x < size; ++x) {
+        const bool lit = (y / half) * 2 + (x / half) == q;
+        for (int c = 0; c < 3; ++c) {
+          const int noise = static_cast<int>(rng() % 40);
+          images[((static_cast<size_t>(i) * size + y) * size + x) * 3 + c] = static_cast<uint8_t>(lit ? 200 + noise / 3 : noise);
+        }
+      }
+    }
+  }
+  prefetch::Batch b;
+  b.size = batch;
+  b.width = b.height = size;
+  b.images = images;
+  b.labels = labels;
+  return b;
+}
+
+TEST(Network, LossDecreasesOnALearnableTask) {
+  NetworkOptions o;
+  o.model.classes = 4;
+  o.model.layers = {Conv(8, 3, 1, 1), L(LayerType::kBatchNorm), L(LayerType::kRelu),
+                    Pool(LayerType::kMaxPool, 2, 2, 0), L(LayerType::kFlatten), Linear(4)};
+  o.image_size = 8;
+  o.batch = 16;
+  o.threads = 2;
+  ASSERT_OK_AND_ASSIGN(auto net, CpuNetwork::Create(o));
+  SgdOptions sgd{.momentum = 0.9, .nesterov = true, .weight_decay = 1e-4};
+  std::vector<uint8_t> images;
+  std::vector<int32_t> labels;
+  double first = 0, last = 0;
+  for (int step = 0; step < 60; ++step) {
+    prefetch::Batch b = QuadrantBatch(16, 8, static_cast<uint32_t>(step), images, labels);
+    ASSERT_OK_AND_ASSIGN(BatchStats s, net->TrainStep(b, 0.05f, sgd, step));
+    if (step < 5) first += s.loss() / 5;
+    if (step >= 55) last += s.loss() / 5;
+  }
+  EXPECT_LT(last, 0.3 * first) << "first " << first << " last " << last;
+  prefetch::Batch b = QuadrantBatch(10, 8, 999, images, labels);  // a short evaluation batch
+  ASSERT_OK_AND_ASSIGN(BatchStats eval, net->Evaluate(b));
+  EXPECT_EQ(eval.count, 10);
+  EXPECT_GE(eval.top1, 9);
+  EXPECT_EQ(eval.top5, 10);
+
+  // Training batches must be full; labels must fit the classes.
+  EXPECT_FALSE(net->TrainStep(b, 0.05f, sgd, 60).ok());
+  b = QuadrantBatch(16, 8, 5, images, labels);
+  labels[3] = 4;
+  auto r = net->TrainStep(b, 0.05f, sgd, 61);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("label 4, outside the model's 4 classes"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace stoke::train

@@ -1,0 +1,938 @@
+#include "train/cpu_network.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <numbers>
+#include <oneapi/dnnl/dnnl.hpp>
+#include <unordered_map>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "common/random.h"
+
+namespace stoke::train {
+namespace {
+
+using dnnl::memory;
+using Tag = memory::format_tag;
+using Dims = memory::dims;
+using ArgMap = std::unordered_map<int, memory>;
+constexpr auto kF32 = memory::data_type::f32;
+
+memory::desc Any(const Dims& dims) { return memory::desc(dims, kF32, Tag::any); }
+float* Data(const memory& m) { return static_cast<float*>(m.get_data_handle()); }
+size_t Floats(const memory& m) { return m.get_desc().get_size() / sizeof(float); }
+bool IsReference(const dnnl::primitive_desc_base& pd) { return std::string_view(pd.impl_info_str()).starts_with("ref"); }
+
+// Converts a memory into another layout when the two differ; a no-op (returns its input) otherwise.
+struct Converter {
+  bool needed = false;
+  dnnl::reorder prim;
+  memory out;
+  void Init(const memory::desc& from, const memory::desc& to, const dnnl::engine& eng) {
+    needed = from != to;
+    if (!needed) return;
+    out = memory(to, eng);
+    prim = dnnl::reorder(dnnl::reorder::primitive_desc(eng, from, eng, to));
+  }
+  memory Run(const memory& in, dnnl::stream& s) {
+    if (!needed) return in;
+    memory src = in;
+    prim.execute(s, src, out);
+    return out;
+  }
+};
+
+// A learnable tensor with its gradient and momentum, all in the layout its primitive chose.
+struct Param {
+  std::string name;
+  Dims dims;  // plain (checkpoint) dims
+  Tag plain = Tag::x;
+  memory value, grad, momentum;
+  bool decay = true;  // false for BN scale/shift and biases
+};
+
+// A non-learned tensor kept in checkpoints (BN running statistics).
+struct Buffer {
+  std::string name;
+  memory value;  // plain 1-D
+};
+
+// Where a layer delivers the gradient for one of its inputs.
+struct DiffSink {
+  int node = -1;        // -1: the network input (no gradient needed)
+  bool direct = false;  // the primitive writes straight into the node's gradient
+  memory scratch;       // otherwise it writes here, and Deliver() converts and accumulates
+  Converter to_node;
+};
+
+struct Node {
+  memory out;   // the layer's output
+  memory diff;  // gradient of the loss with respect to `out`
+  int consumers = 0;
+  int writes = 0;  // gradient contributions received in this backward pass
+};
+
+class Net;
+
+class Layer {
+ public:
+  virtual ~Layer() = default;
+  virtual void Forward(Net& net, bool training, int64_t step) = 0;
+  virtual void Backward(Net& net) = 0;
+};
+
+class Net {
+ public:
+  NetworkOptions opt;
+  std::vector<Shape> shapes;
+  dnnl::engine eng{dnnl::engine::kind::cpu, 0};
+  dnnl::stream strm{eng};
+  memory input;
+  std::vector<Node> nodes;
+  std::vector<std::unique_ptr<Layer>> layers;
+  std::vector<std::unique_ptr<Param>> params;
+  std::vector<Buffer> buffers;
+  memory logits_plain;  // N x classes, plain
+  Converter logits_conv;
+  memory loss_diff;  // N x classes, plain
+  Converter loss_diff_conv;
+
+  const memory& Out(int node) const { return node < 0 ? input : nodes[static_cast<size_t>(node)].out; }
+  memory::desc OutMd(int node) const { return Out(node).get_desc(); }
+
+  Param* AddParam(const std::string& name, const Dims& dims, Tag plain, const memory::desc& md, bool decay,
+                  const std::vector<float>& init) {
+    auto p = std::make_unique<Param>();
+    p->name = name;
+    p->dims = dims;
+    p->plain = plain;
+    p->decay = decay;
+    p->value = memory(md, eng);
+    p->grad = memory(md, eng);
+    p->momentum = memory(md, eng);
+    std::memset(p->grad.get_data_handle(), 0, md.get_size());
+    std::memset(p->momentum.get_data_handle(), 0, md.get_size());
+    FromPlain(init, dims, plain, p->value);
+    params.push_back(std::move(p));
+    return params.back().get();
+  }
+  memory AddBuffer(const std::string& name, int64_t size, float fill) {
+    memory m(memory::desc({size}, kF32, Tag::x), eng);
+    std::fill_n(Data(m), size, fill);
+    buffers.push_back({name, m});
+    return m;
+  }
+
+  void FromPlain(const std::vector<float>& values, const Dims& dims, Tag plain, memory& dst) {
+    memory::desc md(dims, kF32, plain);
+    memory src(md, eng, const_cast<float*>(values.data()));
+    dnnl::reorder(src, dst).execute(strm, src, dst);
+    strm.wait();
+  }
+  std::vector<float> ToPlain(const memory& m, const Dims& dims, Tag plain) {
+    memory::desc md(dims, kF32, plain);
+    std::vector<float> values(md.get_size() / sizeof(float));
+    memory dst(md, eng, values.data());
+    memory src = m;
+    dnnl::reorder(src, dst).execute(strm, src, dst);
+    strm.wait();
+    return values;
+  }
+
+  void InitSink(DiffSink& s, int node, const memory::desc& produced) {
+    s.node = node;
+    if (node < 0) return;
+    const Node& n = nodes[static_cast<size_t>(node)];
+    s.direct = n.consumers == 1 && produced == n.out.get_desc();
+    if (!s.direct) {
+      s.scratch = memory(produced, eng);
+      s.to_node.Init(produced, n.out.get_desc(), eng);
+    }
+  }
+  memory SinkTarget(const DiffSink& s) {
+    return s.direct ? nodes[static_cast<size_t>(s.node)].diff : s.scratch;
+  }
+  void Deliver(DiffSink& s) {
+    if (s.node < 0) return;
+    if (s.direct) {
+      nodes[static_cast<size_t>(s.node)].writes++;
+      return;
+    }
+    Give(s.node, s.scratch, s.to_node);
+  }
+  // Adds `d` (converted into the node's layout) to the node's gradient.
+  void Give(int node, const memory& d, Converter& conv) {
+    if (node < 0) return;
+    memory src = conv.Run(d, strm);
+    strm.wait();
+    Node& n = nodes[static_cast<size_t>(node)];
+    float* dst = Data(n.diff);
+    const float* from = Data(src);
+    const size_t count = Floats(n.diff);
+    if (n.writes++ == 0) {
+      std::memcpy(dst, from, count * sizeof(float));
+    } else {
+      for (size_t i = 0; i < count; ++i) dst[i] += from[i];
+    }
+  }
+};
+
+// ---------------------------------------------------------------- convolution and linear
+
+class WeightedLayer final : public Layer {
+ public:
+  WeightedLayer(Net& net, const LayerSpec& l, int self, int in_node, uint64_t init_seed) : self_(self), in_(in_node) {
+    const bool conv = l.type == LayerType::kConv;
+    const int n = net.opt.batch;
+    const memory::desc in_md = net.OutMd(in_node);
+    Dims src_dims = in_md.dims();
+    src_dims[0] = n;
+    Dims w_dims = src_dims;
+    w_dims[0] = l.out;
+    const Shape out_shape = net.shapes[static_cast<size_t>(self)];
+    Dims dst_dims = conv ? Dims{n, out_shape.c, out_shape.h, out_shape.w} : Dims{n, l.out};
+    const Dims strides{l.stride, l.stride}, pad{l.pad, l.pad};
+    if (conv) w_dims = {l.out, src_dims[1], l.kernel, l.kernel};
+    const Dims b_dims{l.out};
+    const memory::desc bias_md = l.bias ? memory::desc(b_dims, kF32, Tag::x) : memory::desc();
+    const memory::desc dst_req = conv ? Any(dst_dims) : memory::desc(dst_dims, kF32, Tag::nc);
+    const auto fwd_kind = dnnl::prop_kind::forward_training;
+    const auto alg = dnnl::algorithm::convolution_direct;
+
+    memory::desc src_md, w_md, dst_md;
+    if (conv) {
+      auto d = l.bias ? dnnl::convolution_forward::desc(fwd_kind, alg, Any(src_dims), Any(w_dims), bias_md,
+                                                         dst_req, strides, pad, pad)
+                      : dnnl::convolution_forward::desc(fwd_kind, alg, Any(src_dims), Any(w_dims), dst_req,
+                                                         strides, pad, pad);
+      conv_pd_ = dnnl::convolution_forward::primitive_desc(d, net.eng);
+      fwd_ = dnnl::convolution_forward(conv_pd_);
+      src_md = conv_pd_.src_desc();
+      w_md = conv_pd_.weights_desc();
+      dst_md = conv_pd_.dst_desc();
+    } else {
+      auto d = l.bias ? dnnl::inner_product_forward::desc(fwd_kind, Any(src_dims), Any(w_dims), bias_md, dst_req)
+                      : dnnl::inner_product_forward::desc(fwd_kind, Any(src_dims), Any(w_dims), dst_req);
+      ip_pd_ = dnnl::inner_product_forward::primitive_desc(d, net.eng);
+      fwd_ = dnnl::inner_product_forward(ip_pd_);
+      src_md = ip_pd_.src_desc();
+      w_md = ip_pd_.weights_desc();
+      dst_md = ip_pd_.dst_desc();
+    }
+    src_conv_.Init(in_md, src_md, net.eng);
+
+    // Initialisation: Kaiming-normal (fan-out, ReLU gain) for convolutions as in ResNet; the
+    // uniform +-1/sqrt(fan_in) of common frameworks for linear layers and their biases.
+    int64_t fan_in = 1;
+    for (size_t i = 1; i < w_dims.size(); ++i) fan_in *= w_dims[i];
+    int64_t w_count = 1;
+    for (auto d : w_dims) w_count *= d;
+    SplitMix64 rng(init_seed);
+    std::vector<float> w_init(static_cast<size_t>(w_count));
+    const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
+    if (conv) {
+      const double std_dev = std::sqrt(2.0 / static_cast<double>(l.out * l.kernel * l.kernel));
+      for (auto& v : w_init) {
+        const double u1 = 1.0 - Uniform01(rng), u2 = Uniform01(rng);
+        v = static_cast<float>(std_dev * std::sqrt(-2 * std::log(u1)) * std::cos(2 * std::numbers::pi * u2));
+      }
+    } else {
+      for (auto& v : w_init) v = static_cast<float>(Uniform(rng, -bound, bound));
+    }
+    const Tag w_plain = w_dims.size() == 4 ? Tag::oihw : Tag::oi;
+    weight_ = net.AddParam(l.name + ".weight", w_dims, w_plain, w_md, true, w_init);
+    if (l.bias) {
+      std::vector<float> b_init(static_cast<size_t>(l.out), 0.f);
+      if (!conv) {
+        for (auto& v : b_init) v = static_cast<float>(Uniform(rng, -bound, bound));
+      }
+      bias_ = net.AddParam(l.name + ".bias", b_dims, Tag::x, bias_md, false, b_init);
+    }
+    net.nodes[static_cast<size_t>(self)].out = memory(dst_md, net.eng);
+    net.nodes[static_cast<size_t>(self)].diff = memory(dst_md, net.eng);
+
+    // Backward weights: ask for gradients in the weights' own layout (so SGD is elementwise);
+    // when no kernel offers that, take the preferred one and convert.
+    memory::desc bw_diff_w, bw_diff_dst;
+    bool bw_reference = false;
+    auto make_bwd_weights = [&](const memory::desc& dw) {
+      if (conv) {
+        auto d = l.bias ? dnnl::convolution_backward_weights::desc(alg, src_md, dw, bias_md, Any(dst_dims),
+                                                                    strides, pad, pad)
+                        : dnnl::convolution_backward_weights::desc(alg, src_md, dw, Any(dst_dims), strides,
+                                                                    pad, pad);
+        dnnl::convolution_backward_weights::primitive_desc pd(d, net.eng, conv_pd_);
+        bwd_w_ = dnnl::convolution_backward_weights(pd);
+        bw_diff_w = pd.diff_weights_desc();
+        bw_diff_dst = pd.diff_dst_desc();
+        bw_reference = IsReference(pd);
+      } else {
+        auto d = l.bias ? dnnl::inner_product_backward_weights::desc(src_md, dw, bias_md, Any(dst_dims))
+                        : dnnl::inner_product_backward_weights::desc(src_md, dw, Any(dst_dims));
+        dnnl::inner_product_backward_weights::primitive_desc pd(d, net.eng, ip_pd_);
+        bwd_w_ = dnnl::inner_product_backward_weights(pd);
+        bw_diff_w = pd.diff_weights_desc();
+        bw_diff_dst = pd.diff_dst_desc();
+        bw_reference = IsReference(pd);
+      }
+    };
+    // oneDNN's reference kernels accept any layout, so a fixed layout "succeeds" slowly: fall
+    // back to the preferred layout when that is what was picked.
+    bool fixed_ok = true;
+    try {
+      make_bwd_weights(w_md);
+      fixed_ok = !bw_reference;
+    } catch (const dnnl::error&) {
+      fixed_ok = false;
+    }
+    if (!fixed_ok) make_bwd_weights(Any(w_dims));
+    if (bw_diff_w != w_md) {
+      grad_scratch_ = memory(bw_diff_w, net.eng);
+      grad_conv_ = dnnl::reorder(dnnl::reorder::primitive_desc(net.eng, bw_diff_w, net.eng, w_md));
+    }
+    dd_w_.Init(dst_md, bw_diff_dst, net.eng);
+
+    // Backward data, unless the input is the network input.
+    if (in_node < 0) return;
+    memory::desc bd_w, bd_diff_dst, bd_diff_src;
+    auto make_bwd_data = [&](const memory::desc& wmd) {
+      if (conv) {
+        dnnl::convolution_backward_data::desc d(alg, Any(src_dims), wmd, Any(dst_dims), strides, pad, pad);
+        dnnl::convolution_backward_data::primitive_desc pd(d, net.eng, conv_pd_);
+        bwd_d_ = dnnl::convolution_backward_data(pd);
+        bd_w = pd.weights_desc();
+        bd_diff_dst = pd.diff_dst_desc();
+        bd_diff_src = pd.diff_src_desc();
+      } else {
+        dnnl::inner_product_backward_data::desc d(Any(src_dims), wmd, Any(dst_dims));
+        dnnl::inner_product_backward_data::primitive_desc pd(d, net.eng, ip_pd_);
+        bwd_d_ = dnnl::inner_product_backward_data(pd);
+        bd_w = pd.weights_desc();
+        bd_diff_dst = pd.diff_dst_desc();
+        bd_diff_src = pd.diff_src_desc();
+      }
+    };
+    // The data gradient wants the weights in a transposed blocking: let it choose, and convert
+    // the weights (small next to the activations) each step.
+    make_bwd_data(Any(w_dims));
+    w_for_data_.Init(w_md, bd_w, net.eng);
+    dd_d_.Init(dst_md, bd_diff_dst, net.eng);
+    net.InitSink(sink_, in_node, bd_diff_src);
+  }
+
+  void Forward(Net& net, bool, int64_t) override {
+    src_ = src_conv_.Run(net.Out(in_), net.strm);
+    ArgMap args{{DNNL_ARG_SRC, src_},
+                {DNNL_ARG_WEIGHTS, weight_->value},
+                {DNNL_ARG_DST, net.nodes[static_cast<size_t>(self_)].out}};
+    if (bias_) args[DNNL_ARG_BIAS] = bias_->value;
+    fwd_.execute(net.strm, args);
+  }
+
+  void Backward(Net& net) override {
+    const memory& diff = net.nodes[static_cast<size_t>(self_)].diff;
+    ArgMap args{{DNNL_ARG_SRC, src_},
+                {DNNL_ARG_DIFF_DST, dd_w_.Run(diff, net.strm)},
+                {DNNL_ARG_DIFF_WEIGHTS, grad_scratch_ ? grad_scratch_ : weight_->grad}};
+    if (bias_) args[DNNL_ARG_DIFF_BIAS] = bias_->grad;
+    bwd_w_.execute(net.strm, args);
+    if (grad_scratch_) grad_conv_.execute(net.strm, grad_scratch_, weight_->grad);
+    if (in_ < 0) return;
+    bwd_d_.execute(net.strm, {{DNNL_ARG_DIFF_DST, dd_d_.Run(diff, net.strm)},
+                              {DNNL_ARG_WEIGHTS, w_for_data_.Run(weight_->value, net.strm)},
+                              {DNNL_ARG_DIFF_SRC, net.SinkTarget(sink_)}});
+    net.Deliver(sink_);
+  }
+
+ private:
+  int self_, in_;
+  dnnl::convolution_forward::primitive_desc conv_pd_;
+  dnnl::inner_product_forward::primitive_desc ip_pd_;
+  dnnl::primitive fwd_, bwd_w_, bwd_d_;
+  dnnl::reorder grad_conv_;
+  memory grad_scratch_;
+  Converter src_conv_, dd_w_, dd_d_, w_for_data_;
+  memory src_;
+  Param* weight_ = nullptr;
+  Param* bias_ = nullptr;
+  DiffSink sink_;
+};
+
+// ---------------------------------------------------------------- batch normalisation
+
+class BatchNormLayer final : public Layer {
+ public:
+  BatchNormLayer(Net& net, const LayerSpec& l, int self, int in_node) : self_(self), in_(in_node) {
+    const memory::desc md = net.OutMd(in_node);
+    const Dims dims = md.dims();
+    channels_ = dims[1];
+    per_channel_ = 1;
+    for (size_t i = 0; i < dims.size(); ++i) per_channel_ *= i == 1 ? 1 : dims[i];
+    const auto eps = static_cast<float>(net.opt.bn_epsilon);
+    const auto flags = dnnl::normalization_flags::use_scale | dnnl::normalization_flags::use_shift;
+    fwd_pd_ = dnnl::batch_normalization_forward::primitive_desc(
+        {dnnl::prop_kind::forward_training, md, eps, flags}, net.eng);
+    fwd_ = dnnl::batch_normalization_forward(fwd_pd_);
+    dnnl::batch_normalization_forward::primitive_desc inf_pd(
+        {dnnl::prop_kind::forward_inference, md, eps, flags | dnnl::normalization_flags::use_global_stats},
+        net.eng);
+    inf_ = dnnl::batch_normalization_forward(inf_pd);
+    dnnl::batch_normalization_backward::primitive_desc bwd_pd(
+        {dnnl::prop_kind::backward, md, md, eps, flags}, net.eng, fwd_pd_);
+    bwd_ = dnnl::batch_normalization_backward(bwd_pd);
+
+    const memory::desc vec({channels_}, kF32, Tag::x);
+    scale_ = net.AddParam(l.name + ".weight", {channels_}, Tag::x, vec, false,
+                          std::vector<float>(static_cast<size_t>(channels_), l.zero_init ? 0.f : 1.f));
+    shift_ = net.AddParam(l.name + ".bias", {channels_}, Tag::x, vec, false,
+                          std::vector<float>(static_cast<size_t>(channels_), 0.f));
+    mean_ = memory(fwd_pd_.mean_desc(), net.eng);
+    var_ = memory(fwd_pd_.variance_desc(), net.eng);
+    running_mean_ = net.AddBuffer(l.name + ".running_mean", channels_, 0.f);
+    running_var_ = net.AddBuffer(l.name + ".running_var", channels_, 1.f);
+    Node& node = net.nodes[static_cast<size_t>(self)];
+    node.out = memory(fwd_pd_.dst_desc(), net.eng);
+    node.diff = memory(fwd_pd_.dst_desc(), net.eng);
+    dd_.Init(fwd_pd_.dst_desc(), bwd_pd.diff_dst_desc(), net.eng);
+    net.InitSink(sink_, in_node, bwd_pd.diff_src_desc());
+  }
+
+  void Forward(Net& net, bool training, int64_t) override {
+    const memory& out = net.nodes[static_cast<size_t>(self_)].out;
+    if (!training) {
+      inf_.execute(net.strm, {{DNNL_ARG_SRC, net.Out(in_)}, {DNNL_ARG_DST, out},
+                              {DNNL_ARG_SCALE, scale_->value}, {DNNL_ARG_SHIFT, shift_->value},
+                              {DNNL_ARG_MEAN, running_mean_}, {DNNL_ARG_VARIANCE, running_var_}});
+      return;
+    }
+    fwd_.execute(net.strm, {{DNNL_ARG_SRC, net.Out(in_)}, {DNNL_ARG_DST, out},
+                            {DNNL_ARG_SCALE, scale_->value}, {DNNL_ARG_SHIFT, shift_->value},
+                            {DNNL_ARG_MEAN, mean_}, {DNNL_ARG_VARIANCE, var_}});
+    net.strm.wait();
+    // Running statistics as in common frameworks: the variance is the unbiased batch estimate.
+    const auto m = static_cast<float>(net.opt.bn_momentum);
+    const float unbias = per_channel_ > 1 ? static_cast<float>(per_channel_) / static_cast<float>(per_channel_ - 1) : 1.f;
+    float* rm = Data(running_mean_);
+    float* rv = Data(running_var_);
+    const float* bm = Data(mean_);
+    const float* bv = Data(var_);
+    for (int64_t c = 0; c < channels_; ++c) {
+      rm[c] = (1 - m) * rm[c] + m * bm[c];
+      rv[c] = (1 - m) * rv[c] + m * bv[c] * unbias;
+    }
+  }
+
+  void Backward(Net& net) override {
+    const memory& diff = net.nodes[static_cast<size_t>(self_)].diff;
+    bwd_.execute(net.strm, {{DNNL_ARG_SRC, net.Out(in_)}, {DNNL_ARG_MEAN, mean_}, {DNNL_ARG_VARIANCE, var_},
+                            {DNNL_ARG_DIFF_DST, dd_.Run(diff, net.strm)}, {DNNL_ARG_SCALE, scale_->value},
+                            {DNNL_ARG_SHIFT, shift_->value}, {DNNL_ARG_DIFF_SRC, net.SinkTarget(sink_)},
+                            {DNNL_ARG_DIFF_SCALE, scale_->grad}, {DNNL_ARG_DIFF_SHIFT, shift_->grad}});
+    net.Deliver(sink_);
+  }
+
+ private:
+  int self_, in_;
+  int64_t channels_ = 0, per_channel_ = 0;
+  dnnl::batch_normalization_forward::primitive_desc fwd_pd_;
+  dnnl::primitive fwd_, inf_, bwd_;
+  Param* scale_ = nullptr;
+  Param* shift_ = nullptr;
+  memory mean_, var_, running_mean_, running_var_;
+  Converter dd_;
+  DiffSink sink_;
+};
+
+// ---------------------------------------------------------------- ReLU
+
+class ReluLayer final : public Layer {
+ public:
+  ReluLayer(Net& net, int self, int in_node) : self_(self), in_(in_node) {
+    const memory::desc md = net.OutMd(in_node);
+    dnnl::eltwise_forward::primitive_desc fwd_pd(
+        {dnnl::prop_kind::forward_training, dnnl::algorithm::eltwise_relu, md, 0.f}, net.eng);
+    fwd_ = dnnl::eltwise_forward(fwd_pd);
+    dnnl::eltwise_backward::primitive_desc bwd_pd({dnnl::algorithm::eltwise_relu, md, md, 0.f}, net.eng, fwd_pd);
+    bwd_ = dnnl::eltwise_backward(bwd_pd);
+    Node& node = net.nodes[static_cast<size_t>(self)];
+    node.out = memory(fwd_pd.dst_desc(), net.eng);
+    node.diff = memory(fwd_pd.dst_desc(), net.eng);
+    dd_.Init(fwd_pd.dst_desc(), bwd_pd.diff_dst_desc(), net.eng);
+    net.InitSink(sink_, in_node, bwd_pd.diff_src_desc());
+  }
+  void Forward(Net& net, bool, int64_t) override {
+    fwd_.execute(net.strm, {{DNNL_ARG_SRC, net.Out(in_)}, {DNNL_ARG_DST, net.nodes[static_cast<size_t>(self_)].out}});
+  }
+  void Backward(Net& net) override {
+    bwd_.execute(net.strm, {{DNNL_ARG_SRC, net.Out(in_)},
+                            {DNNL_ARG_DIFF_DST, dd_.Run(net.nodes[static_cast<size_t>(self_)].diff, net.strm)},
+                            {DNNL_ARG_DIFF_SRC, net.SinkTarget(sink_)}});
+    net.Deliver(sink_);
+  }
+
+ private:
+  int self_, in_;
+  dnnl::primitive fwd_, bwd_;
+  Converter dd_;
+  DiffSink sink_;
+};
+
+// ---------------------------------------------------------------- pooling (max, average, global)
+
+class PoolLayer final : public Layer {
+ public:
+  PoolLayer(Net& net, const LayerSpec& l, int self, int in_node) : self_(self), in_(in_node) {
+    const memory::desc md = net.OutMd(in_node);
+    const Dims src_dims = md.dims();
+    const Shape out = net.shapes[static_cast<size_t>(self)];
+    const Dims dst_dims{src_dims[0], out.c, out.h, out.w};
+    Dims kernel{l.kernel, l.kernel}, strides{l.stride, l.stride}, pad{l.pad, l.pad};
+    auto alg = dnnl::algorithm::pooling_max;
+    if (l.type == LayerType::kAvgPool) alg = dnnl::algorithm::pooling_avg_include_padding;
+    if (l.type == LayerType::kGlobalAvgPool) {
+      alg = dnnl::algorithm::pooling_avg_exclude_padding;
+      kernel = {src_dims[2], src_dims[3]};
+      strides = kernel;
+      pad = {0, 0};
+    }
+    dnnl::pooling_forward::primitive_desc fwd_pd(
+        {dnnl::prop_kind::forward_training, alg, md, Any(dst_dims), strides, kernel, pad, pad}, net.eng);
+    fwd_ = dnnl::pooling_forward(fwd_pd);
+    dnnl::pooling_backward::primitive_desc bwd_pd({alg, Any(src_dims), Any(dst_dims), strides, kernel, pad, pad},
+                                                  net.eng, fwd_pd);
+    bwd_ = dnnl::pooling_backward(bwd_pd);
+    if (alg == dnnl::algorithm::pooling_max) workspace_ = memory(fwd_pd.workspace_desc(), net.eng);
+    Node& node = net.nodes[static_cast<size_t>(self)];
+    node.out = memory(fwd_pd.dst_desc(), net.eng);
+    node.diff = memory(fwd_pd.dst_desc(), net.eng);
+    dd_.Init(fwd_pd.dst_desc(), bwd_pd.diff_dst_desc(), net.eng);
+    net.InitSink(sink_, in_node, bwd_pd.diff_src_desc());
+  }
+  void Forward(Net& net, bool, int64_t) override {
+    ArgMap args{{DNNL_ARG_SRC, net.Out(in_)}, {DNNL_ARG_DST, net.nodes[static_cast<size_t>(self_)].out}};
+    if (workspace_) args[DNNL_ARG_WORKSPACE] = workspace_;
+    fwd_.execute(net.strm, args);
+  }
+  void Backward(Net& net) override {
+    ArgMap args{{DNNL_ARG_DIFF_DST, dd_.Run(net.nodes[static_cast<size_t>(self_)].diff, net.strm)},
+                {DNNL_ARG_DIFF_SRC, net.SinkTarget(sink_)}};
+    if (workspace_) args[DNNL_ARG_WORKSPACE] = workspace_;
+    bwd_.execute(net.strm, args);
+    net.Deliver(sink_);
+  }
+
+ private:
+  int self_, in_;
+  dnnl::primitive fwd_, bwd_;
+  memory workspace_;
+  Converter dd_;
+  DiffSink sink_;
+};
+
+// ---------------------------------------------------------------- residual add
+
+class AddLayer final : public Layer {
+ public:
+  AddLayer(Net& net, int self, int a, int b) : self_(self), a_(a), b_(b) {
+    const memory::desc md = net.OutMd(a);
+    b_conv_.Init(net.OutMd(b), md, net.eng);
+    dnnl::binary::primitive_desc pd({dnnl::algorithm::binary_add, md, md, md}, net.eng);
+    fwd_ = dnnl::binary(pd);
+    Node& node = net.nodes[static_cast<size_t>(self)];
+    node.out = memory(md, net.eng);
+    node.diff = memory(md, net.eng);
+    if (a >= 0) to_a_.Init(md, net.OutMd(a), net.eng);
+    if (b >= 0) to_b_.Init(md, net.OutMd(b), net.eng);
+  }
+  void Forward(Net& net, bool, int64_t) override {
+    fwd_.execute(net.strm, {{DNNL_ARG_SRC_0, net.Out(a_)},
+                            {DNNL_ARG_SRC_1, b_conv_.Run(net.Out(b_), net.strm)},
+                            {DNNL_ARG_DST, net.nodes[static_cast<size_t>(self_)].out}});
+  }
+  void Backward(Net& net) override {
+    const memory& diff = net.nodes[static_cast<size_t>(self_)].diff;
+    net.Give(a_, diff, to_a_);
+    net.Give(b_, diff, to_b_);
+  }
+
+ private:
+  int self_, a_, b_;
+  dnnl::primitive fwd_;
+  Converter b_conv_, to_a_, to_b_;
+};
+
+// ---------------------------------------------------------------- flatten
+
+class FlattenLayer final : public Layer {
+ public:
+  FlattenLayer(Net& net, int self, int in_node) : self_(self), in_(in_node) {
+    const memory::desc md = net.OutMd(in_node);
+    Dims dims = md.dims();
+    int64_t features = 1;
+    for (size_t i = 1; i < dims.size(); ++i) features *= dims[i];
+    const memory::desc flat({dims[0], features}, kF32, Tag::nc);
+    plain_md_ = memory::desc(dims, kF32, dims.size() == 4 ? Tag::nchw : Tag::nc);
+    Node& node = net.nodes[static_cast<size_t>(self)];
+    node.out = memory(flat, net.eng);
+    node.diff = memory(flat, net.eng);
+    out_view_ = memory(plain_md_, net.eng, node.out.get_data_handle());
+    diff_view_ = memory(plain_md_, net.eng, node.diff.get_data_handle());
+    to_plain_ = dnnl::reorder(dnnl::reorder::primitive_desc(net.eng, md, net.eng, plain_md_));
+    if (in_node >= 0) back_.Init(plain_md_, md, net.eng);
+  }
+  void Forward(Net& net, bool, int64_t) override {
+    memory src = net.Out(in_);
+    to_plain_.execute(net.strm, src, out_view_);
+  }
+  void Backward(Net& net) override { net.Give(in_, diff_view_, back_); }
+
+ private:
+  int self_, in_;
+  memory::desc plain_md_;
+  memory out_view_, diff_view_;
+  dnnl::reorder to_plain_;
+  Converter back_;
+};
+
+// ---------------------------------------------------------------- dropout
+
+class DropoutLayer final : public Layer {
+ public:
+  DropoutLayer(Net& net, const LayerSpec& l, int self, int in_node, uint64_t seed)
+      : self_(self), in_(in_node), p_(l.p), seed_(seed) {
+    const memory::desc md = net.OutMd(in_node);
+    Node& node = net.nodes[static_cast<size_t>(self)];
+    node.out = memory(md, net.eng);
+    node.diff = memory(md, net.eng);
+    mask_.resize(md.get_size() / sizeof(float));
+    net.InitSink(sink_, in_node, md);
+  }
+  void Forward(Net& net, bool training, int64_t step) override {
+    net.strm.wait();
+    const float* in = Data(net.Out(in_));
+    float* out = Data(net.nodes[static_cast<size_t>(self_)].out);
+    if (!training || p_ == 0) {
+      std::fill(mask_.begin(), mask_.end(), 1.f);
+    } else {
+      // One mask per step: the same (seed, step) always drops the same units.
+      SplitMix64 rng(MixSeed(seed_, static_cast<uint64_t>(step)));
+      const auto keep = static_cast<float>(1.0 / (1.0 - p_));
+      for (float& m : mask_) m = Uniform01(rng) < p_ ? 0.f : keep;
+    }
+    for (size_t i = 0; i < mask_.size(); ++i) out[i] = in[i] * mask_[i];
+  }
+  void Backward(Net& net) override {
+    net.strm.wait();
+    const float* diff = Data(net.nodes[static_cast<size_t>(self_)].diff);
+    if (in_ < 0) return;
+    float* dst = Data(net.SinkTarget(sink_));
+    for (size_t i = 0; i < mask_.size(); ++i) dst[i] = diff[i] * mask_[i];
+    net.Deliver(sink_);
+  }
+
+ private:
+  int self_, in_;
+  double p_;
+  uint64_t seed_;
+  std::vector<float> mask_;
+  DiffSink sink_;
+};
+
+// Stable softmax cross-entropy with label smoothing over rows of `logits`; writes d loss / d
+// logits (already divided by `rows_for_grad`) when `grad` is not null.
+BatchStats SoftmaxCrossEntropy(const float* logits, int classes, std::span<const int32_t> labels, int rows,
+                               double smoothing, float* grad, int rows_for_grad) {
+  BatchStats stats;
+  std::vector<double> p(static_cast<size_t>(classes));
+  for (int r = 0; r < rows; ++r) {
+    const float* z = logits + static_cast<ptrdiff_t>(r) * classes;
+    const int y = labels[static_cast<size_t>(r)];
+    double zmax = z[0];
+    for (int k = 1; k < classes; ++k) zmax = std::max(zmax, static_cast<double>(z[k]));
+    double sum = 0, zsum = 0;
+    for (int k = 0; k < classes; ++k) {
+      p[static_cast<size_t>(k)] = std::exp(z[k] - zmax);
+      sum += p[static_cast<size_t>(k)];
+      zsum += z[k];
+    }
+    const double lse = zmax + std::log(sum);
+    const double off = smoothing / classes, on = 1.0 - smoothing + off;
+    stats.loss_sum += lse - (on - off) * z[y] - off * zsum;
+    int above = 0;  // logits strictly greater than the label's (ties count in its favour)
+    for (int k = 0; k < classes; ++k) above += z[k] > z[y] ? 1 : 0;
+    stats.top1 += above == 0 ? 1 : 0;
+    stats.top5 += above < 5 ? 1 : 0;
+    if (grad) {
+      float* g = grad + static_cast<ptrdiff_t>(r) * classes;
+      for (int k = 0; k < classes; ++k) {
+        const double q = k == y ? on : off;
+        g[k] = static_cast<float>((p[static_cast<size_t>(k)] / sum - q) / rows_for_grad);
+      }
+    }
+  }
+  stats.count = rows;
+  return stats;
+}
+
+}  // namespace
+
+struct CpuNetwork::Impl {
+  Net net;
+
+  Status CheckBatch(const prefetch::Batch& b, bool full) const {
+    const int size = net.opt.image_size;
+    if (b.width != size || b.height != size) {
+      return InvalidArgumentError(fmt::format("batch images are {}x{}, the network was built for {}x{}", b.width,
+                                              b.height, size, size));
+    }
+    if (b.size < 1 || b.size > net.opt.batch || (full && b.size != net.opt.batch)) {
+      return InvalidArgumentError(fmt::format("batch of {} samples; the network takes {}{}", b.size,
+                                              full ? "exactly " : "at most ", net.opt.batch));
+    }
+    for (int i = 0; i < b.size; ++i) {
+      const int32_t y = b.labels[static_cast<size_t>(i)];
+      if (y < 0 || y >= net.opt.model.classes) {
+        const int64_t record = i < static_cast<int>(b.indices.size()) ? b.indices[static_cast<size_t>(i)] : -1;
+        return InvalidArgumentError(fmt::format("record {} has label {}, outside the model's {} classes", record, y,
+                                                net.opt.model.classes));
+      }
+    }
+    return OkStatus();
+  }
+
+  Status Normalise(const prefetch::Batch& b) {
+    const int size = net.opt.image_size;
+    auto bytes = std::span<std::byte>(static_cast<std::byte*>(net.input.get_data_handle()),
+                                      net.input.get_desc().get_size());
+    const size_t used = augment::NormalizedBytes(b.size, size, size, augment::DType::kFloat32);
+    STOKE_RETURN_IF_ERROR(augment::Normalize(b.images, b.size, size, size, net.opt.normalize, bytes.first(used)));
+    // A short (evaluation) batch: the remaining rows are zeros and their outputs are ignored.
+    std::memset(bytes.data() + used, 0, bytes.size() - used);
+    return OkStatus();
+  }
+
+  void Forward(bool training, int64_t step) {
+    for (auto& layer : net.layers) layer->Forward(net, training, step);
+    net.logits_conv.Run(net.nodes.back().out, net.strm);
+    net.strm.wait();
+  }
+  const float* Logits() const {
+    return Data(net.logits_conv.needed ? net.logits_conv.out : net.nodes.back().out);
+  }
+
+  BatchStats ForwardBackward(std::span<const int32_t> labels, int64_t step) {
+    Forward(true, step);
+    const int n = net.opt.batch;
+    BatchStats stats = SoftmaxCrossEntropy(Logits(), net.opt.model.classes, labels, n, net.opt.label_smoothing,
+                                           Data(net.loss_diff), n);
+    for (auto& node : net.nodes) node.writes = 0;
+    net.Give(static_cast<int>(net.nodes.size()) - 1, net.loss_diff, net.loss_diff_conv);
+    for (size_t i = net.layers.size(); i-- > 0;) {
+      Node& node = net.nodes[i];
+      if (node.writes == 0) std::memset(node.diff.get_data_handle(), 0, node.diff.get_desc().get_size());
+      net.layers[i]->Backward(net);
+    }
+    net.strm.wait();
+    return stats;
+  }
+
+  void Update(float lr, const SgdOptions& sgd) {
+    const auto mu = static_cast<float>(sgd.momentum);
+    for (auto& p : net.params) {
+      const float wd = (p->decay || sgd.decay_bn_and_bias) ? static_cast<float>(sgd.weight_decay) : 0.f;
+      float* w = Data(p->value);
+      const float* g = Data(p->grad);
+      float* m = Data(p->momentum);
+      const size_t count = Floats(p->value);
+      if (sgd.nesterov) {
+        for (size_t i = 0; i < count; ++i) {
+          const float gi = g[i] + wd * w[i];
+          m[i] = mu * m[i] + gi;
+          w[i] -= lr * (gi + mu * m[i]);
+        }
+      } else {
+        for (size_t i = 0; i < count; ++i) {
+          m[i] = mu * m[i] + g[i] + wd * w[i];
+          w[i] -= lr * m[i];
+        }
+      }
+    }
+  }
+};
+
+CpuNetwork::CpuNetwork(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CpuNetwork::~CpuNetwork() = default;
+
+const NetworkOptions& CpuNetwork::options() const { return impl_->net.opt; }
+
+Result<std::unique_ptr<CpuNetwork>> CpuNetwork::Create(NetworkOptions options) {
+  if (options.batch < 1) return InvalidArgumentError(fmt::format("batch must be >= 1, got {}", options.batch));
+  if (options.image_size < 1) {
+    return InvalidArgumentError(fmt::format("image size must be >= 1, got {}", options.image_size));
+  }
+  if (!(options.label_smoothing >= 0 && options.label_smoothing < 1)) {
+    return InvalidArgumentError(fmt::format("label smoothing must be in [0, 1), got {}", options.label_smoothing));
+  }
+  if (options.normalize.dtype != augment::DType::kFloat32) {
+    return InvalidArgumentError("the CPU backend trains in float32; set the input dtype to float32");
+  }
+  const Shape input{3, options.image_size, options.image_size};
+  STOKE_ASSIGN_OR_RETURN(auto shapes, ResolveModel(options.model, input));
+  if (options.threads > 0) omp_set_num_threads(options.threads);
+
+  auto impl = std::make_unique<Impl>();
+  Net& net = impl->net;
+  net.opt = std::move(options);
+  net.shapes = std::move(shapes);
+  const ModelSpec& model = net.opt.model;
+  const int n = net.opt.batch;
+  try {
+    const Tag input_tag = net.opt.normalize.layout == augment::Layout::kNHWC ? Tag::nhwc : Tag::nchw;
+    net.input = memory(memory::desc({n, 3, input.h, input.w}, kF32, input_tag), net.eng);
+    std::map<std::string, int> index{{"input", -1}};
+    for (size_t i = 0; i < model.layers.size(); ++i) index[model.layers[i].name] = static_cast<int>(i);
+    net.nodes.resize(model.layers.size());
+    for (const LayerSpec& l : model.layers) {
+      for (const auto& in : l.inputs) {
+        if (index[in] >= 0) net.nodes[static_cast<size_t>(index[in])].consumers++;
+      }
+    }
+    for (size_t i = 0; i < model.layers.size(); ++i) {
+      const LayerSpec& l = model.layers[i];
+      const int self = static_cast<int>(i);
+      const int in = index[l.inputs[0]];
+      const uint64_t seed = MixSeed(net.opt.seed, 0x6c61796572ull, i);
+      std::unique_ptr<Layer> layer;
+      switch (l.type) {
+        case LayerType::kConv:
+        case LayerType::kLinear:
+          layer = std::make_unique<WeightedLayer>(net, l, self, in, seed);
+          break;
+        case LayerType::kBatchNorm:
+          layer = std::make_unique<BatchNormLayer>(net, l, self, in);
+          break;
+        case LayerType::kRelu:
+          layer = std::make_unique<ReluLayer>(net, self, in);
+          break;
+        case LayerType::kMaxPool:
+        case LayerType::kAvgPool:
+        case LayerType::kGlobalAvgPool:
+          layer = std::make_unique<PoolLayer>(net, l, self, in);
+          break;
+        case LayerType::kAdd:
+          layer = std::make_unique<AddLayer>(net, self, in, index[l.inputs[1]]);
+          break;
+        case LayerType::kFlatten:
+          layer = std::make_unique<FlattenLayer>(net, self, in);
+          break;
+        case LayerType::kDropout:
+          layer = std::make_unique<DropoutLayer>(net, l, self, in, seed);
+          break;
+      }
+      net.layers.push_back(std::move(layer));
+    }
+    const memory::desc plain({n, model.classes}, kF32, Tag::nc);
+    net.logits_conv.Init(net.nodes.back().out.get_desc(), plain, net.eng);
+    net.loss_diff = memory(plain, net.eng);
+    net.loss_diff_conv.Init(plain, net.nodes.back().out.get_desc(), net.eng);
+  } catch (const dnnl::error& e) {
+    return InternalError(fmt::format("oneDNN could not build the model: {} (status {})", e.what(),
+                                     static_cast<int>(e.status)));
+  }
+  return std::unique_ptr<CpuNetwork>(new CpuNetwork(std::move(impl)));
+}
+
+Result<BatchStats> CpuNetwork::TrainStep(const prefetch::Batch& batch, float lr, const SgdOptions& sgd, int64_t step) {
+  STOKE_RETURN_IF_ERROR(impl_->CheckBatch(batch, true));
+  STOKE_RETURN_IF_ERROR(impl_->Normalise(batch));
+  BatchStats stats = impl_->ForwardBackward(batch.labels, step);
+  if (!std::isfinite(stats.loss_sum)) {
+    return InvalidArgumentError(fmt::format("the loss is not finite at step {} (learning rate {} too high?)", step, lr));
+  }
+  impl_->Update(lr, sgd);
+  return stats;
+}
+
+Result<BatchStats> CpuNetwork::Evaluate(const prefetch::Batch& batch) {
+  STOKE_RETURN_IF_ERROR(impl_->CheckBatch(batch, false));
+  STOKE_RETURN_IF_ERROR(impl_->Normalise(batch));
+  impl_->Forward(false, 0);
+  return SoftmaxCrossEntropy(impl_->Logits(), impl_->net.opt.model.classes, batch.labels, batch.size,
+                             impl_->net.opt.label_smoothing, nullptr, 1);
+}
+
+Result<BatchStats> CpuNetwork::ForwardBackward(std::span<const float> input, std::span<const int32_t> labels,
+                                               int64_t step) {
+  Net& net = impl_->net;
+  const int n = net.opt.batch, size = net.opt.image_size;
+  if (input.size() != static_cast<size_t>(n) * 3 * size * size || labels.size() != static_cast<size_t>(n)) {
+    return InvalidArgumentError("ForwardBackward: input or labels do not match the batch shape");
+  }
+  std::vector<float> values(input.begin(), input.end());
+  net.FromPlain(values, {n, 3, size, size}, Tag::nchw, net.input);
+  return impl_->ForwardBackward(labels, step);
+}
+
+std::vector<NamedTensor> CpuNetwork::Gradients() const {
+  Net& net = impl_->net;
+  std::vector<NamedTensor> out;
+  for (const auto& p : net.params) out.push_back({p->name, p->dims, net.ToPlain(p->grad, p->dims, p->plain)});
+  return out;
+}
+
+std::vector<NamedTensor> CpuNetwork::State() const {
+  Net& net = impl_->net;
+  std::vector<NamedTensor> out;
+  for (const auto& p : net.params) out.push_back({p->name, p->dims, net.ToPlain(p->value, p->dims, p->plain)});
+  for (const auto& b : net.buffers) {
+    const int64_t size = static_cast<int64_t>(Floats(b.value));
+    out.push_back({b.name, {size}, std::vector<float>(Data(b.value), Data(b.value) + size)});
+  }
+  for (const auto& p : net.params) {
+    out.push_back({p->name + ".momentum", p->dims, net.ToPlain(p->momentum, p->dims, p->plain)});
+  }
+  return out;
+}
+
+Status CpuNetwork::LoadState(const std::vector<NamedTensor>& state) {
+  Net& net = impl_->net;
+  std::map<std::string, const NamedTensor*> by_name;
+  for (const auto& t : state) by_name[t.name] = &t;
+  auto find = [&](const std::string& name, const Dims& dims) -> Result<const NamedTensor*> {
+    auto it = by_name.find(name);
+    if (it == by_name.end()) return InvalidArgumentError(fmt::format("the state has no tensor '{}'", name));
+    const NamedTensor* t = it->second;
+    int64_t count = 1;
+    for (auto d : dims) count *= d;
+    if (t->dims != std::vector<int64_t>(dims.begin(), dims.end()) || static_cast<int64_t>(t->values.size()) != count) {
+      return InvalidArgumentError(fmt::format("tensor '{}' has shape [{}], the model needs [{}]", name,
+                                              fmt::join(t->dims, ", "), fmt::join(dims, ", ")));
+    }
+    return t;
+  };
+  // Check everything before changing anything.
+  for (const auto& p : net.params) {
+    STOKE_RETURN_IF_ERROR(find(p->name, p->dims).status());
+    STOKE_RETURN_IF_ERROR(find(p->name + ".momentum", p->dims).status());
+  }
+  for (const auto& b : net.buffers) {
+    STOKE_RETURN_IF_ERROR(find(b.name, {static_cast<int64_t>(Floats(b.value))}).status());
+  }
+  for (auto& p : net.params) {
+    net.FromPlain(by_name[p->name]->values, p->dims, p->plain, p->value);
+    net.FromPlain(by_name[p->name + ".momentum"]->values, p->dims, p->plain, p->momentum);
+  }
+  for (auto& b : net.buffers) {
+    const auto& v = by_name[b.name]->values;
+    std::copy(v.begin(), v.end(), Data(b.value));
+  }
+  return OkStatus();
+}
+
+}  // namespace stoke::train

@@ -1,0 +1,72 @@
+// A model is a list of layers; each reads the outputs of earlier layers (by default the one just
+// before it, or the network input for the first), so residual networks are written out as plain
+// lists. Presets (LeNet, ResNet-20, ResNet-18/34/50) expand to such lists. Softmax cross-entropy
+// is applied to the last layer's output, which must be a vector of `classes` logits.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace stoke::train {
+
+enum class LayerType {
+  kConv,           // 2-D convolution, square kernel; out = channels
+  kBatchNorm,      // per-channel, learned scale and shift, running statistics for evaluation
+  kRelu,
+  kMaxPool,        // square window
+  kAvgPool,        // square window, padding counted in the divisor
+  kGlobalAvgPool,  // C x H x W -> C x 1 x 1
+  kLinear,         // fully connected; out = features; accepts C x H x W (flattened) or vectors
+  kAdd,            // elementwise sum of two inputs of one shape (residual connections)
+  kFlatten,        // C x H x W -> (C*H*W) vector, in C, H, W order
+  kDropout,        // inverted dropout with probability `p` while training; identity in eval
+};
+std::string_view LayerTypeName(LayerType type);
+Result<LayerType> ParseLayerType(std::string_view name);  // the names LayerTypeName gives
+
+struct LayerSpec {
+  std::string name;                 // unique; generated ("conv3") when a list leaves it empty
+  LayerType type = LayerType::kRelu;
+  std::vector<std::string> inputs;  // empty: the previous layer (the network input for layer 0)
+  int out = 0;                      // conv: output channels; linear: output features
+  int kernel = 1;                   // conv, pools
+  int stride = 1;                   // conv, pools (pools: defaults to kernel when 0)
+  int pad = 0;                      // conv, pools
+  bool bias = true;                 // conv, linear
+  double p = 0.5;                   // dropout probability, [0, 1)
+  bool zero_init = false;           // batch norm: start with scale 0 (last BN of a residual branch)
+};
+
+struct ModelSpec {
+  std::string preset;  // as configured ("" for an explicit list); informative only
+  int classes = 10;
+  std::vector<LayerSpec> layers;
+};
+
+// Shape of one activation (per sample): channels x height x width; vectors have h = w = 1.
+struct Shape {
+  int c = 0, h = 0, w = 0;
+  bool vector = false;  // produced by linear or flatten: no spatial layout left
+  int64_t size() const { return int64_t{c} * h * w; }
+  bool operator==(const Shape&) const = default;
+};
+
+// The preset names: lenet, resnet20, resnet18, resnet34, resnet50.
+std::vector<std::string> PresetNames();
+// Expands a preset into layers ending in a `classes`-way linear layer. kInvalidArgument for an
+// unknown name (listing the known ones) or classes < 1.
+Result<std::vector<LayerSpec>> ExpandPreset(std::string_view preset, int classes);
+
+// Names unnamed layers, checks every input refers to an earlier layer, every option is in range,
+// and infers every layer's output shape for `input` (3 x size x size). The last layer must give
+// `classes` logits. Errors name the layer (index and name) and what was expected.
+Result<std::vector<Shape>> ResolveModel(ModelSpec& model, Shape input);
+
+// Learnable parameters of a resolved model (for reports): weights + biases + BN scale/shift.
+int64_t CountParameters(const ModelSpec& model, const std::vector<Shape>& shapes, Shape input);
+
+}  // namespace stoke::train
