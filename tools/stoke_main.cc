@@ -13,13 +13,17 @@
 #include "tools/bench/bench_commands.h"
 #include "tools/inspect/inspect.h"
 #include "tools/pack/packer.h"
+#include "tools/demo/demo.h"
 #include "tools/synth/synth.h"
+#include "train/config.h"
+#include "train/trainer.h"
 
 namespace {
 
 std::atomic<bool> g_stop{false};
 
-// First Ctrl-C: finish the current transaction and leave a resumable dataset. Second: die.
+// First Ctrl-C: finish the current transaction (pack) or step (train) and leave resumable state.
+// Second: die.
 void OnInterrupt(int) {
   g_stop.store(true);
   std::signal(SIGINT, SIG_DFL);
@@ -149,6 +153,30 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   synth_cmd->add_option("--seed", synth.seed, "Seed");
 
+  // ---- train
+  std::string train_config, resume;
+  bool print_config = false, train_quiet = false;
+  stoke::train::TrainRunOptions train_run;
+  auto* train_cmd = app.add_subcommand("train", "Train a model from a YAML config, fed by the loader");
+  train_cmd->add_option("--config", train_config, "Run config (YAML); see configs/")->required();
+  train_cmd->add_flag("--print-config", print_config, "Print the resolved config (every default filled in) and exit");
+  train_cmd->add_option("--resume", resume, "Continue a run: 'latest' (newest checkpoint in run_dir) or a checkpoint file")
+      ->expected(0, 1)
+      ->default_str("latest");
+  train_cmd->add_option("--max-steps", train_run.max_steps, "Stop (with a checkpoint) after this many steps")
+      ->check(CLI::PositiveNumber);
+  train_cmd->add_flag("-q,--quiet", train_quiet, "No progress line");
+
+  // ---- demo
+  stoke::demo::DemoOptions demo;
+  std::string demo_dir = demo.dir.string();
+  auto* demo_cmd = app.add_subcommand(
+      "demo", "Generate a labelled image set, pack it, train a small CNN on it and report accuracy");
+  demo_cmd->add_option("--dir", demo_dir, "Working directory (recreated)")->default_str(demo_dir);
+  demo_cmd->add_option("--epochs", demo.epochs, "Training epochs")->check(CLI::PositiveNumber);
+  demo_cmd->add_option("--per-class", demo.per_class, "Images per class")->check(CLI::Range(20, 100000));
+  demo_cmd->add_option("--threads", demo.threads, "Threads (0 = all cores)")->check(CLI::NonNegativeNumber);
+
   CLI11_PARSE(app, argc, argv);
   stoke::InitLogging(verbose ? stoke::LogLevel::kDebug : stoke::LogLevel::kInfo);
 
@@ -187,6 +215,37 @@ int main(int argc, char** argv) {
       std::cout << stoke::inspect::FormatReport(*report);
     }
     return report->bad.empty() ? 0 : 3;  // 3: the dataset has bad records
+  }
+  if (train_cmd->parsed()) {
+    auto config = stoke::train::LoadConfig(train_config);
+    if (!config.ok()) return Fail(config.status());
+    if (print_config) {
+      std::fputs(stoke::train::ConfigToYaml(*config).c_str(), stdout);
+      return 0;
+    }
+    if (train_cmd->get_option("--resume")->count() > 0) train_run.resume = resume.empty() ? "latest" : resume;
+    train_run.progress = !train_quiet;
+    train_run.stop = &g_stop;
+    std::signal(SIGINT, OnInterrupt);
+    std::signal(SIGTERM, OnInterrupt);
+    auto summary = stoke::train::Train(*config, train_run);
+    if (!summary.ok()) return Fail(summary.status());
+    std::fputs(stoke::train::FormatSummary(*summary).c_str(), stdout);
+    if (summary->stopped && summary->steps < summary->total_steps) {
+      std::printf("stopped at step %lld; continue with: stoke train --config %s --resume\n",
+                  static_cast<long long>(summary->steps), train_config.c_str());
+    }
+    return 0;
+  }
+  if (demo_cmd->parsed()) {
+    demo.dir = demo_dir;
+    demo.stop = &g_stop;
+    std::signal(SIGINT, OnInterrupt);
+    std::signal(SIGTERM, OnInterrupt);
+    auto result = stoke::demo::RunDemo(demo);
+    if (!result.ok()) return Fail(result.status());
+    std::fputs(result->report.c_str(), stdout);
+    return 0;
   }
   if (synth_cmd->parsed()) {
     stoke::Status s = stoke::synth::WriteSyntheticTree(synth_dir, synth);

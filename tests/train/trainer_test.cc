@@ -1,0 +1,365 @@
+// Config parsing and its errors, schedules, checkpoints, and the training loop end to end:
+// learning, resume equivalence, refusing damaged checkpoints.
+#include <cmath>
+#include <fstream>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "tests/testing/test_util.h"
+#include "tools/pack/packer.h"
+#include "tools/synth/synth.h"
+#include "train/checkpoint.h"
+#include "train/config.h"
+#include "train/schedule.h"
+#include "train/trainer.h"
+
+namespace stoke::train {
+namespace {
+
+constexpr const char* kMinimal = R"(data:
+  train: /nonexistent/train.lmdb
+  image_size: 32
+model:
+  preset: lenet
+  classes: 4
+)";
+
+std::string ErrorOf(const std::string& yaml) {
+  auto r = ParseConfig(yaml, "run.yaml");
+  return r.ok() ? std::string("(parsed)") : r.status().message();
+}
+
+TEST(Config, DefaultsAndRoundTrip) {
+  ASSERT_OK_AND_ASSIGN(TrainConfig c, ParseConfig(kMinimal, "run.yaml"));
+  EXPECT_EQ(c.data.batch_size, 128);
+  EXPECT_EQ(c.model.preset, "lenet");
+  EXPECT_EQ(c.schedule.type, "cosine");
+  const std::string yaml = ConfigToYaml(c);
+  ASSERT_OK_AND_ASSIGN(TrainConfig back, ParseConfig(yaml, "resolved.yaml"));
+  EXPECT_EQ(ConfigToYaml(back), yaml);
+  EXPECT_NE(yaml.find("scale: [0.08, 1]"), std::string::npos) << yaml;
+
+  // An explicit layer list survives the round trip too.
+  const std::string layers = R"(data: {train: t.lmdb, image_size: 16}
+model:
+  classes: 3
+  layers:
+    - {name: c, type: conv, out: 4, kernel: 3, pad: 1}
+    - {type: maxpool, kernel: 2}
+    - {name: skip, type: conv, out: 4, kernel: 1, inputs: input, stride: 2}
+    - {type: add, inputs: [maxpool1, skip]}
+    - {type: flatten}
+    - {type: dropout, p: 0.25}
+    - {type: linear, out: 3}
+)";
+  ASSERT_OK_AND_ASSIGN(TrainConfig l, ParseConfig(layers, "l.yaml"));
+  ASSERT_EQ(l.model.layers.size(), 7u);
+  EXPECT_EQ(l.model.layers[1].stride, 0);  // pools default to their kernel
+  ASSERT_OK_AND_ASSIGN(TrainConfig l2, ParseConfig(ConfigToYaml(l), "l2.yaml"));
+  EXPECT_EQ(ConfigToYaml(l2), ConfigToYaml(l));
+}
+
+TEST(Config, ErrorsNameFileLineKeyAndExpectation) {
+  const std::string base = kMinimal;
+  EXPECT_EQ(ErrorOf(base + "optimizer:\n  momentum: 1.5\n"),
+            "run.yaml:8: optimizer.momentum: 1.5 is out of range; expected a number in [0, 1)");
+  EXPECT_EQ(ErrorOf(base + "optimizer:\n  lr: fast\n"),
+            "run.yaml:8: optimizer.lr: 'fast' is not a number; expected a number in [0, 100]");
+  EXPECT_EQ(ErrorOf(base + "epochs: 2.5\n"), "run.yaml:7: epochs: '2.5' is not an integer; expected an integer in [1, 16777216]");
+  const std::string unknown = ErrorOf(base + "optimizer:\n  momentun: 0.9\n");
+  EXPECT_EQ(unknown.rfind("run.yaml:8: optimizer.momentun: unknown key; expected one of: ", 0), 0u) << unknown;
+  EXPECT_NE(unknown.find("momentum"), std::string::npos);
+  EXPECT_EQ(ErrorOf(base + "backend: tpu\n"), "run.yaml:7: backend: 'tpu' is not allowed; expected one of: auto, cpu, cuda");
+  EXPECT_EQ(ErrorOf(base + "schedule: {type: cosine, gamma: 0}\n"),
+            "run.yaml:7: schedule.gamma: 0 is out of range; expected a number in [1e-09, 1]");
+  const std::string bad_list = ErrorOf(base + "data2: 1\n");
+  EXPECT_EQ(bad_list.rfind("run.yaml:7: data2: unknown key", 0), 0u) << bad_list;
+  EXPECT_EQ(ErrorOf("data: {train: t}\nmodel: {classes: 3}\n"),
+            "run.yaml:2: model.preset: give either a preset (lenet, resnet20, resnet18, resnet34, resnet50) or a "
+            "layers list, not neither");
+  EXPECT_EQ(ErrorOf("model: {preset: lenet, classes: 3}\n"),
+            "run.yaml:1: data.train: missing; expected the path of a packed training dataset");
+  EXPECT_EQ(ErrorOf("data: {train: t, image_size: 32}\nmodel:\n  classes: 3\n  layers:\n    - {type: conv, out: 4}\n"
+                    "    - {type: pooling}\n"),
+            "run.yaml:6: model.layers[1].type: unknown layer type 'pooling'; expected one of: conv, batchnorm, relu, "
+            "maxpool, avgpool, global_avgpool, linear, add, flatten, dropout");
+  const std::string shape = ErrorOf("data: {train: t, image_size: 32}\nmodel:\n  classes: 3\n  layers:\n"
+                                    "    - {type: conv, out: 4, kernel: 3}\n");
+  EXPECT_NE(shape.find("run.yaml:2: model: the last layer ('conv0') gives an image of 4x30x30"), std::string::npos)
+      << shape << "\n";
+  EXPECT_NE(ErrorOf("data: [1, 2]\n").find("run.yaml:1: data: expected a mapping"), std::string::npos);
+  EXPECT_NE(ErrorOf("data: {train: t\n").find("run.yaml:2: not valid YAML"), std::string::npos) << ErrorOf("data: {train: t\n");
+  EXPECT_EQ(ErrorOf(base + "data2: 1\n").find("(parsed)"), std::string::npos);
+}
+
+TEST(Schedule, ShapesAtKnownPoints) {
+  ScheduleConfig s;
+  s.type = "step";
+  s.step_epochs = 2;
+  EXPECT_DOUBLE_EQ(LearningRate(s, 1.0, 0, 10, 6), 1.0);
+  EXPECT_DOUBLE_EQ(LearningRate(s, 1.0, 19, 10, 6), 1.0);
+  EXPECT_NEAR(LearningRate(s, 1.0, 20, 10, 6), 0.1, 1e-12);
+  EXPECT_NEAR(LearningRate(s, 1.0, 45, 10, 6), 0.01, 1e-12);
+  s.type = "multistep";
+  s.milestones = {1, 4};
+  EXPECT_DOUBLE_EQ(LearningRate(s, 1.0, 9, 10, 6), 1.0);
+  EXPECT_NEAR(LearningRate(s, 1.0, 10, 10, 6), 0.1, 1e-12);
+  EXPECT_NEAR(LearningRate(s, 1.0, 40, 10, 6), 0.01, 1e-12);
+  s.type = "cosine";
+  s.warmup_epochs = 1;
+  s.warmup_start = 0;
+  EXPECT_DOUBLE_EQ(LearningRate(s, 1.0, 0, 10, 5), 0.0);
+  EXPECT_DOUBLE_EQ(LearningRate(s, 1.0, 5, 10, 5), 0.5);
+  EXPECT_DOUBLE_EQ(LearningRate(s, 1.0, 10, 10, 5), 1.0);
+  EXPECT_NEAR(LearningRate(s, 1.0, 30, 10, 5), 0.5, 1e-12);  // half-way through the cosine
+  EXPECT_NEAR(LearningRate(s, 1.0, 50, 10, 5), 0.0, 1e-12);
+  s.type = "constant";
+  s.warmup_epochs = 0;
+  EXPECT_DOUBLE_EQ(LearningRate(s, 0.3, 123, 10, 5), 0.3);
+}
+
+Checkpoint SmallCheckpoint() {
+  Checkpoint c;
+  c.step = 42;
+  c.steps_per_epoch = 10;
+  c.seed = 7;
+  c.backend = "cpu";
+  c.config_yaml = "epochs: 3\n";
+  c.tensors = {{"a.weight", {2, 3}, {1, 2, 3, 4, 5, 6}}, {"a.bias", {2}, {-1, 0.5}}};
+  return c;
+}
+
+TEST(Checkpoint, RoundTripAndDamageIsRefused) {
+  const Checkpoint c = SmallCheckpoint();
+  const auto bytes = SerializeCheckpoint(c);
+  ASSERT_OK_AND_ASSIGN(Checkpoint back, ParseCheckpoint(bytes, "x.ckpt"));
+  EXPECT_EQ(back.step, 42);
+  EXPECT_EQ(back.config_yaml, c.config_yaml);
+  ASSERT_EQ(back.tensors.size(), 2u);
+  EXPECT_EQ(back.tensors[0].values, c.tensors[0].values);
+  EXPECT_EQ(back.tensors[1].dims, c.tensors[1].dims);
+
+  for (size_t cut : {size_t{0}, size_t{5}, bytes.size() / 2, bytes.size() - 1}) {
+    auto r = ParseCheckpoint(std::span(bytes).first(cut), "x.ckpt");
+    ASSERT_FALSE(r.ok()) << cut;
+    EXPECT_EQ(r.status().code(), StatusCode::kCorrupt);
+    EXPECT_NE(r.status().message().find("checkpoint x.ckpt: "), std::string::npos);
+  }
+  for (size_t pos : {size_t{3}, size_t{30}, bytes.size() - 10}) {
+    auto flipped = bytes;
+    flipped[pos] ^= std::byte{0x10};
+    auto r = ParseCheckpoint(flipped, "x.ckpt");
+    ASSERT_FALSE(r.ok()) << pos;
+    EXPECT_EQ(r.status().code(), StatusCode::kCorrupt) << r.status().ToString();
+  }
+  auto r = ParseCheckpoint(std::span(bytes).first(bytes.size() - 8), "x.ckpt");
+  EXPECT_NE(r.status().message().find("checksum mismatch"), std::string::npos) << r.status().ToString();
+}
+
+// ------------------------------------------------------------------ the training loop
+
+class TrainLoop : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new testing::TempDir();
+    synth::SynthOptions so{.classes = 4, .per_class = 40, .min_side = 24, .max_side = 40, .seed = 3};
+    ASSERT_OK(synth::WriteSyntheticTree(*dir_ / "images", so));
+    pack::PackOptions po;
+    po.source = *dir_ / "images";
+    po.output = *dir_ / "train.lmdb";
+    po.val_fraction = 0.2;
+    po.shuffle = true;
+    po.progress = false;
+    ASSERT_OK(pack::Pack(po).status());
+  }
+  static void TearDownTestSuite() {
+    delete dir_;
+    dir_ = nullptr;
+  }
+
+  static TrainConfig Config(const std::string& run, int epochs, const std::string& extra = "") {
+    const std::string yaml = fmt::format(R"(data:
+  train: {0}/train.lmdb
+  val: {0}/train_val.lmdb
+  batch_size: 16
+  threads: 2
+  image_size: 16
+  val_resize: 18
+  augment: {{scale: [0.5, 1.0]}}
+model:
+  classes: 4
+  layers:
+    - {{type: conv, out: 8, kernel: 3, pad: 1, bias: false}}
+    - {{type: batchnorm}}
+    - {{type: relu}}
+    - {{type: maxpool, kernel: 2}}
+    - {{type: flatten}}
+    - {{type: dropout, p: 0.2}}
+    - {{type: linear, out: 4}}
+optimizer: {{lr: 0.4, momentum: 0.9, nesterov: true, weight_decay: 0.0005}}
+schedule: {{type: cosine, warmup_epochs: 1}}
+epochs: {1}
+seed: 5
+compute_threads: 2
+run_dir: {0}/{2}
+log_every_steps: 3
+{3})",
+                                         dir_->path().string(), epochs, run, extra);
+    auto c = ParseConfig(yaml, run + ".yaml");
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    return *c;
+  }
+
+  static std::vector<NamedTensor> FinalState(const TrainSummary& s) {
+    auto ck = LoadCheckpoint(s.checkpoint);
+    EXPECT_TRUE(ck.ok()) << ck.status().ToString();
+    return ck.ok() ? ck->tensors : std::vector<NamedTensor>{};
+  }
+
+  static testing::TempDir* dir_;
+};
+testing::TempDir* TrainLoop::dir_ = nullptr;
+
+TEST_F(TrainLoop, LearnsAndWritesMetricsConfigAndPlot) {
+  TrainConfig c = Config("learn", 6);
+  TrainRunOptions run;
+  run.progress = false;
+  ASSERT_OK_AND_ASSIGN(TrainSummary s, Train(c, run));
+  EXPECT_EQ(s.steps_per_epoch, 128 / 16);
+  EXPECT_EQ(s.steps, 6 * 8);
+  EXPECT_FALSE(s.stopped);
+  ASSERT_TRUE(s.has_val);
+  EXPECT_EQ(s.val.count, 32);
+  EXPECT_GE(s.val.top1_rate(), 0.75) << FormatSummary(s);  // 4 classes: chance is 0.25
+  EXPECT_GT(s.images_per_s, 0);
+
+  // The first logged training loss is well above the last.
+  std::ifstream in(dir_->path() / "learn/metrics.jsonl");
+  std::string line;
+  std::vector<double> losses;
+  int vals = 0;
+  while (std::getline(in, line)) {
+    if (line.find(R"("type":"train")") != std::string::npos) {
+      losses.push_back(std::stod(line.substr(line.find(R"("loss":)") + 7)));
+    }
+    vals += line.find(R"("type":"val")") != std::string::npos ? 1 : 0;
+  }
+  ASSERT_GE(losses.size(), 10u);
+  EXPECT_LT(losses.back(), 0.5 * losses.front());
+  EXPECT_EQ(vals, 6);  // every epoch
+  EXPECT_TRUE(std::filesystem::exists(dir_->path() / "learn/config.yaml"));
+  EXPECT_TRUE(std::filesystem::exists(dir_->path() / "learn/curves.svg"));
+  EXPECT_EQ(ListCheckpoints(dir_->path() / "learn").size(), 2u);  // keep: 2
+
+  // A second fresh run into the same directory is refused rather than mixing two runs.
+  auto again = Train(c, run);
+  ASSERT_FALSE(again.ok());
+  EXPECT_NE(again.status().message().find("--resume"), std::string::npos);
+}
+
+TEST_F(TrainLoop, ResumeGivesIdenticalWeights) {
+  // 3 epochs of 8 steps. Uninterrupted, versus stopped at step 11 (mid-epoch, between
+  // checkpoints) and resumed, versus stopped at 16 (an epoch boundary) and resumed.
+  TrainRunOptions quiet;
+  quiet.progress = false;
+  quiet.plot = false;
+  ASSERT_OK_AND_ASSIGN(TrainSummary full, Train(Config("full", 3), quiet));
+  ASSERT_EQ(full.steps, 24);
+  const auto want = FinalState(full);
+  for (int64_t stop_at : {11, 16}) {
+    const std::string name = fmt::format("half{}", stop_at);
+    TrainRunOptions first = quiet;
+    first.max_steps = stop_at;
+    ASSERT_OK_AND_ASSIGN(TrainSummary a, Train(Config(name, 3), first));
+    EXPECT_TRUE(a.stopped);
+    EXPECT_EQ(a.steps, stop_at);
+    TrainRunOptions second = quiet;
+    second.resume = "latest";
+    ASSERT_OK_AND_ASSIGN(TrainSummary b, Train(Config(name, 3), second));
+    EXPECT_EQ(b.start_step, stop_at);
+    EXPECT_EQ(b.steps, 24);
+    const auto got = FinalState(b);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_EQ(got[i].name, want[i].name);
+      EXPECT_EQ(got[i].values, want[i].values) << name << ": " << want[i].name << " differs";
+    }
+    EXPECT_NEAR(b.val.loss(), full.val.loss(), 1e-12);
+  }
+}
+
+TEST_F(TrainLoop, DamagedCheckpointIsRefusedAndThePreviousOneStillWorks) {
+  TrainRunOptions quiet;
+  quiet.progress = false;
+  quiet.plot = false;
+  quiet.max_steps = 16;  // checkpoints at steps 8 and 16
+  ASSERT_OK(Train(Config("damage", 3), quiet).status());
+  const auto run_dir = dir_->path() / "damage";
+  auto all = ListCheckpoints(run_dir);
+  ASSERT_EQ(all.size(), 2u);
+  const auto newest = all.back(), previous = all.front();
+  const auto before = testing::ReadBytes(previous);
+
+  // Truncated: refused, naming the file; nothing else changes.
+  auto bytes = testing::ReadBytes(newest);
+  bytes.resize(bytes.size() / 2);
+  testing::WriteBytes(newest, bytes);
+  TrainRunOptions resume = quiet;
+  resume.max_steps = 0;
+  resume.resume = "latest";
+  auto r = Train(Config("damage", 3), resume);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kCorrupt);
+  EXPECT_NE(r.status().message().find(newest.string()), std::string::npos) << r.status().ToString();
+  EXPECT_EQ(testing::ReadBytes(previous), before);
+
+  // Bit-flipped: refused too.
+  bytes = testing::ReadBytes(previous);
+  bytes[bytes.size() / 2] ^= std::byte{1};
+  testing::WriteBytes(newest, bytes);
+  r = Train(Config("damage", 3), resume);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("checksum mismatch"), std::string::npos) << r.status().ToString();
+
+  // The previous checkpoint resumes the run to the end.
+  resume.resume = previous.string();
+  ASSERT_OK_AND_ASSIGN(TrainSummary s, Train(Config("damage", 3), resume));
+  EXPECT_EQ(s.start_step, 8);
+  EXPECT_EQ(s.steps, 24);
+
+  // A checkpoint of another model is refused by tensor name.
+  resume.resume = s.checkpoint;
+  TrainConfig other = Config("damage", 3);
+  other.model.layers[0].out = 6;
+  r = Train(other, resume);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("does not fit this model"), std::string::npos) << r.status().ToString();
+}
+
+TEST_F(TrainLoop, BadDatasetAndBatchErrors) {
+  TrainConfig c = Config("bad", 1);
+  c.data.train = (dir_->path() / "missing.lmdb").string();
+  TrainRunOptions quiet;
+  quiet.progress = false;
+  auto r = Train(c, quiet);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("missing.lmdb"), std::string::npos) << r.status().ToString();
+
+  c = Config("bad", 1);
+  c.data.batch_size = 1000;
+  r = Train(c, quiet);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("data.batch_size 1000 is larger than the 128 records"), std::string::npos)
+      << r.status().ToString();
+
+  c = Config("bad", 1);
+  c.model.classes = 3;
+  c.model.layers.back().out = 3;
+  r = Train(c, quiet);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("model.classes is 3, but"), std::string::npos) << r.status().ToString();
+}
+
+}  // namespace
+}  // namespace stoke::train

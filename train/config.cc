@@ -1,0 +1,533 @@
+#include "train/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <set>
+#include <sstream>
+
+#include <fmt/format.h>
+
+#include "common/file_util.h"
+
+namespace stoke::train {
+namespace {
+
+int Line(const YAML::Node& node) { return node.Mark().line >= 0 ? node.Mark().line + 1 : 0; }
+
+// One mapping of the config: reads keys with type and range checks and remembers which keys it
+// read, so Finish() can name the unknown ones.
+class Section {
+ public:
+  Section(const YAML::Node& node, std::string path, const std::string& source)
+      : node_(node), path_(std::move(path)), source_(source) {}
+
+  Status Check() const {
+    if (node_.IsMap() || node_.IsNull()) return OkStatus();
+    return Error(node_, path_, "expected a mapping of keys to values");
+  }
+
+  Status Error(const YAML::Node& at, const std::string& path, const std::string& what) const {
+    return InvalidArgumentError(fmt::format("{}:{}: {}: {}", source_, Line(at), path, what));
+  }
+  std::string Path(const std::string& key) const { return path_.empty() ? key : path_ + "." + key; }
+
+  // Looks up `key`; false when absent (the default stays).
+  bool Has(const std::string& key, YAML::Node* out) {
+    keys_.insert(key);
+    if (!node_.IsMap()) return false;
+    YAML::Node n = node_[key];
+    if (!n.IsDefined() || n.IsNull()) return false;
+    *out = n;
+    return true;
+  }
+
+  template <typename T>
+  Status Number(const std::string& key, T* out, double lo, double hi, bool hi_open = false) {
+    YAML::Node n;
+    if (!Has(key, &n)) return OkStatus();
+    STOKE_RETURN_IF_ERROR(ScalarAs(n, Path(key), out, lo, hi, hi_open));
+    return OkStatus();
+  }
+
+  template <typename T>
+  Status ScalarAs(const YAML::Node& n, const std::string& path, T* out, double lo, double hi, bool hi_open) const {
+    constexpr bool integral = std::is_integral_v<T>;
+    const std::string range = fmt::format("{} in [{}, {}{}", integral ? "an integer" : "a number", lo,
+                                          hi == std::numeric_limits<double>::max() ? "inf" : fmt::format("{}", hi),
+                                          hi_open ? ")" : "]");
+    T value{};
+    try {
+      if (!n.IsScalar()) throw YAML::Exception(n.Mark(), "not a scalar");
+      if constexpr (integral) {
+        value = static_cast<T>(n.as<int64_t>());
+      } else {
+        value = n.as<T>();
+      }
+    } catch (const YAML::Exception&) {
+      return Error(n, path, fmt::format("'{}' is not {}; expected {}", n.IsScalar() ? n.Scalar() : "(a list or map)",
+                                        integral ? "an integer" : "a number", range));
+    }
+    const auto v = static_cast<double>(value);
+    if (!(v >= lo && (hi_open ? v < hi : v <= hi))) {
+      return Error(n, path, fmt::format("{} is out of range; expected {}", n.Scalar(), range));
+    }
+    *out = value;
+    return OkStatus();
+  }
+
+  Status Bool(const std::string& key, bool* out) {
+    YAML::Node n;
+    if (!Has(key, &n)) return OkStatus();
+    try {
+      if (!n.IsScalar()) throw YAML::Exception(n.Mark(), "not a scalar");
+      *out = n.as<bool>();
+    } catch (const YAML::Exception&) {
+      return Error(n, Path(key), fmt::format("'{}' is not a boolean; expected true or false",
+                                             n.IsScalar() ? n.Scalar() : "(a list or map)"));
+    }
+    return OkStatus();
+  }
+
+  Status String(const std::string& key, std::string* out, const std::vector<std::string>& allowed = {}) {
+    YAML::Node n;
+    if (!Has(key, &n)) return OkStatus();
+    if (!n.IsScalar()) return Error(n, Path(key), "expected a string");
+    if (!allowed.empty() && std::find(allowed.begin(), allowed.end(), n.Scalar()) == allowed.end()) {
+      return Error(n, Path(key), fmt::format("'{}' is not allowed; expected one of: {}", n.Scalar(),
+                                             fmt::join(allowed, ", ")));
+    }
+    *out = n.Scalar();
+    return OkStatus();
+  }
+
+  template <typename T>
+  Status List(const std::string& key, std::vector<T>* out, size_t min_len, size_t max_len, double lo, double hi,
+              bool hi_open = false) {
+    YAML::Node n;
+    if (!Has(key, &n)) return OkStatus();
+    if (!n.IsSequence() || n.size() < min_len || n.size() > max_len) {
+      return Error(n, Path(key), min_len == max_len ? fmt::format("expected a list of {} numbers", min_len)
+                                                    : fmt::format("expected a list of {} to {} numbers", min_len, max_len));
+    }
+    std::vector<T> values(n.size());
+    for (size_t i = 0; i < n.size(); ++i) {
+      STOKE_RETURN_IF_ERROR(ScalarAs(n[i], fmt::format("{}[{}]", Path(key), i), &values[i], lo, hi, hi_open));
+    }
+    *out = std::move(values);
+    return OkStatus();
+  }
+
+  Result<Section> Sub(const std::string& key) {
+    YAML::Node n;
+    Has(key, &n);
+    Section s(n, Path(key), source_);
+    STOKE_RETURN_IF_ERROR(s.Check());
+    return s;
+  }
+
+  Status Finish() const {
+    if (!node_.IsMap()) return OkStatus();
+    for (const auto& kv : node_) {
+      const std::string key = kv.first.Scalar();
+      if (!keys_.count(key)) {
+        return Error(kv.first, Path(key), fmt::format("unknown key; expected one of: {}", fmt::join(keys_, ", ")));
+      }
+    }
+    return OkStatus();
+  }
+
+  const YAML::Node& node() const { return node_; }
+  const std::string& source() const { return source_; }
+
+ private:
+  YAML::Node node_;
+  std::string path_;
+  const std::string& source_;
+  std::set<std::string> keys_;
+};
+
+constexpr double kInf = std::numeric_limits<double>::max();
+
+Status ParseData(Section& top, DataConfig& d) {
+  STOKE_ASSIGN_OR_RETURN(Section s, top.Sub("data"));
+  STOKE_RETURN_IF_ERROR(s.String("train", &d.train));
+  STOKE_RETURN_IF_ERROR(s.String("val", &d.val));
+  STOKE_RETURN_IF_ERROR(s.Number("batch_size", &d.batch_size, 1, 65536));
+  STOKE_RETURN_IF_ERROR(s.Number("threads", &d.threads, 0, 4096));
+  STOKE_RETURN_IF_ERROR(s.Number("ring", &d.ring, 2, 1024));
+  STOKE_RETURN_IF_ERROR(s.String("shuffle", &d.shuffle, {"full", "block", "sequential"}));
+  STOKE_RETURN_IF_ERROR(s.String("on_error", &d.on_error, {"skip", "fail"}));
+  STOKE_RETURN_IF_ERROR(s.Number("max_skip_fraction", &d.max_skip_fraction, 0, 1));
+  STOKE_RETURN_IF_ERROR(s.Number("image_size", &d.image_size, 8, 4096));
+  STOKE_RETURN_IF_ERROR(s.Number("val_resize", &d.val_resize, 8, 8192));
+  STOKE_ASSIGN_OR_RETURN(Section a, s.Sub("augment"));
+  std::vector<double> scale = {d.scale_min, d.scale_max}, ratio = {d.ratio_min, d.ratio_max};
+  STOKE_RETURN_IF_ERROR(a.List("scale", &scale, 2, 2, 1e-6, 1));
+  STOKE_RETURN_IF_ERROR(a.List("ratio", &ratio, 2, 2, 1e-3, 1e3));
+  STOKE_RETURN_IF_ERROR(a.Number("flip", &d.flip, 0, 1));
+  STOKE_RETURN_IF_ERROR(a.Number("brightness", &d.brightness, 0, 1, true));
+  STOKE_RETURN_IF_ERROR(a.Number("contrast", &d.contrast, 0, 1, true));
+  STOKE_RETURN_IF_ERROR(a.Number("saturation", &d.saturation, 0, 1, true));
+  YAML::Node n;
+  if (scale[0] > scale[1] && a.Has("scale", &n)) return a.Error(n, a.Path("scale"), "expected [min, max] with min <= max");
+  if (ratio[0] > ratio[1] && a.Has("ratio", &n)) return a.Error(n, a.Path("ratio"), "expected [min, max] with min <= max");
+  d.scale_min = scale[0];
+  d.scale_max = scale[1];
+  d.ratio_min = ratio[0];
+  d.ratio_max = ratio[1];
+  STOKE_RETURN_IF_ERROR(a.Finish());
+  STOKE_ASSIGN_OR_RETURN(Section nz, s.Sub("normalize"));
+  STOKE_RETURN_IF_ERROR(nz.List("mean", &d.mean, 3, 3, -kInf, kInf));
+  STOKE_RETURN_IF_ERROR(nz.List("std", &d.std, 3, 3, 1e-6, kInf));
+  STOKE_RETURN_IF_ERROR(nz.String("layout", &d.layout, {"nchw", "nhwc"}));
+  STOKE_RETURN_IF_ERROR(nz.String("dtype", &d.dtype, {"float32", "float16", "bfloat16"}));
+  STOKE_RETURN_IF_ERROR(nz.Finish());
+  if (d.train.empty()) {
+    return s.Error(s.node().IsMap() ? s.node() : top.node(), s.Path("train"),
+                   "missing; expected the path of a packed training dataset");
+  }
+  return s.Finish();
+}
+
+Status ParseLayer(Section& l, LayerSpec& spec) {
+  std::string type;
+  YAML::Node type_node;
+  if (!l.Has("type", &type_node)) {
+    return l.Error(l.node(), l.Path("type"), "missing; expected a layer type");
+  }
+  STOKE_RETURN_IF_ERROR(l.String("type", &type));
+  auto parsed = ParseLayerType(type);
+  if (!parsed.ok()) return l.Error(type_node, l.Path("type"), parsed.status().message());
+  spec.type = *parsed;
+  STOKE_RETURN_IF_ERROR(l.String("name", &spec.name));
+  YAML::Node inputs;
+  if (l.Has("inputs", &inputs)) {
+    if (inputs.IsScalar()) {
+      spec.inputs = {inputs.Scalar()};
+    } else if (inputs.IsSequence()) {
+      for (const auto& i : inputs) {
+        if (!i.IsScalar()) return l.Error(i, l.Path("inputs"), "expected layer names");
+        spec.inputs.push_back(i.Scalar());
+      }
+    } else {
+      return l.Error(inputs, l.Path("inputs"), "expected a layer name or a list of them");
+    }
+  }
+  STOKE_RETURN_IF_ERROR(l.Number("out", &spec.out, 1, 1 << 20));
+  STOKE_RETURN_IF_ERROR(l.Number("kernel", &spec.kernel, 1, 64));
+  STOKE_RETURN_IF_ERROR(l.Number("stride", &spec.stride, 1, 64));
+  STOKE_RETURN_IF_ERROR(l.Number("pad", &spec.pad, 0, 63));
+  STOKE_RETURN_IF_ERROR(l.Bool("bias", &spec.bias));
+  STOKE_RETURN_IF_ERROR(l.Number("p", &spec.p, 0, 1, true));
+  STOKE_RETURN_IF_ERROR(l.Bool("zero_init", &spec.zero_init));
+  if (spec.type == LayerType::kMaxPool || spec.type == LayerType::kAvgPool) {
+    YAML::Node n;
+    if (!l.Has("stride", &n)) spec.stride = 0;  // pools: the kernel size
+  }
+  return l.Finish();
+}
+
+Status ParseModel(Section& top, ModelConfig& m) {
+  STOKE_ASSIGN_OR_RETURN(Section s, top.Sub("model"));
+  STOKE_RETURN_IF_ERROR(s.String("preset", &m.preset, PresetNames()));
+  STOKE_RETURN_IF_ERROR(s.Number("classes", &m.classes, 1, 1 << 24));
+  STOKE_RETURN_IF_ERROR(s.Number("label_smoothing", &m.label_smoothing, 0, 1, true));
+  STOKE_RETURN_IF_ERROR(s.Number("bn_momentum", &m.bn_momentum, 0, 1));
+  STOKE_RETURN_IF_ERROR(s.Number("bn_epsilon", &m.bn_epsilon, 1e-12, 1));
+  YAML::Node layers;
+  const bool has_layers = s.Has("layers", &layers);
+  const YAML::Node& at = s.node().IsMap() ? s.node() : top.node();
+  if (has_layers) {
+    if (!layers.IsSequence() || layers.size() == 0) {
+      return s.Error(layers, s.Path("layers"), "expected a non-empty list of layers");
+    }
+    m.layers.clear();
+    for (size_t i = 0; i < layers.size(); ++i) {
+      Section l(layers[i], fmt::format("{}[{}]", s.Path("layers"), i), s.source());
+      STOKE_RETURN_IF_ERROR(l.Check());
+      LayerSpec spec;
+      STOKE_RETURN_IF_ERROR(ParseLayer(l, spec));
+      m.layers.push_back(std::move(spec));
+    }
+  }
+  if (m.classes == 0) return s.Error(at, s.Path("classes"), "missing; expected the number of classes (>= 1)");
+  if (has_layers == !m.preset.empty()) {
+    return s.Error(at, s.Path("preset"),
+                   fmt::format("give either a preset ({}) or a layers list, not {}", fmt::join(PresetNames(), ", "),
+                               has_layers ? "both" : "neither"));
+  }
+  return s.Finish();
+}
+
+Status ParseOptimizer(Section& top, OptimizerConfig& o) {
+  STOKE_ASSIGN_OR_RETURN(Section s, top.Sub("optimizer"));
+  STOKE_RETURN_IF_ERROR(s.Number("lr", &o.lr, 0, 100));
+  STOKE_RETURN_IF_ERROR(s.Number("base_batch", &o.base_batch, 0, 1 << 24));
+  STOKE_RETURN_IF_ERROR(s.Number("momentum", &o.sgd.momentum, 0, 1, true));
+  STOKE_RETURN_IF_ERROR(s.Bool("nesterov", &o.sgd.nesterov));
+  STOKE_RETURN_IF_ERROR(s.Number("weight_decay", &o.sgd.weight_decay, 0, 1));
+  STOKE_RETURN_IF_ERROR(s.Bool("decay_bn_and_bias", &o.sgd.decay_bn_and_bias));
+  return s.Finish();
+}
+
+Status ParseSchedule(Section& top, ScheduleConfig& c) {
+  STOKE_ASSIGN_OR_RETURN(Section s, top.Sub("schedule"));
+  STOKE_RETURN_IF_ERROR(s.String("type", &c.type, {"constant", "step", "multistep", "cosine"}));
+  STOKE_RETURN_IF_ERROR(s.Number("warmup_epochs", &c.warmup_epochs, 0, 1e6));
+  STOKE_RETURN_IF_ERROR(s.Number("warmup_start", &c.warmup_start, 0, 1));
+  STOKE_RETURN_IF_ERROR(s.Number("step_epochs", &c.step_epochs, 1, 1 << 24));
+  STOKE_RETURN_IF_ERROR(s.List("milestones", &c.milestones, 0, 64, 1, 1 << 24));
+  STOKE_RETURN_IF_ERROR(s.Number("gamma", &c.gamma, 1e-9, 1));
+  STOKE_RETURN_IF_ERROR(s.Number("min_lr", &c.min_lr, 0, 1));
+  YAML::Node n;
+  if (!std::is_sorted(c.milestones.begin(), c.milestones.end()) && s.Has("milestones", &n)) {
+    return s.Error(n, s.Path("milestones"), "expected epochs in increasing order");
+  }
+  return s.Finish();
+}
+
+}  // namespace
+
+Result<TrainConfig> ParseConfig(const std::string& yaml, const std::string& source) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml);
+  } catch (const YAML::ParserException& e) {
+    return InvalidArgumentError(fmt::format("{}:{}: not valid YAML: {}", source, e.mark.line + 1, e.msg));
+  }
+  TrainConfig c;
+  c.source = source;
+  Section top(root, "", c.source);
+  if (!root.IsMap()) return InvalidArgumentError(fmt::format("{}: expected a YAML mapping at the top", source));
+  STOKE_RETURN_IF_ERROR(ParseData(top, c.data));
+  STOKE_RETURN_IF_ERROR(ParseModel(top, c.model));
+  STOKE_RETURN_IF_ERROR(ParseOptimizer(top, c.optimizer));
+  STOKE_RETURN_IF_ERROR(ParseSchedule(top, c.schedule));
+  STOKE_ASSIGN_OR_RETURN(Section ev, top.Sub("eval"));
+  STOKE_RETURN_IF_ERROR(ev.Number("every_epochs", &c.eval.every_epochs, 0, 1 << 24));
+  STOKE_RETURN_IF_ERROR(ev.Number("every_steps", &c.eval.every_steps, 0, 1e15));
+  STOKE_RETURN_IF_ERROR(ev.Finish());
+  STOKE_ASSIGN_OR_RETURN(Section ck, top.Sub("checkpoint"));
+  STOKE_RETURN_IF_ERROR(ck.Number("every_epochs", &c.checkpoint.every_epochs, 0, 1 << 24));
+  STOKE_RETURN_IF_ERROR(ck.Number("every_steps", &c.checkpoint.every_steps, 0, 1e15));
+  STOKE_RETURN_IF_ERROR(ck.Number("keep", &c.checkpoint.keep, 1, 1000));
+  STOKE_RETURN_IF_ERROR(ck.Finish());
+  STOKE_RETURN_IF_ERROR(top.Number("epochs", &c.epochs, 1, 1 << 24));
+  STOKE_RETURN_IF_ERROR(top.Number("seed", &c.seed, 0, 9.0e15));
+  STOKE_RETURN_IF_ERROR(top.String("backend", &c.backend, {"auto", "cpu", "cuda"}));
+  STOKE_RETURN_IF_ERROR(top.Number("compute_threads", &c.compute_threads, 0, 4096));
+  STOKE_RETURN_IF_ERROR(top.String("run_dir", &c.run_dir));
+  STOKE_RETURN_IF_ERROR(top.Number("log_every_steps", &c.log_every_steps, 1, 1e15));
+  STOKE_RETURN_IF_ERROR(top.Finish());
+  for (int m : c.schedule.milestones) {
+    if (m > c.epochs) {
+      return InvalidArgumentError(fmt::format("{}: schedule.milestones: epoch {} is past the last epoch ({})", source, m,
+                                              c.epochs));
+    }
+  }
+  // The model must fit the input: resolve it now so its errors come with the file name.
+  ModelSpec spec = ModelFromConfig(c.model);
+  auto shapes = ResolveModel(spec, {3, c.data.image_size, c.data.image_size});
+  if (!shapes.ok()) {
+    int line = 0;
+    for (const auto& kv : root) {
+      if (kv.first.Scalar() == "model") line = Line(kv.first);
+    }
+    return InvalidArgumentError(fmt::format("{}:{}: model: {} (input 3x{}x{})", source, line,
+                                            shapes.status().message(), c.data.image_size, c.data.image_size));
+  }
+  return c;
+}
+
+Result<TrainConfig> LoadConfig(const std::string& path) {
+  STOKE_ASSIGN_OR_RETURN(auto bytes, ReadFileBytes(path));
+  return ParseConfig(std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()), path);
+}
+
+std::string ConfigToYaml(const TrainConfig& c) {
+  YAML::Emitter e;
+  e.SetDoublePrecision(15);  // 0.35, not 0.34999999999999998
+  e << YAML::BeginMap;
+  const DataConfig& d = c.data;
+  e << YAML::Key << "data" << YAML::Value << YAML::BeginMap;
+  e << YAML::Key << "train" << YAML::Value << d.train;
+  e << YAML::Key << "val" << YAML::Value << d.val;
+  e << YAML::Key << "batch_size" << YAML::Value << d.batch_size;
+  e << YAML::Key << "threads" << YAML::Value << d.threads;
+  e << YAML::Key << "ring" << YAML::Value << d.ring;
+  e << YAML::Key << "shuffle" << YAML::Value << d.shuffle;
+  e << YAML::Key << "on_error" << YAML::Value << d.on_error;
+  e << YAML::Key << "max_skip_fraction" << YAML::Value << d.max_skip_fraction;
+  e << YAML::Key << "image_size" << YAML::Value << d.image_size;
+  e << YAML::Key << "val_resize" << YAML::Value << d.val_resize;
+  e << YAML::Key << "augment" << YAML::Value << YAML::BeginMap;
+  e << YAML::Key << "scale" << YAML::Value << YAML::Flow << std::vector<double>{d.scale_min, d.scale_max};
+  e << YAML::Key << "ratio" << YAML::Value << YAML::Flow << std::vector<double>{d.ratio_min, d.ratio_max};
+  e << YAML::Key << "flip" << YAML::Value << d.flip;
+  e << YAML::Key << "brightness" << YAML::Value << d.brightness;
+  e << YAML::Key << "contrast" << YAML::Value << d.contrast;
+  e << YAML::Key << "saturation" << YAML::Value << d.saturation;
+  e << YAML::EndMap;
+  e << YAML::Key << "normalize" << YAML::Value << YAML::BeginMap;
+  e << YAML::Key << "mean" << YAML::Value << YAML::Flow << d.mean;
+  e << YAML::Key << "std" << YAML::Value << YAML::Flow << d.std;
+  e << YAML::Key << "layout" << YAML::Value << d.layout;
+  e << YAML::Key << "dtype" << YAML::Value << d.dtype;
+  e << YAML::EndMap << YAML::EndMap;
+
+  const ModelConfig& m = c.model;
+  e << YAML::Key << "model" << YAML::Value << YAML::BeginMap;
+  if (!m.preset.empty()) e << YAML::Key << "preset" << YAML::Value << m.preset;
+  e << YAML::Key << "classes" << YAML::Value << m.classes;
+  e << YAML::Key << "label_smoothing" << YAML::Value << m.label_smoothing;
+  e << YAML::Key << "bn_momentum" << YAML::Value << m.bn_momentum;
+  e << YAML::Key << "bn_epsilon" << YAML::Value << m.bn_epsilon;
+  if (m.preset.empty()) {
+    e << YAML::Key << "layers" << YAML::Value << YAML::BeginSeq;
+    for (const LayerSpec& l : m.layers) {
+      e << YAML::Flow << YAML::BeginMap;
+      if (!l.name.empty()) e << YAML::Key << "name" << YAML::Value << l.name;
+      e << YAML::Key << "type" << YAML::Value << std::string(LayerTypeName(l.type));
+      if (!l.inputs.empty()) e << YAML::Key << "inputs" << YAML::Value << YAML::Flow << l.inputs;
+      switch (l.type) {
+        case LayerType::kConv:
+        case LayerType::kLinear:
+          e << YAML::Key << "out" << YAML::Value << l.out;
+          if (l.type == LayerType::kConv) {
+            e << YAML::Key << "kernel" << YAML::Value << l.kernel << YAML::Key << "stride" << YAML::Value << l.stride
+              << YAML::Key << "pad" << YAML::Value << l.pad;
+          }
+          e << YAML::Key << "bias" << YAML::Value << l.bias;
+          break;
+        case LayerType::kMaxPool:
+        case LayerType::kAvgPool:
+          e << YAML::Key << "kernel" << YAML::Value << l.kernel;
+          if (l.stride != 0) e << YAML::Key << "stride" << YAML::Value << l.stride;
+          e << YAML::Key << "pad" << YAML::Value << l.pad;
+          break;
+        case LayerType::kDropout:
+          e << YAML::Key << "p" << YAML::Value << l.p;
+          break;
+        case LayerType::kBatchNorm:
+          if (l.zero_init) e << YAML::Key << "zero_init" << YAML::Value << true;
+          break;
+        default:
+          break;
+      }
+      e << YAML::EndMap;
+    }
+    e << YAML::EndSeq;
+  }
+  e << YAML::EndMap;
+
+  const OptimizerConfig& o = c.optimizer;
+  e << YAML::Key << "optimizer" << YAML::Value << YAML::BeginMap;
+  e << YAML::Key << "lr" << YAML::Value << o.lr;
+  e << YAML::Key << "base_batch" << YAML::Value << o.base_batch;
+  e << YAML::Key << "momentum" << YAML::Value << o.sgd.momentum;
+  e << YAML::Key << "nesterov" << YAML::Value << o.sgd.nesterov;
+  e << YAML::Key << "weight_decay" << YAML::Value << o.sgd.weight_decay;
+  e << YAML::Key << "decay_bn_and_bias" << YAML::Value << o.sgd.decay_bn_and_bias;
+  e << YAML::EndMap;
+
+  const ScheduleConfig& s = c.schedule;
+  e << YAML::Key << "schedule" << YAML::Value << YAML::BeginMap;
+  e << YAML::Key << "type" << YAML::Value << s.type;
+  e << YAML::Key << "warmup_epochs" << YAML::Value << s.warmup_epochs;
+  e << YAML::Key << "warmup_start" << YAML::Value << s.warmup_start;
+  e << YAML::Key << "step_epochs" << YAML::Value << s.step_epochs;
+  e << YAML::Key << "milestones" << YAML::Value << YAML::Flow << s.milestones;
+  e << YAML::Key << "gamma" << YAML::Value << s.gamma;
+  e << YAML::Key << "min_lr" << YAML::Value << s.min_lr;
+  e << YAML::EndMap;
+
+  e << YAML::Key << "eval" << YAML::Value << YAML::BeginMap;
+  e << YAML::Key << "every_epochs" << YAML::Value << c.eval.every_epochs;
+  e << YAML::Key << "every_steps" << YAML::Value << c.eval.every_steps;
+  e << YAML::EndMap;
+  e << YAML::Key << "checkpoint" << YAML::Value << YAML::BeginMap;
+  e << YAML::Key << "every_epochs" << YAML::Value << c.checkpoint.every_epochs;
+  e << YAML::Key << "every_steps" << YAML::Value << c.checkpoint.every_steps;
+  e << YAML::Key << "keep" << YAML::Value << c.checkpoint.keep;
+  e << YAML::EndMap;
+  e << YAML::Key << "epochs" << YAML::Value << c.epochs;
+  e << YAML::Key << "seed" << YAML::Value << c.seed;
+  e << YAML::Key << "backend" << YAML::Value << c.backend;
+  e << YAML::Key << "compute_threads" << YAML::Value << c.compute_threads;
+  e << YAML::Key << "run_dir" << YAML::Value << c.run_dir;
+  e << YAML::Key << "log_every_steps" << YAML::Value << c.log_every_steps;
+  e << YAML::EndMap;
+  return std::string(e.c_str()) + "\n";
+}
+
+augment::NormalizeOptions NormalizeFromConfig(const DataConfig& d) {
+  augment::NormalizeOptions n;
+  for (int i = 0; i < 3; ++i) {
+    n.mean[static_cast<size_t>(i)] = static_cast<float>(d.mean[static_cast<size_t>(i)]);
+    n.std[static_cast<size_t>(i)] = static_cast<float>(d.std[static_cast<size_t>(i)]);
+  }
+  n.layout = d.layout == "nhwc" ? augment::Layout::kNHWC : augment::Layout::kNCHW;
+  n.dtype = d.dtype == "float32" ? augment::DType::kFloat32 : augment::DType::kFloat16;
+  return n;
+}
+
+ModelSpec ModelFromConfig(const ModelConfig& m) {
+  ModelSpec spec;
+  spec.preset = m.preset;
+  spec.classes = m.classes;
+  if (!m.preset.empty()) {
+    auto layers = ExpandPreset(m.preset, m.classes);
+    if (layers.ok()) spec.layers = std::move(*layers);
+  } else {
+    spec.layers = m.layers;
+  }
+  return spec;
+}
+
+double ScaledLr(const TrainConfig& c) {
+  if (c.optimizer.base_batch <= 0) return c.optimizer.lr;
+  return c.optimizer.lr * c.data.batch_size / c.optimizer.base_batch;
+}
+
+prefetch::LoaderOptions TrainLoaderOptions(const TrainConfig& c) {
+  const DataConfig& d = c.data;
+  prefetch::LoaderOptions o;
+  o.sampler.mode = d.shuffle == "sequential"   ? dataset::ShuffleMode::kSequential
+                   : d.shuffle == "block" ? dataset::ShuffleMode::kBlock
+                                          : dataset::ShuffleMode::kFull;
+  o.sampler.seed = c.seed;
+  o.augment.mode = prefetch::CropMode::kRandomResized;
+  o.augment.random.size = d.image_size;
+  o.augment.random.scale_min = d.scale_min;
+  o.augment.random.scale_max = d.scale_max;
+  o.augment.random.ratio_min = d.ratio_min;
+  o.augment.random.ratio_max = d.ratio_max;
+  o.augment.random.flip_p = d.flip;
+  o.augment.random.brightness = d.brightness;
+  o.augment.random.contrast = d.contrast;
+  o.augment.random.saturation = d.saturation;
+  o.batch_size = d.batch_size;
+  o.drop_last_batch = true;  // every training step sees a full batch
+  o.threads = d.threads;
+  o.ring_size = d.ring;
+  o.on_error = d.on_error == "fail" ? prefetch::ErrorPolicy::kFail : prefetch::ErrorPolicy::kSkip;
+  o.max_skip_fraction = d.max_skip_fraction;
+  o.device = prefetch::DeviceMode::kHost;
+  return o;
+}
+
+prefetch::LoaderOptions ValLoaderOptions(const TrainConfig& c) {
+  prefetch::LoaderOptions o = TrainLoaderOptions(c);
+  o.sampler.mode = dataset::ShuffleMode::kSequential;
+  o.augment.mode = prefetch::CropMode::kCenter;
+  o.augment.resize = std::max(c.data.val_resize, c.data.image_size);
+  o.augment.crop = c.data.image_size;
+  o.drop_last_batch = false;  // every validation sample counts
+  o.epochs = 1;
+  return o;
+}
+
+}  // namespace stoke::train

@@ -1,0 +1,101 @@
+// The training configuration: one struct with every default, read from YAML with strict checks.
+// Every error names the file, line, key path and what was expected, e.g.
+//   run.yaml:12: optimizer.momentum: 1.5 is out of range; expected a number in [0, 1)
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "augment/transform.h"
+#include "common/status.h"
+#include "prefetch/loader.h"
+#include "train/model.h"
+#include "train/network.h"
+#include "train/schedule.h"
+
+namespace stoke::train {
+
+struct DataConfig {
+  std::string train;  // packed training dataset (required)
+  std::string val;    // packed validation dataset ("" = no evaluation)
+  int batch_size = 128;
+  int threads = 0;     // decoding threads; 0 = every core
+  int ring = 4;        // batch buffers in the prefetch ring
+  std::string shuffle = "full";  // full | block | sequential
+  std::string on_error = "skip";  // skip | fail
+  double max_skip_fraction = 0.01;
+  // Augmentation of training samples (RandomResizedCrop + flip + colour jitter).
+  int image_size = 224;
+  double scale_min = 0.08, scale_max = 1.0;
+  double ratio_min = 3.0 / 4, ratio_max = 4.0 / 3;
+  double flip = 0.5;
+  double brightness = 0, contrast = 0, saturation = 0;
+  // Validation samples: resize the shorter side to val_resize, centre crop image_size.
+  int val_resize = 256;
+  // The backend's first step.
+  std::vector<double> mean = {0.485, 0.456, 0.406};
+  std::vector<double> std = {0.229, 0.224, 0.225};
+  std::string layout = "nchw";  // nchw | nhwc
+  std::string dtype = "float32";  // float32 | float16 | bfloat16 (the CPU backend: float32)
+};
+
+struct ModelConfig {
+  std::string preset;  // lenet | resnet20 | resnet18 | resnet34 | resnet50; or `layers`
+  int classes = 0;     // required (> 0)
+  std::vector<LayerSpec> layers;
+  double label_smoothing = 0;
+  double bn_momentum = 0.1;
+  double bn_epsilon = 1e-5;
+};
+
+struct OptimizerConfig {
+  double lr = 0.1;        // at base_batch
+  int base_batch = 256;   // linear scaling: lr * batch_size / base_batch; 0 = no scaling
+  SgdOptions sgd;
+};
+
+struct EvalConfig {
+  int every_epochs = 1;  // 0 = only at the end
+  int64_t every_steps = 0;
+};
+
+struct CheckpointConfig {
+  int every_epochs = 1;
+  int64_t every_steps = 0;
+  int keep = 2;  // checkpoints kept in run_dir/checkpoints (oldest removed)
+};
+
+struct TrainConfig {
+  std::string source;  // file the config came from (for messages)
+  DataConfig data;
+  ModelConfig model;
+  OptimizerConfig optimizer;
+  ScheduleConfig schedule;
+  EvalConfig eval;
+  CheckpointConfig checkpoint;
+  int epochs = 10;
+  uint64_t seed = 0;
+  std::string backend = "auto";  // auto | cpu | cuda
+  int compute_threads = 0;       // CPU backend threads; 0 = every core
+  std::string run_dir = "runs/run";
+  int64_t log_every_steps = 10;
+};
+
+// Parses YAML text. `source` names it in errors. Relative dataset and run paths stay relative
+// (to the working directory).
+Result<TrainConfig> ParseConfig(const std::string& yaml, const std::string& source);
+Result<TrainConfig> LoadConfig(const std::string& path);
+
+// The resolved config as YAML (every key, defaults filled in); ParseConfig reads it back.
+std::string ConfigToYaml(const TrainConfig& config);
+
+// What the other modules take, derived from a config.
+prefetch::LoaderOptions TrainLoaderOptions(const TrainConfig& config);
+prefetch::LoaderOptions ValLoaderOptions(const TrainConfig& config);
+augment::NormalizeOptions NormalizeFromConfig(const DataConfig& data);
+ModelSpec ModelFromConfig(const ModelConfig& model);
+// The learning rate after the linear scaling rule.
+double ScaledLr(const TrainConfig& config);
+
+}  // namespace stoke::train

@@ -1,0 +1,129 @@
+// curves.svg: two panels (loss; accuracy) against the step, from metrics.jsonl. Plain SVG, so it
+// opens in any browser and needs no plotting library.
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "common/file_util.h"
+#include "train/trainer.h"
+
+namespace stoke::train {
+namespace {
+
+struct Series {
+  std::string label;
+  std::string color;
+  bool dashed = false;
+  std::vector<std::pair<double, double>> points;  // (step, value)
+};
+
+// A "nice" tick step for a span: 1, 2 or 5 times a power of ten.
+double TickStep(double span, int target) {
+  const double raw = span / target;
+  const double p = std::pow(10, std::floor(std::log10(raw)));
+  for (double m : {1.0, 2.0, 5.0, 10.0}) {
+    if (m * p >= raw) return m * p;
+  }
+  return 10 * p;
+}
+
+std::string Panel(const std::vector<Series>& series, const std::string& title, double x0, double y0, double w,
+                  double h, double max_step, bool percent) {
+  double lo = std::numeric_limits<double>::max(), hi = std::numeric_limits<double>::lowest();
+  for (const auto& s : series) {
+    for (const auto& [x, y] : s.points) {
+      lo = std::min(lo, y);
+      hi = std::max(hi, y);
+    }
+  }
+  if (lo > hi) lo = 0, hi = 1;
+  if (percent) lo = 0, hi = std::max(hi, 1e-9);
+  if (hi - lo < 1e-9) hi = lo + 1;
+  const double ml = 60, mr = 15, mt = 30, mb = 40;  // margins
+  const double pw = w - ml - mr, ph = h - mt - mb;
+  auto X = [&](double s) { return x0 + ml + pw * (max_step > 0 ? s / max_step : 0); };
+  auto Y = [&](double v) { return y0 + mt + ph * (1 - (v - lo) / (hi - lo)); };
+  std::string out = fmt::format(R"(<text x="{:.1f}" y="{:.1f}" font-size="15" font-weight="bold">{}</text>)" "\n",
+                                x0 + ml, y0 + 20, title);
+  out += fmt::format(R"(<rect x="{:.1f}" y="{:.1f}" width="{:.1f}" height="{:.1f}" fill="none" stroke="#888"/>)" "\n",
+                     x0 + ml, y0 + mt, pw, ph);
+  const double ys = TickStep(hi - lo, 5);
+  for (double v = std::ceil(lo / ys) * ys; v <= hi + 1e-12; v += ys) {
+    out += fmt::format(R"(<line x1="{:.1f}" x2="{:.1f}" y1="{:.1f}" y2="{:.1f}" stroke="#eee"/>)"
+                       R"(<text x="{:.1f}" y="{:.1f}" font-size="11" text-anchor="end">{}</text>)" "\n",
+                       x0 + ml, x0 + ml + pw, Y(v), Y(v), x0 + ml - 5, Y(v) + 4,
+                       percent ? fmt::format("{:g}%", std::round(v * 1000) / 10) : fmt::format("{:g}", v));
+  }
+  const double xs = TickStep(std::max(max_step, 1.0), 6);
+  for (double s = 0; s <= max_step + 1e-9; s += xs) {
+    out += fmt::format(R"(<text x="{:.1f}" y="{:.1f}" font-size="11" text-anchor="middle">{:g}</text>)" "\n", X(s),
+                       y0 + mt + ph + 16, s);
+  }
+  out += fmt::format(R"(<text x="{:.1f}" y="{:.1f}" font-size="12" text-anchor="middle">step</text>)" "\n",
+                     x0 + ml + pw / 2, y0 + h - 6);
+  double ly = y0 + mt + 14;
+  for (const auto& s : series) {
+    if (s.points.empty()) continue;
+    std::string path;
+    for (const auto& [x, y] : s.points) path += fmt::format("{}{:.1f},{:.1f}", path.empty() ? "M" : " L", X(x), Y(y));
+    out += fmt::format(R"(<path d="{}" fill="none" stroke="{}" stroke-width="1.6"{}/>)" "\n", path, s.color,
+                       s.dashed ? R"( stroke-dasharray="5,3")" : "");
+    if (s.points.size() <= 60) {
+      for (const auto& [x, y] : s.points) {
+        out += fmt::format(R"(<circle cx="{:.1f}" cy="{:.1f}" r="2.2" fill="{}"/>)", X(x), Y(y), s.color);
+      }
+      out += "\n";
+    }
+    out += fmt::format(R"(<line x1="{:.1f}" x2="{:.1f}" y1="{:.1f}" y2="{:.1f}" stroke="{}" stroke-width="2"/>)"
+                       R"(<text x="{:.1f}" y="{:.1f}" font-size="11">{}</text>)" "\n",
+                       x0 + ml + pw - 130, x0 + ml + pw - 110, ly, ly, s.color, x0 + ml + pw - 105, ly + 4, s.label);
+    ly += 16;
+  }
+  return out;
+}
+
+}  // namespace
+
+Status WritePlot(const std::string& metrics_path, const std::string& svg_path) {
+  std::ifstream in(metrics_path);
+  if (!in) return IoError(fmt::format("cannot read {}", metrics_path));
+  Series train_loss{"train loss", "#1f77b4"}, val_loss{"val loss", "#d62728"};
+  Series train_top1{"train top-1", "#1f77b4"}, val_top1{"val top-1", "#d62728"}, val_top5{"val top-5", "#2ca02c", true};
+  double max_step = 0;
+  std::string line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.contains("type") || !j.contains("step")) continue;
+    const auto step = j["step"].get<double>();
+    max_step = std::max(max_step, step);
+    const std::string type = j["type"].get<std::string>();
+    if (type == "train") {
+      train_loss.points.emplace_back(step, j.value("loss", 0.0));
+      train_top1.points.emplace_back(step, j.value("top1", 0.0));
+    } else if (type == "val") {
+      val_loss.points.emplace_back(step, j.value("loss", 0.0));
+      val_top1.points.emplace_back(step, j.value("top1", 0.0));
+      val_top5.points.emplace_back(step, j.value("top5", 0.0));
+    }
+  }
+  if (train_loss.points.empty() && val_loss.points.empty()) {
+    return InvalidArgumentError(fmt::format("{} has no training or validation records", metrics_path));
+  }
+  const double w = 520, h = 340;
+  std::string svg = fmt::format(
+      R"(<svg xmlns="http://www.w3.org/2000/svg" width="{:.0f}" height="{:.0f}" font-family="sans-serif">)" "\n"
+      R"(<rect width="100%" height="100%" fill="white"/>)" "\n",
+      2 * w, h);
+  svg += Panel({train_loss, val_loss}, "loss", 0, 0, w, h, max_step, false);
+  svg += Panel({train_top1, val_top1, val_top5}, "accuracy", w, 0, w, h, max_step, true);
+  svg += "</svg>\n";
+  return WriteFileAtomic(svg_path, svg);
+}
+
+}  // namespace stoke::train

@@ -1,0 +1,53 @@
+// The training loop: the prefetch loader feeds a backend; every step records how long it waited
+// for its batch. Writes into run_dir: config.yaml (the resolved config), metrics.jsonl (one JSON
+// object per line: train intervals, epochs, evaluations), checkpoints/step-N.ckpt and, at the
+// end, curves.svg (loss and accuracy against step).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include "common/status.h"
+#include "train/config.h"
+
+namespace stoke::train {
+
+struct TrainRunOptions {
+  // "" starts afresh (and refuses a run_dir that already has checkpoints); "latest" continues
+  // from the newest checkpoint in run_dir; anything else is a checkpoint file.
+  std::string resume;
+  const std::atomic<bool>* stop = nullptr;  // set (e.g. by Ctrl-C): checkpoint and return
+  int64_t max_steps = 0;  // > 0: stop (with a checkpoint) once the run has taken this many steps
+  bool progress = true;   // the live progress line on stderr
+  bool plot = true;       // curves.svg at the end
+};
+
+struct TrainSummary {
+  std::string backend;
+  int64_t start_step = 0;
+  int64_t steps = 0;  // the step the run ended at
+  int64_t total_steps = 0;
+  int64_t steps_per_epoch = 0;
+  bool stopped = false;       // ended early (stop flag or max_steps)
+  double seconds = 0;         // wall time of the training loop in this invocation
+  double images_per_s = 0;    // training samples per second of the loop
+  double data_wait = 0;       // fraction of the loop spent waiting for batches
+  BatchStats last_epoch;      // training statistics of the last (partial) epoch
+  bool has_val = false;
+  BatchStats val;             // the last evaluation
+  int64_t bad_records = 0;
+  std::string checkpoint;     // the last checkpoint written
+  std::string plot;           // curves.svg ("" when not written)
+};
+
+Result<TrainSummary> Train(const TrainConfig& config, const TrainRunOptions& run);
+
+// One-paragraph human summary of a run.
+std::string FormatSummary(const TrainSummary& summary);
+
+// Draws the curves of run_dir/metrics.jsonl into an SVG file.
+Status WritePlot(const std::string& metrics_path, const std::string& svg_path);
+
+}  // namespace stoke::train
