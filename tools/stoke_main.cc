@@ -142,6 +142,19 @@ int main(int argc, char** argv) {
   bench_pipeline->add_option("--ring", pipeline.ring, "Batch buffers in the ring")->check(CLI::Range(2, 1024));
   add_common(bench_pipeline);
 
+  stoke::bench::TrainBenchOptions train_bench;
+  std::string train_bench_config;
+  auto* bench_train = bench_cmd->add_subcommand(
+      "train", "Training throughput of a config's model: compute alone and fed by the loader");
+  bench_train->add_option("--config", train_bench_config, "Run config (YAML)")->required();
+  bench_train->add_option("--steps", train_bench.steps, "Timed steps per run")->check(CLI::PositiveNumber);
+  bench_train->add_option("--warmup", train_bench.warmup, "Untimed steps before each run")->check(CLI::NonNegativeNumber);
+  std::string model_json;
+  bench_train->add_option("--model-json", model_json, "Write the resolved model as JSON (for the PyTorch peer)");
+  bench_train->add_option("--threads", bench.threads, "Compute and loader threads (default: the config's)");
+  bench_train->add_option("--repeats", bench.repeats, "Timed runs (median reported)")->check(CLI::PositiveNumber);
+  bench_train->add_option("--json", bench.json_out, "Also write the results as JSON here");
+
   // ---- synth
   std::string synth_dir;
   stoke::synth::SynthOptions synth;
@@ -252,6 +265,14 @@ int main(int argc, char** argv) {
     if (!s.ok()) return Fail(s);
     std::printf("wrote %d classes x %d images to %s\n", synth.classes, synth.per_class,
                 synth_dir.c_str());
+    return 0;
+  }
+  if (bench_train->parsed()) {
+    train_bench.config = train_bench_config;
+    train_bench.model_json = model_json;
+    auto result = stoke::bench::BenchTrain(bench, train_bench);
+    if (!result.ok()) return Fail(result.status());
+    std::cout << *result;
     return 0;
   }
   if (bench_pack->parsed() || bench_read->parsed() || bench_decode->parsed() ||

@@ -23,7 +23,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
-Result<std::unique_ptr<Network>> CreateBackend(const TrainConfig& c) {
+}  // namespace
+
+Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c) {
   if (c.backend == "cuda") {
     return UnavailableError(
         "backend 'cuda' was requested, but this build has no CUDA training backend; use backend: cpu or auto");
@@ -45,6 +47,8 @@ Result<std::unique_ptr<Network>> CreateBackend(const TrainConfig& c) {
   STOKE_ASSIGN_OR_RETURN(auto net, CpuNetwork::Create(std::move(o)));
   return std::unique_ptr<Network>(std::move(net));
 }
+
+namespace {
 
 // Keeps the metrics of steps up to `step` (a resumed run rewrites what followed its checkpoint).
 Status TrimMetrics(const std::filesystem::path& path, int64_t step) {
@@ -111,7 +115,7 @@ Result<TrainSummary> Train(const TrainConfig& config, const TrainRunOptions& run
                                             config.source, config.data.batch_size, train_set.size(),
                                             config.data.train));
   }
-  STOKE_ASSIGN_OR_RETURN(auto net, CreateBackend(config));
+  STOKE_ASSIGN_OR_RETURN(auto net, CreateNetwork(config));
 
   TrainSummary summary;
   summary.backend = std::string(net->backend());

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <string>
 
 #include "common/status.h"
@@ -43,6 +44,10 @@ struct TrainSummary {
 };
 
 Result<TrainSummary> Train(const TrainConfig& config, const TrainRunOptions& run);
+
+// The backend `config.backend` selects (auto: the best available), built for the config's model,
+// batch and input. kUnavailable when the requested backend is not in this build.
+Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& config);
 
 // One-paragraph human summary of a run.
 std::string FormatSummary(const TrainSummary& summary);

@@ -44,3 +44,19 @@ Result<std::string> BenchPipeline(const BenchOptions& options, const std::filesy
                                   const PipelineBenchOptions& pipeline);
 
 }  // namespace stoke::bench
+
+namespace stoke::bench {
+
+struct TrainBenchOptions {
+  std::filesystem::path config;      // the run config (YAML) whose data, model, batch and threads are measured
+  int steps = 20;                    // timed steps per run
+  int warmup = 5;                    // untimed steps before each run
+  std::filesystem::path model_json;  // optional: the resolved model as JSON (for the PyTorch peer)
+};
+
+// Training throughput of the config's model on its backend: compute alone (one batch repeated:
+// normalise + forward + backward + SGD) and end to end (fed by the loader from the config's
+// dataset), as steps/s, images/s and the fraction of step time spent waiting for data.
+Result<std::string> BenchTrain(const BenchOptions& options, const TrainBenchOptions& train);
+
+}  // namespace stoke::bench

@@ -1,0 +1,103 @@
+#!/usr/bin/python3
+"""The training step `stoke bench train` measures, in PyTorch on the CPU: the same model (built
+from the JSON that `stoke bench train --model-json` writes), batch, threads, loss and optimizer
+(SGD with momentum / Nesterov / weight decay), on one fixed batch of normalised float32 input.
+Prints one JSON line: images/s, median of --repeats runs of --steps steps after --warmup steps."""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, spec):
+        super().__init__()
+        self.spec = spec["layers"]
+        self.mods = nn.ModuleDict()
+        for l in self.spec:
+            t, name = l["type"], l["name"]
+            if t == "conv":
+                m = nn.Conv2d(l["in_c"], l["out"], l["kernel"], l["stride"], l["pad"], bias=l["bias"])
+            elif t == "batchnorm":
+                bn = nn.BatchNorm1d if l["in_vector"] else nn.BatchNorm2d
+                m = bn(l["in_c"], eps=spec["bn_epsilon"], momentum=spec["bn_momentum"])
+            elif t == "relu":
+                m = nn.ReLU()
+            elif t == "maxpool":
+                m = nn.MaxPool2d(l["kernel"], l["stride"], l["pad"])
+            elif t == "avgpool":
+                m = nn.AvgPool2d(l["kernel"], l["stride"], l["pad"], count_include_pad=True)
+            elif t == "global_avgpool":
+                m = nn.AdaptiveAvgPool2d(1)
+            elif t == "linear":
+                features = l["in_c"] * (1 if l["in_vector"] else l["in_h"] * l["in_w"])
+                m = nn.Sequential(nn.Flatten(), nn.Linear(features, l["out"], bias=l["bias"]))
+            elif t == "flatten":
+                m = nn.Flatten()
+            elif t == "dropout":
+                m = nn.Dropout(l["p"])
+            elif t == "add":
+                m = None
+            else:
+                raise SystemExit(f"torch_train.py: unknown layer type {t}")
+            if m is not None:
+                self.mods[name] = m
+
+    def forward(self, x):
+        out = {"input": x}
+        y = x
+        for l in self.spec:
+            ins = [out[i] for i in l["inputs"]]
+            y = ins[0] + ins[1] if l["type"] == "add" else self.mods[l["name"]](ins[0])
+            out[l["name"]] = y
+        return y
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model", help="JSON from stoke bench train --model-json")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--channels-last", action="store_true", help="NHWC memory format")
+    a = ap.parse_args()
+    spec = json.load(open(a.model))
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    net = Net(spec)
+    n, size, classes = spec["batch"], spec["image_size"], spec["classes"]
+    x = torch.randn(n, 3, size, size)
+    y = torch.randint(0, classes, (n,))
+    if a.channels_last:
+        net = net.to(memory_format=torch.channels_last)
+        x = x.to(memory_format=torch.channels_last)
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=spec["label_smoothing"])
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=spec["momentum"], nesterov=spec["nesterov"],
+                          weight_decay=spec["weight_decay"])
+    net.train()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(net(x), y)
+        loss.backward()
+        opt.step()
+
+    rates = []
+    for _ in range(a.repeats):
+        for _ in range(a.warmup):
+            step()
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            step()
+        rates.append(a.steps * n / (time.perf_counter() - t0))
+    print(json.dumps({"img_s": statistics.median(rates), "runs": rates, "threads": a.threads, "batch": n,
+                      "channels_last": a.channels_last, "torch": torch.__version__,
+                      "params": sum(p.numel() for p in net.parameters())}))
+
+
+if __name__ == "__main__":
+    main()
