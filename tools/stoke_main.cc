@@ -165,6 +165,9 @@ int main(int argc, char** argv) {
   synth_cmd->add_option("--per-class", synth.per_class, "Images per class")
       ->check(CLI::PositiveNumber);
   synth_cmd->add_option("--seed", synth.seed, "Seed");
+  std::string synth_style = "stripes";
+  synth_cmd->add_option("--style", synth_style, "stripes (colour + stripe angle per class) or shapes (a shape per class)")
+      ->check(CLI::IsMember({"stripes", "shapes"}));
 
   // ---- train
   std::string train_config, resume;
@@ -261,6 +264,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (synth_cmd->parsed()) {
+    synth.style = synth_style == "shapes" ? stoke::synth::SynthStyle::kShapes : stoke::synth::SynthStyle::kStripes;
     stoke::Status s = stoke::synth::WriteSyntheticTree(synth_dir, synth);
     if (!s.ok()) return Fail(s);
     std::printf("wrote %d classes x %d images to %s\n", synth.classes, synth.per_class,

@@ -3,26 +3,7 @@
 # Usage: cli_test.sh path/to/stoke
 set -u
 stoke=$1
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-failures=0
-passed=0
-
-check() {  # check NAME EXPECTED_RC PATTERN -- command...
-  local name=$1 want_rc=$2 pattern=$3
-  shift 4
-  local out rc
-  out=$("$@" 2>&1)
-  rc=$?
-  if [[ $rc -ne $want_rc ]] || ! grep -qE -- "$pattern" <<<"$out"; then
-    echo "FAIL $name: exit $rc (want $want_rc), output lacks /$pattern/:"
-    sed 's/^/    /' <<<"$out" | head -20
-    failures=$((failures + 1))
-  else
-    echo "ok   $name"
-    passed=$((passed + 1))
-  fi
-}
+source "$(dirname "$0")/cli_lib.sh"
 
 check synth 0 "wrote 3 classes" -- "$stoke" synth "$work/src" --classes 3 --per-class 10
 printf 'not a jpeg' >"$work/src/class_01/broken.jpg"
@@ -51,5 +32,4 @@ cp -r "$work/ds.lmdb" "$work/trunc.lmdb"
 truncate -s 50000 "$work/trunc.lmdb/data.mdb"
 check inspect_truncated 1 "truncated" -- "$stoke" inspect "$work/trunc.lmdb"
 
-echo "$passed passed, $failures failed"
-[[ $failures -eq 0 ]]
+finish

@@ -13,7 +13,7 @@
 namespace stoke::demo {
 
 std::string DemoConfigYaml(const std::filesystem::path& dir, int classes, int epochs, int threads) {
-  return fmt::format(R"(# stoke demo: a small CNN on synthetic 32x32 images ({classes} classes).
+  return fmt::format(R"(# stoke demo: a small CNN on synthetic 32x32 images of {classes} shapes.
 data:
   train: {dir}/train.lmdb
   val: {dir}/train_val.lmdb
@@ -60,10 +60,11 @@ Result<DemoResult> RunDemo(const DemoOptions& o) {
   std::filesystem::create_directories(o.dir, ec);
   if (ec) return IoError(fmt::format("demo: {}: {}", o.dir.string(), ec.message()));
 
-  std::printf("== 1. %d classes x %d synthetic JPEGs (each class: a hue and a stripe angle)\n", o.classes,
-              o.per_class);
+  std::printf("== 1. %d classes x %d synthetic JPEGs (each class a shape, in random colours, places and sizes)\n",
+              o.classes, o.per_class);
   std::fflush(stdout);
-  synth::SynthOptions so{.classes = o.classes, .per_class = o.per_class, .min_side = 48, .max_side = 96, .seed = 7};
+  synth::SynthOptions so{.style = synth::SynthStyle::kShapes,
+                         .classes = o.classes, .per_class = o.per_class, .min_side = 48, .max_side = 96, .seed = 7};
   STOKE_RETURN_IF_ERROR(synth::WriteSyntheticTree(o.dir / "images", so));
 
   std::printf("== 2. stoke pack: validate, hold out 10%% per class for validation\n");

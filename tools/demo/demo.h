@@ -15,8 +15,8 @@ namespace stoke::demo {
 struct DemoOptions {
   std::filesystem::path dir = "build/demo";  // working directory (recreated)
   int classes = 10;
-  int per_class = 330;  // images per class before the 10% validation split
-  int epochs = 8;
+  int per_class = 500;  // images per class before the 10% validation split
+  int epochs = 15;
   int threads = 0;      // decoding and compute threads; 0 = every core
   const std::atomic<bool>* stop = nullptr;
 };

@@ -6,6 +6,7 @@
 #include <system_error>
 
 #include <fmt/format.h>
+#include <opencv2/imgproc.hpp>
 
 #include "common/file_util.h"
 #include "common/image.h"
@@ -13,6 +14,95 @@
 #include "decode/jpeg_encoder.h"
 
 namespace stoke::synth {
+
+namespace {
+
+std::vector<cv::Point> Polygon(const std::vector<cv::Point2d>& unit, cv::Point2d center, double radius,
+                               double angle) {
+  std::vector<cv::Point> out;
+  const double c = std::cos(angle), s = std::sin(angle);
+  for (const auto& p : unit) {
+    // 4 fractional bits: sub-pixel vertices with cv::fillPoly's `shift`.
+    out.emplace_back(static_cast<int>(std::lround(16 * (center.x + radius * (c * p.x - s * p.y)))),
+                     static_cast<int>(std::lround(16 * (center.y + radius * (s * p.x + c * p.y)))));
+  }
+  return out;
+}
+
+// Draws shape `kind` (0-9) of radius r at `center` in `color` onto `canvas`.
+void DrawShape(cv::Mat& canvas, int kind, cv::Point2d center, double r, double angle, const cv::Scalar& color) {
+  const int thick = std::max(2, static_cast<int>(r * 0.3));
+  auto fill = [&](const std::vector<cv::Point2d>& unit) {
+    std::vector<std::vector<cv::Point>> polys = {Polygon(unit, center, r, angle)};
+    cv::fillPoly(canvas, polys, color, cv::LINE_AA, 4);
+  };
+  const cv::Point c(static_cast<int>(center.x), static_cast<int>(center.y));
+  switch (kind) {
+    case 0:  // disc
+      cv::circle(canvas, c, static_cast<int>(r), color, cv::FILLED, cv::LINE_AA);
+      break;
+    case 1:  // ring
+      cv::circle(canvas, c, static_cast<int>(r - thick / 2.0), color, thick, cv::LINE_AA);
+      break;
+    case 2:  // square
+      fill({{-0.8, -0.8}, {0.8, -0.8}, {0.8, 0.8}, {-0.8, 0.8}});
+      break;
+    case 3: {  // frame: a square outline
+      std::vector<std::vector<cv::Point>> polys = {
+          Polygon({{-0.8, -0.8}, {0.8, -0.8}, {0.8, 0.8}, {-0.8, 0.8}}, center, r - thick / 2.0, angle)};
+      cv::polylines(canvas, polys, true, color, thick, cv::LINE_AA, 4);
+      break;
+    }
+    case 4:  // triangle
+      fill({{0, -1}, {0.95, 0.75}, {-0.95, 0.75}});
+      break;
+    case 5:  // diamond
+      fill({{0, -1}, {0.7, 0}, {0, 1}, {-0.7, 0}});
+      break;
+    case 6:  // plus
+      fill({{-0.3, -1}, {0.3, -1}, {0.3, -0.3}, {1, -0.3}, {1, 0.3}, {0.3, 0.3}, {0.3, 1}, {-0.3, 1},
+            {-0.3, 0.3}, {-1, 0.3}, {-1, -0.3}, {-0.3, -0.3}});
+      break;
+    case 7:  // cross (a plus turned by 45 degrees)
+      angle += std::numbers::pi / 4;
+      fill({{-0.25, -1}, {0.25, -1}, {0.25, -0.25}, {1, -0.25}, {1, 0.25}, {0.25, 0.25}, {0.25, 1}, {-0.25, 1},
+            {-0.25, 0.25}, {-1, 0.25}, {-1, -0.25}, {-0.25, -0.25}});
+      break;
+    case 8:  // two horizontal bars
+      fill({{-1, -0.75}, {1, -0.75}, {1, -0.25}, {-1, -0.25}});
+      fill({{-1, 0.25}, {1, 0.25}, {1, 0.75}, {-1, 0.75}});
+      break;
+    default: {  // five-pointed star
+      std::vector<cv::Point2d> star;
+      for (int k = 0; k < 10; ++k) {
+        const double a = -std::numbers::pi / 2 + k * std::numbers::pi / 5;
+        const double rad = k % 2 == 0 ? 1.0 : 0.42;
+        star.emplace_back(rad * std::cos(a), rad * std::sin(a));
+      }
+      fill(star);
+      break;
+    }
+  }
+}
+
+// Random colours far enough apart in brightness that the shape is always visible.
+void Colours(SplitMix64& rng, cv::Scalar* fg, cv::Scalar* bg) {
+  while (true) {
+    double f[3], b[3];
+    for (int i = 0; i < 3; ++i) {
+      f[i] = static_cast<double>(rng.Below(256));
+      b[i] = static_cast<double>(rng.Below(256));
+    }
+    const double lf = 0.3 * f[0] + 0.59 * f[1] + 0.11 * f[2], lb = 0.3 * b[0] + 0.59 * b[1] + 0.11 * b[2];
+    if (std::abs(lf - lb) >= 70) {
+      *fg = cv::Scalar(f[0], f[1], f[2]);
+      *bg = cv::Scalar(b[0], b[1], b[2]);
+      return;
+    }
+  }
+}
+
+}  // namespace
 
 Status WriteSyntheticTree(const std::filesystem::path& out_dir, const SynthOptions& o) {
   if (o.classes <= 0 || o.per_class <= 0 || o.min_side < 8 || o.max_side < o.min_side) {
@@ -38,6 +128,23 @@ Status WriteSyntheticTree(const std::filesystem::path& out_dir, const SynthOptio
       const int h = o.min_side + static_cast<int>(rng.Below(static_cast<uint64_t>(span)));
       const double phase = static_cast<double>(rng.Below(1000)) / 1000.0 * 2 * std::numbers::pi;
       img.Reshape(w, h, 3);
+      if (o.style == SynthStyle::kShapes) {
+        cv::Scalar fg, bg;
+        Colours(rng, &fg, &bg);
+        cv::Mat canvas(h, w, CV_8UC3, img.pixels.data());
+        canvas.setTo(bg);
+        const double side = std::min(w, h);
+        const double r = side * (0.22 + 0.14 * Uniform01(rng)) * (c >= 10 ? 0.75 : 1.0);
+        const cv::Point2d center(r + (w - 2 * r) * Uniform01(rng), r + (h - 2 * r) * Uniform01(rng));
+        const double angle = (Uniform01(rng) - 0.5) * 0.35;
+        DrawShape(canvas, c % 10, center, r, angle, fg);
+        for (auto& px : img.pixels) {
+          px = static_cast<uint8_t>(std::clamp(static_cast<int>(px) + static_cast<int>(rng.Below(31)) - 15, 0, 255));
+        }
+        STOKE_ASSIGN_OR_RETURN(auto jpeg, encoder.Encode(img, {.quality = 90}));
+        STOKE_RETURN_IF_ERROR(WriteFileAtomic(dir / fmt::format("img_{:04}.jpg", i), jpeg));
+        continue;
+      }
       for (int y = 0; y < h; ++y) {
         uint8_t* row = img.row(y);
         for (int x = 0; x < w; ++x) {

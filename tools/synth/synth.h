@@ -1,6 +1,10 @@
 // Synth: writes a labelled folder tree of synthetic JPEGs, the built-in example for the demo,
-// the CLI tests and quick experiments. Each class has its own colour and stripe direction, so
-// the classes are learnable; each image has its own size, phase and noise.
+// the CLI tests and quick experiments. Two styles:
+//  - stripes: each class has its own colour and stripe direction (learnable from colour alone);
+//    each image has its own size, phase and noise.
+//  - shapes: each class is a shape (disc, ring, square, frame, triangle, diamond, plus, cross,
+//    bars, star) drawn in a random colour on a random background, at a random place, size and
+//    slight rotation, with noise: only the shape tells the classes apart.
 #pragma once
 
 #include <cstdint>
@@ -10,8 +14,11 @@
 
 namespace stoke::synth {
 
+enum class SynthStyle { kStripes, kShapes };
+
 struct SynthOptions {
-  int classes = 4;          // > 0
+  SynthStyle style = SynthStyle::kStripes;
+  int classes = 4;          // > 0 (shapes: classes past 10 reuse the shapes with other sizes)
   int per_class = 16;       // > 0
   int min_side = 48;        // image sides vary in [min_side, max_side]
   int max_side = 96;

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# End-to-end checks of `stoke train`, `stoke demo` and `stoke bench train` as a user runs them.
+# Usage: cli_train_test.sh path/to/stoke
+set -u
+stoke=$1
+source "$(dirname "$0")/cli_lib.sh"
+
+check demo 0 "demo: validation top-1" -- "$stoke" demo --dir "$work/demo" --per-class 40 --epochs 2 --threads 2
+check demo_outputs 0 "curves.svg" -- ls "$work/demo/run"
+cfg=$work/demo/demo.yaml
+check print_config 0 "momentum: 0.9" -- "$stoke" train --config "$cfg" --print-config
+"$stoke" train --config "$cfg" --print-config >"$work/resolved.yaml"
+check print_config_reads_back 0 "batch_size: 64" -- "$stoke" train --config "$work/resolved.yaml" --print-config
+sed "s|run_dir: .*|run_dir: $work/run2|; s|^epochs: .*|epochs: 2|" "$cfg" >"$work/run2.yaml"
+check train_stops_early 0 "stopped at step 4; continue with: .*--resume" -- \
+  "$stoke" train --config "$work/run2.yaml" --max-steps 4 -q
+check train_refuses_fresh_over_old 1 "already holds checkpoints.*--resume" -- \
+  "$stoke" train --config "$work/run2.yaml" -q
+check train_resumes 0 "steps 4 -> 10 of 10" -- "$stoke" train --config "$work/run2.yaml" --resume -q
+check metrics_file 0 '"type":"val"' -- cat "$work/run2/metrics.jsonl"
+sed 's/momentum: 0.9/momentum: 1.5/' "$cfg" >"$work/bad.yaml"
+check train_bad_value 1 "bad.yaml:[0-9]+: optimizer.momentum: 1.5 is out of range; expected a number in \[0, 1\)" -- \
+  "$stoke" train --config "$work/bad.yaml"
+printf 'data: {train: x}\nmodel: {preset: lenet, classes: 3}\nepochs: 1\nepoch: 2\n' >"$work/typo.yaml"
+check train_unknown_key 1 "typo.yaml:4: epoch: unknown key; expected one of: .*epochs" -- \
+  "$stoke" train --config "$work/typo.yaml"
+check train_missing_config 1 "no-such.yaml" -- "$stoke" train --config "$work/no-such.yaml"
+sed 's/backend: auto/backend: cuda/' "$cfg" >"$work/cuda.yaml"
+check train_no_cuda_backend 1 "backend 'cuda'" -- "$stoke" train --config "$work/cuda.yaml" -q
+check bench_train 0 "compute only .* img/s" -- \
+  "$stoke" bench train --config "$cfg" --steps 2 --warmup 1 --repeats 1
+finish
