@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <regex>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -129,9 +128,13 @@ std::filesystem::path CheckpointPath(const std::filesystem::path& run_dir, int64
 std::vector<std::filesystem::path> ListCheckpoints(const std::filesystem::path& run_dir) {
   std::vector<std::filesystem::path> out;
   std::error_code ec;
-  static const std::regex kName(R"(step-\d{10}\.ckpt)");
+  // step-<10 digits>.ckpt; temporary files of an interrupted write do not match.
+  auto is_checkpoint = [](const std::string& name) {
+    if (name.size() != 20 || !name.starts_with("step-") || !name.ends_with(".ckpt")) return false;
+    return std::all_of(name.begin() + 5, name.begin() + 15, [](char c) { return c >= '0' && c <= '9'; });
+  };
   for (const auto& entry : std::filesystem::directory_iterator(run_dir / "checkpoints", ec)) {
-    if (entry.is_regular_file() && std::regex_match(entry.path().filename().string(), kName)) {
+    if (entry.is_regular_file() && is_checkpoint(entry.path().filename().string())) {
       out.push_back(entry.path());
     }
   }
