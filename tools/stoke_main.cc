@@ -151,6 +151,11 @@ int main(int argc, char** argv) {
   bench_train->add_option("--warmup", train_bench.warmup, "Untimed steps before each run")->check(CLI::NonNegativeNumber);
   std::string model_json;
   bench_train->add_option("--model-json", model_json, "Write the resolved model as JSON (for the PyTorch peer)");
+  bench_train->add_flag("--peer", train_bench.peer,
+                        "Also run PyTorch's CPU training step on the same model, batch and threads, and the ratio");
+  bench_train->add_option("--python", train_bench.python, "Python with torch for --peer")->default_str("/usr/bin/python3");
+  std::string peer_script;
+  bench_train->add_option("--peer-script", peer_script, "The peer (default: bench/peers/torch_train.py of the source tree)");
   bench_train->add_option("--threads", bench.threads, "Compute and loader threads (default: the config's)");
   bench_train->add_option("--repeats", bench.repeats, "Timed runs (median reported)")->check(CLI::PositiveNumber);
   bench_train->add_option("--json", bench.json_out, "Also write the results as JSON here");
@@ -274,6 +279,7 @@ int main(int argc, char** argv) {
   if (bench_train->parsed()) {
     train_bench.config = train_bench_config;
     train_bench.model_json = model_json;
+    train_bench.peer_script = peer_script;
     auto result = stoke::bench::BenchTrain(bench, train_bench);
     if (!result.ok()) return Fail(result.status());
     std::cout << *result;

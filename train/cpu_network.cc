@@ -13,6 +13,7 @@
 
 #include <fmt/format.h>
 
+#include "common/logging.h"
 #include "common/random.h"
 
 namespace stoke::train {
@@ -102,6 +103,15 @@ class Net {
   Converter logits_conv;
   memory loss_diff;  // N x classes, plain
   Converter loss_diff_conv;
+
+  std::vector<std::string> reference_kernels;  // "layer: kernel" for each slow fallback in use
+  void Note(int layer, const dnnl::primitive_desc_base& pd) {
+    if (IsReference(pd)) {
+      reference_kernels.push_back(fmt::format("{}: {} (primitive kind {})",
+                                              opt.model.layers[static_cast<size_t>(layer)].name, pd.impl_info_str(),
+                                              static_cast<int>(pd.get_kind())));
+    }
+  }
 
   const memory& Out(int node) const { return node < 0 ? input : nodes[static_cast<size_t>(node)].out; }
   memory::desc OutMd(int node) const { return Out(node).get_desc(); }
@@ -212,6 +222,7 @@ class WeightedLayer final : public Layer {
                       : dnnl::convolution_forward::desc(fwd_kind, alg, Any(src_dims), Any(w_dims), dst_req,
                                                          strides, pad, pad);
       conv_pd_ = dnnl::convolution_forward::primitive_desc(d, net.eng);
+      net.Note(self, conv_pd_);
       fwd_ = dnnl::convolution_forward(conv_pd_);
       src_md = conv_pd_.src_desc();
       w_md = conv_pd_.weights_desc();
@@ -220,6 +231,7 @@ class WeightedLayer final : public Layer {
       auto d = l.bias ? dnnl::inner_product_forward::desc(fwd_kind, Any(src_dims), Any(w_dims), bias_md, dst_req)
                       : dnnl::inner_product_forward::desc(fwd_kind, Any(src_dims), Any(w_dims), dst_req);
       ip_pd_ = dnnl::inner_product_forward::primitive_desc(d, net.eng);
+      net.Note(self, ip_pd_);
       fwd_ = dnnl::inner_product_forward(ip_pd_);
       src_md = ip_pd_.src_desc();
       w_md = ip_pd_.weights_desc();
@@ -292,6 +304,7 @@ class WeightedLayer final : public Layer {
       fixed_ok = false;
     }
     if (!fixed_ok) make_bwd_weights(Any(w_dims));
+    if (bw_reference) net.reference_kernels.push_back(fmt::format("{}: backward weights", l.name));
     if (bw_diff_w != w_md) {
       grad_scratch_ = memory(bw_diff_w, net.eng);
       grad_conv_ = dnnl::reorder(dnnl::reorder::primitive_desc(net.eng, bw_diff_w, net.eng, w_md));
@@ -305,6 +318,7 @@ class WeightedLayer final : public Layer {
       if (conv) {
         dnnl::convolution_backward_data::desc d(alg, Any(src_dims), wmd, Any(dst_dims), strides, pad, pad);
         dnnl::convolution_backward_data::primitive_desc pd(d, net.eng, conv_pd_);
+        net.Note(self, pd);
         bwd_d_ = dnnl::convolution_backward_data(pd);
         bd_w = pd.weights_desc();
         bd_diff_dst = pd.diff_dst_desc();
@@ -312,6 +326,7 @@ class WeightedLayer final : public Layer {
       } else {
         dnnl::inner_product_backward_data::desc d(Any(src_dims), wmd, Any(dst_dims));
         dnnl::inner_product_backward_data::primitive_desc pd(d, net.eng, ip_pd_);
+        net.Note(self, pd);
         bwd_d_ = dnnl::inner_product_backward_data(pd);
         bd_w = pd.weights_desc();
         bd_diff_dst = pd.diff_dst_desc();
@@ -386,6 +401,9 @@ class BatchNormLayer final : public Layer {
     dnnl::batch_normalization_backward::primitive_desc bwd_pd(
         {dnnl::prop_kind::backward, md, md, eps, flags}, net.eng, fwd_pd_);
     bwd_ = dnnl::batch_normalization_backward(bwd_pd);
+    net.Note(self, fwd_pd_);
+    net.Note(self, inf_pd);
+    net.Note(self, bwd_pd);
 
     const memory::desc vec({channels_}, kF32, Tag::x);
     scale_ = net.AddParam(l.name + ".weight", {channels_}, Tag::x, vec, false,
@@ -459,6 +477,8 @@ class ReluLayer final : public Layer {
         {dnnl::prop_kind::forward_training, dnnl::algorithm::eltwise_relu, md, 0.f}, net.eng);
     fwd_ = dnnl::eltwise_forward(fwd_pd);
     dnnl::eltwise_backward::primitive_desc bwd_pd({dnnl::algorithm::eltwise_relu, md, md, 0.f}, net.eng, fwd_pd);
+    net.Note(self, fwd_pd);
+    net.Note(self, bwd_pd);
     bwd_ = dnnl::eltwise_backward(bwd_pd);
     Node& node = net.nodes[static_cast<size_t>(self)];
     node.out = memory(fwd_pd.dst_desc(), net.eng);
@@ -504,9 +524,17 @@ class PoolLayer final : public Layer {
     dnnl::pooling_forward::primitive_desc fwd_pd(
         {dnnl::prop_kind::forward_training, alg, md, Any(dst_dims), strides, kernel, pad, pad}, net.eng);
     fwd_ = dnnl::pooling_forward(fwd_pd);
-    dnnl::pooling_backward::primitive_desc bwd_pd({alg, Any(src_dims), Any(dst_dims), strides, kernel, pad, pad},
-                                                  net.eng, fwd_pd);
+    // Gradients in the forward layouts; left to choose, oneDNN may pick a layout that only its
+    // reference kernel handles (seen for global pooling: 50x slower).
+    dnnl::pooling_backward::primitive_desc bwd_pd(
+        {alg, md, fwd_pd.dst_desc(), strides, kernel, pad, pad}, net.eng, fwd_pd);
+    if (IsReference(bwd_pd)) {
+      bwd_pd = dnnl::pooling_backward::primitive_desc({alg, Any(src_dims), Any(dst_dims), strides, kernel, pad, pad},
+                                                      net.eng, fwd_pd);
+    }
     bwd_ = dnnl::pooling_backward(bwd_pd);
+    net.Note(self, fwd_pd);
+    net.Note(self, bwd_pd);
     if (alg == dnnl::algorithm::pooling_max) workspace_ = memory(fwd_pd.workspace_desc(), net.eng);
     Node& node = net.nodes[static_cast<size_t>(self)];
     node.out = memory(fwd_pd.dst_desc(), net.eng);
@@ -543,6 +571,7 @@ class AddLayer final : public Layer {
     const memory::desc md = net.OutMd(a);
     b_conv_.Init(net.OutMd(b), md, net.eng);
     dnnl::binary::primitive_desc pd({dnnl::algorithm::binary_add, md, md, md}, net.eng);
+    net.Note(self, pd);
     fwd_ = dnnl::binary(pd);
     Node& node = net.nodes[static_cast<size_t>(self)];
     node.out = memory(md, net.eng);
@@ -845,6 +874,10 @@ Result<std::unique_ptr<CpuNetwork>> CpuNetwork::Create(NetworkOptions options) {
     return InternalError(fmt::format("oneDNN could not build the model: {} (status {})", e.what(),
                                      static_cast<int>(e.status)));
   }
+  if (!net.reference_kernels.empty()) {
+    STOKE_LOG(WARN, "oneDNN uses slow reference kernels for {} primitive(s): {}", net.reference_kernels.size(),
+              fmt::join(net.reference_kernels, "; "));
+  }
   return std::unique_ptr<CpuNetwork>(new CpuNetwork(std::move(impl)));
 }
 
@@ -878,6 +911,8 @@ Result<BatchStats> CpuNetwork::ForwardBackward(std::span<const float> input, std
   net.FromPlain(values, {n, 3, size, size}, Tag::nchw, net.input);
   return impl_->ForwardBackward(labels, step);
 }
+
+const std::vector<std::string>& CpuNetwork::ReferenceKernels() const { return impl_->net.reference_kernels; }
 
 std::vector<NamedTensor> CpuNetwork::Gradients() const {
   Net& net = impl_->net;

@@ -34,6 +34,9 @@ class CpuNetwork final : public Network {
                                      int64_t step);
   // The gradients of the last ForwardBackward/TrainStep, named like the parameters.
   std::vector<NamedTensor> Gradients() const;
+  // Layers where oneDNN fell back to a reference (unoptimised) kernel: "layer: kind impl". Empty
+  // for every preset on AVX2/AVX-512; Create() logs a warning when it is not.
+  const std::vector<std::string>& ReferenceKernels() const;
 
   struct Impl;
 

@@ -52,11 +52,18 @@ struct TrainBenchOptions {
   int steps = 20;                    // timed steps per run
   int warmup = 5;                    // untimed steps before each run
   std::filesystem::path model_json;  // optional: the resolved model as JSON (for the PyTorch peer)
+  // Also run the same model, batch, loss, optimizer and threads in PyTorch on the CPU
+  // (`peer_script`, bench/peers/torch_train.py, under `python`), interleaved with stoke's runs,
+  // in NCHW and channels-last; the faster is the peer of the ratio.
+  bool peer = false;
+  std::string python = "/usr/bin/python3";
+  std::filesystem::path peer_script;  // default: the source tree's bench/peers/torch_train.py
 };
 
 // Training throughput of the config's model on its backend: compute alone (one batch repeated:
 // normalise + forward + backward + SGD) and end to end (fed by the loader from the config's
-// dataset), as steps/s, images/s and the fraction of step time spent waiting for data.
+// dataset), as steps/s, images/s and the fraction of step time spent waiting for data; with
+// `peer`, PyTorch's CPU training step beside it and the ratio.
 Result<std::string> BenchTrain(const BenchOptions& options, const TrainBenchOptions& train);
 
 }  // namespace stoke::bench

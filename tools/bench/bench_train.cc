@@ -1,6 +1,10 @@
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <thread>
 #include <vector>
+
+#include <unistd.h>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -46,12 +50,51 @@ nlohmann::json ModelJson(const train::TrainConfig& c) {
           {"bn_epsilon", c.model.bn_epsilon}, {"layers", layers}};
 }
 
+struct PeerRun {
+  double img_s = 0;
+  std::string version;
+  int64_t params = 0;
+};
+
+// Runs the PyTorch peer once and reads the JSON line it prints.
+Result<PeerRun> RunPeer(const TrainBenchOptions& t, const std::filesystem::path& model, int threads,
+                        bool channels_last) {
+  const std::string cmd = fmt::format("'{}' '{}' '{}' --threads {} --steps {} --warmup {} --repeats 1{} 2>&1", t.python,
+                                      t.peer_script.string(), model.string(), threads, t.steps, t.warmup,
+                                      channels_last ? " --channels-last" : "");
+  std::FILE* pipe = popen(cmd.c_str(), "r");
+  if (!pipe) return IoError(fmt::format("bench train: cannot run {}", cmd));
+  std::string out;
+  char buf[4096];
+  while (size_t n = std::fread(buf, 1, sizeof(buf), pipe)) out.append(buf, n);
+  const int rc = pclose(pipe);
+  const size_t brace = out.rfind("{\"img_s\"");
+  if (rc != 0 || brace == std::string::npos) {
+    return UnavailableError(fmt::format("bench train: the PyTorch peer failed (exit {}): {}\n{}", rc, cmd,
+                                        out.substr(0, 2000)));
+  }
+  auto j = nlohmann::json::parse(out.substr(brace), nullptr, false);
+  if (j.is_discarded()) return InternalError(fmt::format("bench train: unreadable peer output: {}", out));
+  return PeerRun{j.value("img_s", 0.0), j.value("torch", std::string("?")), j.value("params", int64_t{0})};
+}
+
 }  // namespace
 
 Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t) {
   STOKE_ASSIGN_OR_RETURN(train::TrainConfig c, train::LoadConfig(t.config.string()));
   if (o.threads > 0) c.compute_threads = o.threads, c.data.threads = o.threads;
-  if (!t.model_json.empty()) STOKE_RETURN_IF_ERROR(WriteFileAtomic(t.model_json, ModelJson(c).dump(1) + "\n"));
+  const nlohmann::json model_json = ModelJson(c);
+  if (!t.model_json.empty()) STOKE_RETURN_IF_ERROR(WriteFileAtomic(t.model_json, model_json.dump(1) + "\n"));
+  TrainBenchOptions peer_opts = t;
+  std::filesystem::path peer_model;
+  if (t.peer) {
+#ifdef STOKE_SOURCE_DIR
+    if (peer_opts.peer_script.empty()) peer_opts.peer_script = std::filesystem::path(STOKE_SOURCE_DIR) / "bench/peers/torch_train.py";
+#endif
+    peer_model = t.model_json.empty() ? std::filesystem::temp_directory_path() / fmt::format("stoke-model-{}.json", getpid())
+                                      : t.model_json;
+    STOKE_RETURN_IF_ERROR(WriteFileAtomic(peer_model, model_json.dump(1) + "\n"));
+  }
   STOKE_ASSIGN_OR_RETURN(auto db, dataset::Dataset::Open(c.data.train));
   STOKE_ASSIGN_OR_RETURN(auto net, train::CreateNetwork(c));
   prefetch::LoaderOptions lo = train::TrainLoaderOptions(c);
@@ -74,12 +117,20 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
   fixed.images = images;
   fixed.labels = labels;
   fixed.indices = {};
-  std::vector<double> compute_rates, e2e_rates, waits;
+  std::vector<double> compute_rates, e2e_rates, waits, torch_nchw, torch_cl;
+  PeerRun peer_info;
   for (int r = 0; r < o.repeats; ++r) {
     for (int i = 0; i < t.warmup; ++i) STOKE_RETURN_IF_ERROR(net->TrainStep(fixed, lr, c.optimizer.sgd, step++).status());
     const auto start = Clock::now();
     for (int i = 0; i < t.steps; ++i) STOKE_RETURN_IF_ERROR(net->TrainStep(fixed, lr, c.optimizer.sgd, step++).status());
     compute_rates.push_back(t.steps * c.data.batch_size / Since(start));
+    if (t.peer) {
+      const int threads = c.compute_threads > 0 ? c.compute_threads : static_cast<int>(std::thread::hardware_concurrency());
+      STOKE_ASSIGN_OR_RETURN(peer_info, RunPeer(peer_opts, peer_model, threads, false));
+      torch_nchw.push_back(peer_info.img_s);
+      STOKE_ASSIGN_OR_RETURN(PeerRun cl, RunPeer(peer_opts, peer_model, threads, true));
+      torch_cl.push_back(cl.img_s);
+    }
 
     // End to end: batches from the loader, as `stoke train` takes them.
     auto run_steps = [&](int n, double* wait) -> Status {
@@ -111,10 +162,28 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
       model, c.model.classes, c.data.image_size, c.data.image_size, c.data.batch_size, net->backend(),
       c.compute_threads, c.data.threads, t.steps, t.warmup, o.repeats, compute, compute / c.data.batch_size,
       fmt::format("{:.0f}", fmt::join(compute_rates, ", ")), end_to_end, end_to_end / c.data.batch_size, 100 * wait);
+  double ratio = 0;
+  if (t.peer) {
+    const double nchw = MedianOf(torch_nchw), cl = MedianOf(torch_cl), best = std::max(nchw, cl);
+    ratio = best > 0 ? compute / best : 0;
+    out += fmt::format(
+        "  PyTorch {} NCHW, same step    {:8.1f} img/s                   runs: {:.0f}\n"
+        "  PyTorch channels-last              {:8.1f} img/s                   runs: {:.0f}\n"
+        "  ratio, compute only, vs the faster PyTorch: {:.2f}x (target >= 1.0x: {}); parameters: stoke {}, "
+        "PyTorch {}\n",
+        peer_info.version, nchw, fmt::join(torch_nchw, ", "), cl, fmt::join(torch_cl, ", "), ratio,
+        ratio >= 1.0 ? "met" : "NOT met", model_json["params"].get<int64_t>(), peer_info.params);
+    if (t.model_json.empty()) std::filesystem::remove(peer_model);
+  }
   if (!o.json_out.empty()) {
     nlohmann::json j{{"config", t.config.string()}, {"batch", c.data.batch_size}, {"backend", net->backend()},
                      {"compute_img_s", compute}, {"compute_runs", compute_rates}, {"e2e_img_s", end_to_end},
                      {"e2e_runs", e2e_rates}, {"data_wait_fraction", wait}};
+    if (t.peer) {
+      j["torch_nchw_img_s"] = torch_nchw;
+      j["torch_channels_last_img_s"] = torch_cl;
+      j["ratio"] = ratio;
+    }
     STOKE_RETURN_IF_ERROR(WriteFileAtomic(o.json_out, j.dump(2) + "\n"));
   }
   return out;
