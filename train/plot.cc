@@ -33,6 +33,8 @@ double TickStep(double span, int target) {
   return 10 * p;
 }
 
+// `percent`: values are fractions, drawn 0-100% with the legend at the bottom (accuracy rises
+// to the top); otherwise the legend sits at the top (losses fall).
 std::string Panel(const std::vector<Series>& series, const std::string& title, double x0, double y0, double w,
                   double h, double max_step, bool percent) {
   double lo = std::numeric_limits<double>::max(), hi = std::numeric_limits<double>::lowest();
@@ -67,7 +69,9 @@ std::string Panel(const std::vector<Series>& series, const std::string& title, d
   }
   out += fmt::format(R"(<text x="{:.1f}" y="{:.1f}" font-size="12" text-anchor="middle">step</text>)" "\n",
                      x0 + ml + pw / 2, y0 + h - 6);
-  double ly = y0 + mt + 14;
+  int shown = 0;
+  for (const auto& s : series) shown += s.points.empty() ? 0 : 1;
+  double ly = percent ? y0 + mt + ph - 16 * shown + 4 : y0 + mt + 14;
   for (const auto& s : series) {
     if (s.points.empty()) continue;
     std::string path;
