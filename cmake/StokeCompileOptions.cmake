@@ -1,17 +1,27 @@
 # Warnings and sanitizers for stoke's own targets only (never global flags).
 add_library(stoke_compile_options INTERFACE)
 target_compile_options(stoke_compile_options INTERFACE
-  $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic -Wundef -Werror -Wno-clobbered -Wno-missing-field-initializers>)
+  $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic -Wundef -Wno-missing-field-initializers>)
+if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
+  target_compile_options(stoke_compile_options INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-Wno-clobbered>)
+endif()
+if(STOKE_WERROR)
+  target_compile_options(stoke_compile_options INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-Werror>)
+endif()
 target_include_directories(stoke_compile_options INTERFACE ${PROJECT_SOURCE_DIR})
 target_compile_definitions(stoke_compile_options INTERFACE
   STOKE_VERSION="${PROJECT_VERSION}" STOKE_WITH_CUDA=$<BOOL:${STOKE_WITH_CUDA}>)
 
 if(STOKE_SANITIZE STREQUAL "address")
   set(_stoke_san -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer)
+elseif(STOKE_SANITIZE STREQUAL "fuzzer")
+  # libFuzzer builds (clang only, scripts/fuzz): coverage for libFuzzer plus ASan+UBSan; the fuzz
+  # targets add -fsanitize=fuzzer when they link.
+  set(_stoke_san -fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer)
 elseif(STOKE_SANITIZE STREQUAL "thread")
   set(_stoke_san -fsanitize=thread -fno-omit-frame-pointer)
 elseif(NOT STOKE_SANITIZE STREQUAL "")
-  message(FATAL_ERROR "STOKE_SANITIZE must be '', 'address' or 'thread', not '${STOKE_SANITIZE}'")
+  message(FATAL_ERROR "STOKE_SANITIZE must be '', 'address', 'thread' or 'fuzzer', not '${STOKE_SANITIZE}'")
 endif()
 if(_stoke_san)
   target_compile_options(stoke_compile_options INTERFACE $<$<COMPILE_LANGUAGE:CXX>:${_stoke_san}>)

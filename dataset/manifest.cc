@@ -1,8 +1,11 @@
 #include "dataset/manifest.h"
 
-#include <numeric>
+#include <climits>
+#include <cstdint>
 
 #include <fmt/format.h>
+
+#include "common/json_util.h"
 
 namespace stoke::dataset {
 
@@ -24,11 +27,22 @@ Result<Manifest> Manifest::FromJson(const nlohmann::json& j) {
       if (!j.contains(key)) return CorruptError(fmt::format("manifest: missing field '{}'", key));
     }
     Manifest m;
-    m.format_version = j.at("format_version").get<uint32_t>();
-    m.records = j.at("records").get<int64_t>();
+    constexpr int64_t kMaxRecords = int64_t{1} << 40;
+    STOKE_ASSIGN_OR_RETURN(const int64_t version, JsonInt(j, "format_version", 0, INT32_MAX, "manifest"));
+    m.format_version = static_cast<uint32_t>(version);
+    STOKE_ASSIGN_OR_RETURN(m.records, JsonInt(j, "records", 0, kMaxRecords, "manifest"));
     m.classes = j.at("classes").get<std::vector<std::string>>();
-    m.class_counts = j.at("class_counts").get<std::vector<int64_t>>();
-    m.payload_bytes = j.value("payload_bytes", int64_t{0});
+    const nlohmann::json& counts = j.at("class_counts");
+    if (!counts.is_array()) return CorruptError("manifest: 'class_counts' is not a list");
+    for (size_t i = 0; i < counts.size(); ++i) {
+      STOKE_ASSIGN_OR_RETURN(const int64_t count,
+                             JsonInt(nlohmann::json{{"count", counts[i]}}, "count", 0, kMaxRecords,
+                                     fmt::format("manifest: class_counts[{}]", i)));
+      m.class_counts.push_back(count);
+    }
+    if (j.contains("payload_bytes")) {
+      STOKE_ASSIGN_OR_RETURN(m.payload_bytes, JsonInt(j, "payload_bytes", 0, INT64_MAX / 2, "manifest"));
+    }
     m.has_paths = j.value("has_paths", false);
     if (j.contains("packing")) m.packing = j.at("packing");
     if (!m.packing.is_object()) return CorruptError("manifest: 'packing' is not an object");
@@ -36,10 +50,14 @@ Result<Manifest> Manifest::FromJson(const nlohmann::json& j) {
       return CorruptError(fmt::format("manifest: {} class counts for {} classes",
                                       m.class_counts.size(), m.classes.size()));
     }
-    int64_t sum = std::accumulate(m.class_counts.begin(), m.class_counts.end(), int64_t{0});
+    int64_t sum = 0;  // each count <= 2^40, so the running sum stops before it could overflow
+    for (int64_t c : m.class_counts) {
+      sum += c;
+      if (sum > m.records) break;
+    }
     if (sum != m.records) {
-      return CorruptError(
-          fmt::format("manifest: class counts sum to {}, records is {}", sum, m.records));
+      return CorruptError(fmt::format("manifest: class counts sum to {}{}, records is {}", sum > m.records ? "more than " : "",
+                                      sum > m.records ? m.records : sum, m.records));
     }
     return m;
   } catch (const nlohmann::json::exception& e) {

@@ -1,6 +1,7 @@
 #include "train/checkpoint.h"
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
 
 #include <fmt/format.h>
@@ -8,6 +9,7 @@
 
 #include "common/crc32c.h"
 #include "common/file_util.h"
+#include "common/json_util.h"
 
 namespace stoke::train {
 namespace {
@@ -77,29 +79,39 @@ Result<Checkpoint> ParseCheckpoint(std::span<const std::byte> bytes, const std::
   const auto header_len = Get<uint64_t>(bytes.data() + sizeof(kMagic) + sizeof(uint32_t));
   if (header_len > body - kFixed) return corrupt("header length past the end of the file");
   Checkpoint c;
+  const std::string what = fmt::format("checkpoint {}", source);
   try {
     const auto header = nlohmann::json::parse(
-        std::string_view(reinterpret_cast<const char*>(bytes.data() + kFixed), header_len));
-    c.step = header.at("step").get<int64_t>();
-    c.steps_per_epoch = header.at("steps_per_epoch").get<int64_t>();
-    c.seed = header.at("seed").get<uint64_t>();
+        std::string_view(reinterpret_cast<const char*>(bytes.data() + kFixed), header_len), nullptr, false);
+    if (!header.is_object()) return corrupt("the header is not a JSON object");
+    STOKE_ASSIGN_OR_RETURN(c.step, JsonInt(header, "step", 0, INT64_MAX / 2, what));
+    STOKE_ASSIGN_OR_RETURN(c.steps_per_epoch, JsonInt(header, "steps_per_epoch", 1, INT64_MAX / 2, what));
+    STOKE_ASSIGN_OR_RETURN(const int64_t seed, JsonInt(header, "seed", 0, INT64_MAX, what));
+    c.seed = static_cast<uint64_t>(seed);
     c.backend = header.at("backend").get<std::string>();
     c.config_yaml = header.at("config").get<std::string>();
-    const size_t data_floats = (body - kFixed - header_len) / sizeof(float);
+    const auto data_floats = static_cast<int64_t>((body - kFixed - header_len) / sizeof(float));
     const std::byte* data = bytes.data() + kFixed + header_len;
-    for (const auto& t : header.at("tensors")) {
+    const nlohmann::json& tensors = header.at("tensors");
+    if (!tensors.is_array()) return corrupt("'tensors' is not a list");
+    for (const auto& t : tensors) {
       NamedTensor tensor;
       tensor.name = t.at("name").get<std::string>();
-      tensor.dims = t.at("dims").get<std::vector<int64_t>>();
-      const auto offset = t.at("offset").get<uint64_t>();
-      const auto count = t.at("count").get<uint64_t>();
+      const std::string where = fmt::format("{}: tensor '{}'", what, tensor.name);
+      STOKE_ASSIGN_OR_RETURN(const int64_t offset, JsonInt(t, "offset", 0, data_floats, where));
+      STOKE_ASSIGN_OR_RETURN(const int64_t count, JsonInt(t, "count", 0, data_floats - offset, where));
+      const nlohmann::json& dims = t.at("dims");
+      if (!dims.is_array() || dims.size() > 8) return corrupt(fmt::format("tensor '{}': bad dims", tensor.name));
       int64_t product = 1;
-      for (auto d : tensor.dims) product *= d;
-      if (offset + count > data_floats || static_cast<uint64_t>(product) != count) {
-        return corrupt(fmt::format("tensor '{}' does not fit the file", tensor.name));
+      for (const auto& d : dims) {
+        STOKE_ASSIGN_OR_RETURN(const int64_t dim, JsonInt(nlohmann::json{{"dim", d}}, "dim", 0, INT32_MAX, where));
+        tensor.dims.push_back(dim);
+        product = product > data_floats ? product : product * dim;  // stops growing once too large
       }
-      tensor.values.resize(count);
-      std::memcpy(tensor.values.data(), data + offset * sizeof(float), count * sizeof(float));
+      if (product != count) return corrupt(fmt::format("tensor '{}': its dims do not give its count", tensor.name));
+      tensor.values.resize(static_cast<size_t>(count));
+      std::memcpy(tensor.values.data(), data + offset * static_cast<int64_t>(sizeof(float)),
+                  static_cast<size_t>(count) * sizeof(float));
       c.tensors.push_back(std::move(tensor));
     }
   } catch (const nlohmann::json::exception& e) {

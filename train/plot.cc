@@ -103,17 +103,21 @@ Status WritePlot(const std::string& metrics_path, const std::string& svg_path) {
   std::string line;
   while (std::getline(in, line)) {
     auto j = nlohmann::json::parse(line, nullptr, false);
-    if (j.is_discarded() || !j.contains("type") || !j.contains("step")) continue;
+    if (!j.is_object() || !j.contains("type") || !j["type"].is_string() || !j.contains("step") ||
+        !j["step"].is_number()) {
+      continue;
+    }
+    auto number = [&](const char* key) { return j.contains(key) && j[key].is_number() ? j[key].get<double>() : 0.0; };
     const auto step = j["step"].get<double>();
     max_step = std::max(max_step, step);
     const std::string type = j["type"].get<std::string>();
     if (type == "train") {
-      train_loss.points.emplace_back(step, j.value("loss", 0.0));
-      train_top1.points.emplace_back(step, j.value("top1", 0.0));
+      train_loss.points.emplace_back(step, number("loss"));
+      train_top1.points.emplace_back(step, number("top1"));
     } else if (type == "val") {
-      val_loss.points.emplace_back(step, j.value("loss", 0.0));
-      val_top1.points.emplace_back(step, j.value("top1", 0.0));
-      val_top5.points.emplace_back(step, j.value("top5", 0.0));
+      val_loss.points.emplace_back(step, number("loss"));
+      val_top1.points.emplace_back(step, number("top1"));
+      val_top5.points.emplace_back(step, number("top5"));
     }
   }
   if (train_loss.points.empty() && val_loss.points.empty()) {

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
 #include <chrono>
 #include <fstream>
 #include <sstream>
@@ -11,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/file_util.h"
+#include "common/json_util.h"
 #include "common/logging.h"
 #include "dataset/dataset.h"
 #include "train/checkpoint.h"
@@ -57,7 +59,8 @@ Status TrimMetrics(const std::filesystem::path& path, int64_t step) {
   std::string line, kept;
   while (std::getline(in, line)) {
     auto j = nlohmann::json::parse(line, nullptr, false);
-    if (j.is_discarded() || !j.contains("step") || j["step"].get<int64_t>() <= step) kept += line + "\n";
+    auto line_step = j.is_object() ? JsonInt(j, "step", 0, INT64_MAX, "metrics") : Result<int64_t>(-1);
+    if (!line_step.ok() || *line_step <= step) kept += line + "\n";
   }
   return WriteFileAtomic(path, kept);
 }

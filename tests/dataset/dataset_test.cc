@@ -143,6 +143,21 @@ TEST(Manifest, JsonRoundTripAndValidation) {
             StatusCode::kCorrupt);
 }
 
+
+TEST(Manifest, NumbersMustBeIntegersInRange) {
+  // Found by fuzz_record: a float too large for int64 was converted with undefined behaviour.
+  const std::string base = R"({"format_version":1,"classes":["a","b"],"class_counts":[2,2],"records":)";
+  for (const std::string records : {"5e26", "4.5", "-4", "18446744073709551615", "\"4\""}) {
+    auto m = Manifest::Parse(base + records + "}");
+    ASSERT_FALSE(m.ok()) << records;
+    EXPECT_EQ(m.status().code(), StatusCode::kCorrupt) << records;
+    EXPECT_NE(m.status().message().find("'records'"), std::string::npos) << m.status().ToString();
+  }
+  auto counts = Manifest::Parse(R"({"format_version":1,"classes":["a","b"],"class_counts":[1099511627776,1e300],"records":4})");
+  ASSERT_FALSE(counts.ok());
+  EXPECT_NE(counts.status().message().find("class_counts[1]"), std::string::npos) << counts.status().ToString();
+  ASSERT_OK(Manifest::Parse(base + "4}").status());
+}
 TEST(Dataset, WriteThenReadIsTheIdentity) {
   TempDir dir;
   const fs::path db = dir / "d.lmdb";

@@ -1,0 +1,39 @@
+// Reading integers from untrusted JSON (manifests, checkpoint headers, metrics files). nlohmann's
+// get<int64_t>() converts a float such as 5e26 with a cast whose result is undefined, and wraps
+// negative numbers into unsigned types; these helpers accept only integers within a range.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "common/status.h"
+
+namespace stoke {
+
+// j[key] as an integer in [lo, hi]; kCorrupt naming `what` and the key otherwise (missing, not an
+// integer, out of range).
+inline Result<int64_t> JsonInt(const nlohmann::json& j, std::string_view key, int64_t lo, int64_t hi,
+                               std::string_view what) {
+  const auto it = j.find(key);
+  if (it == j.end()) return CorruptError(fmt::format("{}: missing field '{}'", what, key));
+  const nlohmann::json& v = *it;
+  bool in_range = false;
+  int64_t value = 0;
+  if (v.is_number_unsigned()) {
+    const auto u = v.get<uint64_t>();
+    in_range = u <= static_cast<uint64_t>(hi) && (lo <= 0 || u >= static_cast<uint64_t>(lo));
+    value = in_range ? static_cast<int64_t>(u) : 0;
+  } else if (v.is_number_integer()) {
+    value = v.get<int64_t>();
+    in_range = value >= lo && value <= hi;
+  } else {
+    return CorruptError(fmt::format("{}: field '{}' is not an integer", what, key));
+  }
+  if (!in_range) return CorruptError(fmt::format("{}: field '{}' = {} is out of range [{}, {}]", what, key, v.dump(), lo, hi));
+  return value;
+}
+
+}  // namespace stoke
