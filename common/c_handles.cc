@@ -18,6 +18,13 @@ Status MdbStatus(int rc, const std::string& what) {
       return CorruptError(std::move(m));
     case ENOENT: return NotFoundError(std::move(m));
     case ENOMEM: return ResourceExhaustedError(std::move(m));
+    // LMDB reports a write the file system refused (no space, quota, file size limit) as the
+    // errno of that write, or as EIO when it surfaced at the flush.
+    case ENOSPC:
+    case EDQUOT:
+    case EFBIG:
+    case EIO:
+      return IoError(m + " (is the disk full, or a quota or file size limit reached?)");
     default: break;
   }
   if (rc > 0) return IoError(std::move(m));  // errno values

@@ -163,9 +163,12 @@ Result<TrainSummary> Train(const TrainConfig& config, const TrainRunOptions& run
 
   std::ofstream metrics(metrics_path, std::ios::app);
   if (!metrics) return IoError(fmt::format("cannot append to {}", metrics_path.string()));
-  auto record = [&](nlohmann::json j) {
+  // A metrics line that cannot be written (disk full) ends the run rather than losing data.
+  auto record = [&](nlohmann::json j) -> Status {
     metrics << j.dump() << "\n";
     metrics.flush();
+    if (!metrics) return IoError(fmt::format("{}: write failed (is the disk full?)", metrics_path.string()));
+    return OkStatus();
   };
 
   const double peak_lr = ScaledLr(config);
@@ -189,9 +192,9 @@ Result<TrainSummary> Train(const TrainConfig& config, const TrainRunOptions& run
     eval_step = step;
     STOKE_ASSIGN_OR_RETURN(summary.val, evaluate());
     summary.has_val = true;
-    record({{"type", "val"}, {"step", step}, {"epoch", static_cast<double>(step) / steps_per_epoch},
+    STOKE_RETURN_IF_ERROR(record({{"type", "val"}, {"step", step}, {"epoch", static_cast<double>(step) / steps_per_epoch},
             {"loss", summary.val.loss()}, {"top1", summary.val.top1_rate()}, {"top5", summary.val.top5_rate()},
-            {"samples", summary.val.count}});
+            {"samples", summary.val.count}}));
     progress.Message(fmt::format("eval  step {:>7}  loss {:.4f}  top-1 {:.2f}%  top-5 {:.2f}%  ({} samples)", step,
                                  summary.val.loss(), 100 * summary.val.top1_rate(), 100 * summary.val.top5_rate(),
                                  summary.val.count));
@@ -259,9 +262,10 @@ Result<TrainSummary> Train(const TrainConfig& config, const TrainRunOptions& run
         const double secs = Seconds(Clock::now() - interval_start);
         const double ips = secs > 0 ? static_cast<double>(interval.count) / secs : 0;
         const double wait_frac = secs > 0 ? interval_wait / secs : 0;
-        record({{"type", "train"}, {"step", step}, {"epoch", static_cast<double>(step) / steps_per_epoch},
+        failure = record({{"type", "train"}, {"step", step}, {"epoch", static_cast<double>(step) / steps_per_epoch},
                 {"loss", interval.loss()}, {"top1", interval.top1_rate()}, {"lr", lr}, {"images_per_s", ips},
                 {"data_wait", wait_frac}});
+        if (!failure.ok()) break;
         progress.Line(fmt::format("epoch {}/{}  step {}/{}  loss {:.4f}  lr {:.4g}  {:.0f} img/s  data-wait {:.1f}%",
                                   (step - 1) / steps_per_epoch + 1, config.epochs, step, summary.total_steps,
                                   interval.loss(), lr, ips, 100 * wait_frac));
@@ -271,8 +275,9 @@ Result<TrainSummary> Train(const TrainConfig& config, const TrainRunOptions& run
       }
       if (epoch_end) {
         const int64_t epoch = step / steps_per_epoch;
-        record({{"type", "epoch"}, {"step", step}, {"epoch", epoch}, {"loss", epoch_stats.loss()},
-                {"top1", epoch_stats.top1_rate()}});
+        failure = record({{"type", "epoch"}, {"step", step}, {"epoch", epoch}, {"loss", epoch_stats.loss()},
+                          {"top1", epoch_stats.top1_rate()}});
+        if (!failure.ok()) break;
         summary.last_epoch = epoch_stats;
         epoch_stats = {};
         if (config.eval.every_epochs > 0 && epoch % config.eval.every_epochs == 0) {

@@ -1,8 +1,10 @@
 #include "tests/testing/test_util.h"
 
+#include <sys/resource.h>
 #include <turbojpeg.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -155,5 +157,22 @@ std::optional<fs::path> SharedDataDir() {
 }
 
 fs::path StokeBinary() { return fs::path(STOKE_BINARY_DIR) / "bin" / "stoke"; }
+
+FileSizeLimit::FileSizeLimit(uint64_t bytes) {
+  rlimit r{};
+  getrlimit(RLIMIT_FSIZE, &r);
+  old_soft_ = r.rlim_cur;
+  old_handler_ = std::signal(SIGXFSZ, SIG_IGN);
+  r.rlim_cur = bytes;
+  setrlimit(RLIMIT_FSIZE, &r);
+}
+
+FileSizeLimit::~FileSizeLimit() {
+  rlimit r{};
+  getrlimit(RLIMIT_FSIZE, &r);
+  r.rlim_cur = old_soft_;
+  setrlimit(RLIMIT_FSIZE, &r);
+  std::signal(SIGXFSZ, old_handler_);
+}
 
 }  // namespace stoke::testing

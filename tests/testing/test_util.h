@@ -83,6 +83,20 @@ std::optional<std::filesystem::path> SharedDataDir();
 // Path of the built stoke CLI (for end-to-end tests).
 std::filesystem::path StokeBinary();
 
+// A full disk, simulated: while alive, this process cannot grow a regular file past `bytes`
+// (RLIMIT_FSIZE), and such a write fails with EFBIG instead of raising SIGXFSZ. Restores both.
+class FileSizeLimit {
+ public:
+  explicit FileSizeLimit(uint64_t bytes);
+  ~FileSizeLimit();
+  FileSizeLimit(const FileSizeLimit&) = delete;
+  FileSizeLimit& operator=(const FileSizeLimit&) = delete;
+
+ private:
+  uint64_t old_soft_ = 0;
+  void (*old_handler_)(int) = nullptr;
+};
+
 }  // namespace stoke::testing
 
 // Skips the current test, visibly, when the shared corpus is absent.

@@ -11,7 +11,10 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <random>
 #include <set>
+#include <thread>
+#include <chrono>
 
 #include <nlohmann/json.hpp>
 #include <opencv2/core.hpp>
@@ -376,6 +379,108 @@ TEST(Pack, KilledPackResumesToTheSameDataset) {
   ASSERT_OK(Pack(o).status());
   EXPECT_EQ(ReadAll(dir / "killed"), ReadAll(dir / "full"));
   EXPECT_EQ(Comparable(dir / "killed"), Comparable(dir / "full"));
+}
+
+// The process `kill -9` hits in KillNineAtRandomMomentsThenResume: this binary re-executed with
+// STOKE_PACK_RESUMER=<dir> packs (or resumes packing) <dir>/src into <dir>/killed, small
+// transactions, and exits 0 on success, 3 with the error on stderr otherwise.
+const bool kResumerMode = [] {
+  const char* dir = std::getenv("STOKE_PACK_RESUMER");
+  if (dir == nullptr) return false;
+  PackOptions o;
+  o.source = fs::path(dir) / "src";
+  o.output = fs::path(dir) / "killed";
+  o.threads = 2;
+  o.progress = false;
+  o.commit_every = 3;
+  o.resume = true;
+  auto r = Pack(o);
+  if (!r.ok()) std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
+  _exit(r.ok() ? 0 : 3);
+}();
+
+TEST(Pack, KillNineAtRandomMomentsThenResumeGivesTheSameDataset) {
+  // Eight SIGKILLs from outside, each at a random moment of a run that resumes the previous one
+  // (before the output exists, mid-transaction, mid-commit, at the rename...), then a run to the
+  // end: the dataset equals an uninterrupted pack, byte for byte in every record.
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 60);
+  ASSERT_OK(Pack(Options(dir / "src", dir / "full")).status());
+  char* child_argv[] = {const_cast<char*>("/proc/self/exe"), nullptr};
+  auto spawn = [&](const fs::path& where) {
+    std::string env = "STOKE_PACK_RESUMER=" + where.string();
+    char* child_env[] = {env.data(), nullptr};
+    pid_t child = 0;
+    EXPECT_EQ(posix_spawn(&child, "/proc/self/exe", nullptr, nullptr, child_argv, child_env), 0);
+    return child;
+  };
+  // How long one whole run takes, process start-up included: the window the kills fall in.
+  TempDir calib;
+  fs::create_directory_symlink(dir / "src", calib / "src");
+  const auto t0 = std::chrono::steady_clock::now();
+  pid_t probe = spawn(calib.path());
+  int probe_status = 0;
+  ASSERT_EQ(waitpid(probe, &probe_status, 0), probe);
+  ASSERT_TRUE(WIFEXITED(probe_status) && WEXITSTATUS(probe_status) == 0);
+  const auto window = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0);
+  std::mt19937 rng(11);
+  int killed = 0, mid_pack = 0, finished = 0;
+  const auto want_records = ReadAll(dir / "full");
+  const auto want_manifest = Comparable(dir / "full");
+  // Until 8 kills have landed mid-pack: kill each run at a random moment of the window and let
+  // the next run resume it. A run that finishes first is checked and removed, and a new chain
+  // starts.
+  for (int round = 0; round < 80 && mid_pack < 8; ++round) {
+    const pid_t child = spawn(dir.path());
+    std::this_thread::sleep_for(std::chrono::microseconds(rng() % static_cast<uint64_t>(window.count() + 1)));
+    kill(child, SIGKILL);
+    int status = 0;
+    ASSERT_EQ(waitpid(child, &status, 0), child);
+    if (WIFSIGNALED(status)) {
+      ASSERT_EQ(WTERMSIG(status), SIGKILL);
+      ++killed;
+      mid_pack += fs::exists(dir / "killed.partial") ? 1 : 0;
+      continue;
+    }
+    ASSERT_TRUE(WIFEXITED(status));
+    ASSERT_EQ(WEXITSTATUS(status), 0) << "round " << round << ": a run after a kill failed (its error is above)";
+    ++finished;
+    ASSERT_EQ(ReadAll(dir / "killed"), want_records) << "round " << round;
+    ASSERT_EQ(Comparable(dir / "killed"), want_manifest) << "round " << round;
+    fs::remove_all(dir / "killed");
+  }
+  // The last chain, run to the end without a kill.
+  const pid_t last = spawn(dir.path());
+  int status = 0;
+  ASSERT_EQ(waitpid(last, &status, 0), last);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  EXPECT_EQ(ReadAll(dir / "killed"), want_records);
+  EXPECT_EQ(Comparable(dir / "killed"), want_manifest);
+  EXPECT_GE(mid_pack, 8) << killed << " kills, " << finished << " runs finished first";
+  std::printf("%d kills (%d with a partial dataset on disk), %d runs finished before their kill\n", killed, mid_pack,
+              finished);
+}
+
+TEST(Pack, DiskFullIsACleanErrorAndThePackResumesAfterwards) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 40);
+  ASSERT_OK(Pack(Options(dir / "src", dir / "full")).status());
+  auto o = Options(dir / "src", dir / "out");
+  o.commit_every = 8;
+  {
+    // The dataset needs several times this; LMDB's writes past it fail with EFBIG.
+    testing::FileSizeLimit full_disk(96 * 1024);
+    auto r = Pack(o);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kIoError) << r.status().ToString();
+    EXPECT_NE(r.status().message().find("out.partial"), std::string::npos) << r.status().ToString();
+  }
+  EXPECT_FALSE(fs::exists(dir / "out"));
+  // Space again: the committed part is kept and the pack resumes to the same dataset.
+  o.resume = true;
+  ASSERT_OK(Pack(o).status());
+  EXPECT_EQ(ReadAll(dir / "out"), ReadAll(dir / "full"));
+  EXPECT_EQ(Comparable(dir / "out"), Comparable(dir / "full"));
 }
 
 TEST(Pack, ResumeWithOtherOptionsIsRefused) {

@@ -337,6 +337,40 @@ TEST_F(TrainLoop, DamagedCheckpointIsRefusedAndThePreviousOneStillWorks) {
   EXPECT_NE(r.status().message().find("does not fit this model"), std::string::npos) << r.status().ToString();
 }
 
+TEST_F(TrainLoop, DiskFullDuringACheckpointLeavesThePreviousOneUsable) {
+  TrainRunOptions quiet;
+  quiet.progress = false;
+  quiet.plot = false;
+  quiet.max_steps = 8;  // one checkpoint, at step 8
+  ASSERT_OK(Train(Config("diskfull", 3), quiet).status());
+  const auto run_dir = dir_->path() / "diskfull";
+  const auto first = ListCheckpoints(run_dir);
+  ASSERT_EQ(first.size(), 1u);
+  const auto before = testing::ReadBytes(first[0]);
+  TrainRunOptions resume = quiet;
+  resume.max_steps = 0;
+  resume.resume = "latest";
+  {
+    // Smaller than a checkpoint of this model: the step-16 checkpoint cannot be written.
+    testing::FileSizeLimit full_disk(before.size() / 2);
+    auto r = Train(Config("diskfull", 3), resume);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kIoError) << r.status().ToString();
+    EXPECT_NE(r.status().message().find("step-0000000016.ckpt"), std::string::npos) << r.status().ToString();
+  }
+  // Nothing half-written is left, and the previous checkpoint is as it was.
+  const auto after = ListCheckpoints(run_dir);
+  ASSERT_EQ(after.size(), 1u);
+  EXPECT_EQ(testing::ReadBytes(after[0]), before);
+  for (const auto& e : std::filesystem::directory_iterator(run_dir / "checkpoints")) {
+    EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
+  }
+  // With space again the run resumes from it and finishes.
+  ASSERT_OK_AND_ASSIGN(TrainSummary s, Train(Config("diskfull", 3), resume));
+  EXPECT_EQ(s.start_step, 8);
+  EXPECT_EQ(s.steps, 24);
+}
+
 TEST_F(TrainLoop, BadDatasetAndBatchErrors) {
   TrainConfig c = Config("bad", 1);
   c.data.train = (dir_->path() / "missing.lmdb").string();
