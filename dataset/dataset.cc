@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include "common/map_guard.h"
 #include "dataset/writer.h"
 
 namespace stoke::dataset {
@@ -15,6 +16,36 @@ MDB_val Val(const void* p, size_t n) { return MDB_val{n, const_cast<void*>(p)}; 
 
 std::span<const std::byte> Bytes(const MDB_val& v) {
   return {static_cast<const std::byte*>(v.mv_data), v.mv_size};
+}
+
+}  // namespace
+
+namespace {
+
+// Runs an LMDB read and touches every page of the value it returns, under RunGuarded: a damaged
+// data file whose pages point past its end (SIGBUS) or out of the map (SIGSEGV) gives an error
+// instead of killing the process, and a value that comes back is safe to read afterwards.
+struct GuardedRead {
+  MDB_txn* txn = nullptr;
+  MDB_cursor* cursor = nullptr;  // cursor reads when set, else mdb_get on dbi
+  MDB_dbi dbi = 0;
+  MDB_cursor_op op = MDB_SET_KEY;
+  MDB_val* key = nullptr;
+  MDB_val* value = nullptr;
+  int rc = MDB_SUCCESS;
+  void operator()() {
+    rc = cursor != nullptr ? mdb_cursor_get(cursor, key, value, op) : mdb_get(txn, dbi, key, value);
+    if (rc != MDB_SUCCESS) return;
+    const volatile char* p = static_cast<const char*>(value->mv_data);
+    for (size_t i = 0; i < value->mv_size; i += 4096) (void)p[i];
+    if (value->mv_size > 0) (void)p[value->mv_size - 1];
+  }
+};
+
+Status MapFault(const std::filesystem::path& path, const std::string& what) {
+  return CorruptError(fmt::format(
+      "dataset: {}: {}: the data file is damaged (a page lies outside the file); run stoke inspect "
+      "--verify, and repack it", path.string(), what));
 }
 
 }  // namespace
@@ -67,7 +98,9 @@ Result<Dataset> Dataset::Open(const std::filesystem::path& path) {
   if (rc == MDB_NOTFOUND) return InvalidArgumentError(where + ": not a stoke dataset (no meta table)");
   if (rc != MDB_SUCCESS) return MdbStatus(rc, where + ": open meta table");
   MDB_val k = Val(kManifestKey, std::strlen(kManifestKey)), v;
-  rc = mdb_get(txn.get(), meta, &k, &v);
+  GuardedRead read{.txn = txn.get(), .dbi = meta, .key = &k, .value = &v};
+  if (!RunGuarded(read)) return MapFault(path, "manifest");
+  rc = read.rc;
   if (rc == MDB_NOTFOUND) {
     MDB_val sk = Val(kPackStateKey, std::strlen(kPackStateKey));
     if (mdb_get(txn.get(), meta, &sk, &v) == MDB_SUCCESS) {
@@ -131,7 +164,9 @@ Result<RecordView> Reader::Get(int64_t index) {
   std::array<std::byte, 8> key;
   EncodeKey(static_cast<uint64_t>(index), key);
   MDB_val k = Val(key.data(), key.size()), v;
-  int rc = mdb_get(txn_.get(), dataset_->records_dbi_, &k, &v);
+  GuardedRead read{.txn = txn_.get(), .dbi = dataset_->records_dbi_, .key = &k, .value = &v};
+  if (!RunGuarded(read)) return MapFault(dataset_->path_, fmt::format("record {}", index));
+  const int rc = read.rc;
   if (rc == MDB_NOTFOUND) {
     return CorruptError(
         fmt::format("dataset: {}: record {} missing", dataset_->path_.string(), index));
@@ -157,7 +192,9 @@ Status Reader::Scan(int64_t begin, int64_t end,
   std::array<std::byte, 8> key;
   EncodeKey(static_cast<uint64_t>(begin), key);
   MDB_val k = Val(key.data(), key.size()), v;
-  rc = mdb_cursor_get(raw, &k, &v, MDB_SET_KEY);
+  GuardedRead read{.cursor = raw, .op = MDB_SET_KEY, .key = &k, .value = &v};
+  if (!RunGuarded(read)) return MapFault(dataset_->path_, fmt::format("record {}", begin));
+  rc = read.rc;
   for (int64_t index = begin; index < end; ++index) {
     if (rc == MDB_NOTFOUND) return CorruptError(fmt::format("{}: record {} missing", where, index));
     if (rc != MDB_SUCCESS) return MdbStatus(rc, fmt::format("{}: record {}", where, index));
@@ -168,7 +205,11 @@ Status Reader::Scan(int64_t begin, int64_t end,
     }
     STOKE_ASSIGN_OR_RETURN(RecordView record, Check(v, index));
     STOKE_RETURN_IF_ERROR(fn(record));
-    if (index + 1 < end) rc = mdb_cursor_get(raw, &k, &v, MDB_NEXT);
+    if (index + 1 < end) {
+      read.op = MDB_NEXT;
+      if (!RunGuarded(read)) return MapFault(dataset_->path_, fmt::format("record {}", index + 1));
+      rc = read.rc;
+    }
   }
   return OkStatus();
 }
@@ -178,7 +219,9 @@ Result<std::string> Reader::SourcePath(int64_t index) {
   std::array<std::byte, 8> key;
   EncodeKey(static_cast<uint64_t>(index), key);
   MDB_val k = Val(key.data(), key.size()), v;
-  int rc = mdb_get(txn_.get(), dataset_->paths_dbi_, &k, &v);
+  GuardedRead read{.txn = txn_.get(), .dbi = dataset_->paths_dbi_, .key = &k, .value = &v};
+  if (!RunGuarded(read)) return MapFault(dataset_->path_, fmt::format("path of record {}", index));
+  const int rc = read.rc;
   if (rc == MDB_NOTFOUND) return std::string();
   if (rc != MDB_SUCCESS) {
     return MdbStatus(rc, fmt::format("dataset: {}: path of record {}", dataset_->path_.string(),
