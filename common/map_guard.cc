@@ -20,7 +20,7 @@ void OnFault(int sig, siginfo_t* info, void* context) {
   Guard& g = t_guard;
   if (g.active) {
     g.active = 0;
-    siglongjmp(g.env, 1);  // restores the signal mask saved by sigsetjmp
+    siglongjmp(g.env, 1);  // the signal stays blocked; RunGuarded unblocks it
   }
   // Not a guarded read: whoever handled the signal before gets it.
   const struct sigaction& old = sig == SIGBUS ? g_old_bus : g_old_segv;
@@ -54,7 +54,16 @@ bool RunGuarded(void (*fn)(void*), void* arg) {
     fn(arg);
     return true;
   }
-  if (sigsetjmp(g.env, 1) != 0) return false;
+  // No signal mask saved here: that would be a system call on every guarded read (every record
+  // the loader reads). The rare fault path unblocks the signal its handler left blocked.
+  if (sigsetjmp(g.env, 0) != 0) {
+    sigset_t faults;
+    sigemptyset(&faults);
+    sigaddset(&faults, SIGBUS);
+    sigaddset(&faults, SIGSEGV);
+    pthread_sigmask(SIG_UNBLOCK, &faults, nullptr);
+    return false;
+  }
   g.active = 1;
   fn(arg);
   g.active = 0;

@@ -289,6 +289,16 @@ Status ParseSchedule(Section& top, ScheduleConfig& c) {
   return s.Finish();
 }
 
+// One `key: value` of a mapping being emitted (PutFlow: a list on one line).
+template <typename T>
+void Put(YAML::Emitter& e, const char* key, const T& value) {
+  e << YAML::Key << key << YAML::Value << value;
+}
+template <typename T>
+void PutFlow(YAML::Emitter& e, const char* key, const T& value) {
+  e << YAML::Key << key << YAML::Value << YAML::Flow << value;
+}
+
 }  // namespace
 
 Result<TrainConfig> ParseConfig(const std::string& yaml, const std::string& source) {
@@ -352,67 +362,68 @@ std::string ConfigToYaml(const TrainConfig& c) {
   e.SetDoublePrecision(15);  // 0.35, not 0.34999999999999998
   e << YAML::BeginMap;
   const DataConfig& d = c.data;
-  e << YAML::Key << "data" << YAML::Value << YAML::BeginMap;
-  e << YAML::Key << "train" << YAML::Value << d.train;
-  e << YAML::Key << "val" << YAML::Value << d.val;
-  e << YAML::Key << "batch_size" << YAML::Value << d.batch_size;
-  e << YAML::Key << "threads" << YAML::Value << d.threads;
-  e << YAML::Key << "ring" << YAML::Value << d.ring;
-  e << YAML::Key << "shuffle" << YAML::Value << d.shuffle;
-  e << YAML::Key << "on_error" << YAML::Value << d.on_error;
-  e << YAML::Key << "max_skip_fraction" << YAML::Value << d.max_skip_fraction;
-  e << YAML::Key << "image_size" << YAML::Value << d.image_size;
-  e << YAML::Key << "val_resize" << YAML::Value << d.val_resize;
-  e << YAML::Key << "augment" << YAML::Value << YAML::BeginMap;
-  e << YAML::Key << "scale" << YAML::Value << YAML::Flow << std::vector<double>{d.scale_min, d.scale_max};
-  e << YAML::Key << "ratio" << YAML::Value << YAML::Flow << std::vector<double>{d.ratio_min, d.ratio_max};
-  e << YAML::Key << "flip" << YAML::Value << d.flip;
-  e << YAML::Key << "brightness" << YAML::Value << d.brightness;
-  e << YAML::Key << "contrast" << YAML::Value << d.contrast;
-  e << YAML::Key << "saturation" << YAML::Value << d.saturation;
+  Put(e, "data", YAML::BeginMap);
+  Put(e, "train", d.train);
+  Put(e, "val", d.val);
+  Put(e, "batch_size", d.batch_size);
+  Put(e, "threads", d.threads);
+  Put(e, "ring", d.ring);
+  Put(e, "shuffle", d.shuffle);
+  Put(e, "on_error", d.on_error);
+  Put(e, "max_skip_fraction", d.max_skip_fraction);
+  Put(e, "image_size", d.image_size);
+  Put(e, "val_resize", d.val_resize);
+  Put(e, "augment", YAML::BeginMap);
+  PutFlow(e, "scale", std::vector<double>{d.scale_min, d.scale_max});
+  PutFlow(e, "ratio", std::vector<double>{d.ratio_min, d.ratio_max});
+  Put(e, "flip", d.flip);
+  Put(e, "brightness", d.brightness);
+  Put(e, "contrast", d.contrast);
+  Put(e, "saturation", d.saturation);
   e << YAML::EndMap;
-  e << YAML::Key << "normalize" << YAML::Value << YAML::BeginMap;
-  e << YAML::Key << "mean" << YAML::Value << YAML::Flow << d.mean;
-  e << YAML::Key << "std" << YAML::Value << YAML::Flow << d.std;
-  e << YAML::Key << "layout" << YAML::Value << d.layout;
-  e << YAML::Key << "dtype" << YAML::Value << d.dtype;
+  Put(e, "normalize", YAML::BeginMap);
+  PutFlow(e, "mean", d.mean);
+  PutFlow(e, "std", d.std);
+  Put(e, "layout", d.layout);
+  Put(e, "dtype", d.dtype);
   e << YAML::EndMap << YAML::EndMap;
 
   const ModelConfig& m = c.model;
-  e << YAML::Key << "model" << YAML::Value << YAML::BeginMap;
-  if (!m.preset.empty()) e << YAML::Key << "preset" << YAML::Value << m.preset;
-  e << YAML::Key << "classes" << YAML::Value << m.classes;
-  e << YAML::Key << "label_smoothing" << YAML::Value << m.label_smoothing;
-  e << YAML::Key << "bn_momentum" << YAML::Value << m.bn_momentum;
-  e << YAML::Key << "bn_epsilon" << YAML::Value << m.bn_epsilon;
+  Put(e, "model", YAML::BeginMap);
+  if (!m.preset.empty()) Put(e, "preset", m.preset);
+  Put(e, "classes", m.classes);
+  Put(e, "label_smoothing", m.label_smoothing);
+  Put(e, "bn_momentum", m.bn_momentum);
+  Put(e, "bn_epsilon", m.bn_epsilon);
   if (m.preset.empty()) {
-    e << YAML::Key << "layers" << YAML::Value << YAML::BeginSeq;
+    Put(e, "layers", YAML::BeginSeq);
     for (const LayerSpec& l : m.layers) {
       e << YAML::Flow << YAML::BeginMap;
-      if (!l.name.empty()) e << YAML::Key << "name" << YAML::Value << l.name;
-      e << YAML::Key << "type" << YAML::Value << std::string(LayerTypeName(l.type));
-      if (!l.inputs.empty()) e << YAML::Key << "inputs" << YAML::Value << YAML::Flow << l.inputs;
+      if (!l.name.empty()) Put(e, "name", l.name);
+      Put(e, "type", std::string(LayerTypeName(l.type)));
+      if (!l.inputs.empty()) PutFlow(e, "inputs", l.inputs);
       switch (l.type) {
         case LayerType::kConv:
         case LayerType::kLinear:
-          e << YAML::Key << "out" << YAML::Value << l.out;
+          Put(e, "out", l.out);
           if (l.type == LayerType::kConv) {
-            e << YAML::Key << "kernel" << YAML::Value << l.kernel << YAML::Key << "stride" << YAML::Value << l.stride
-              << YAML::Key << "pad" << YAML::Value << l.pad;
+            Put(e, "kernel", l.kernel);
+            Put(e, "stride", l.stride);
+            Put(e, "pad", l.pad);
           }
-          e << YAML::Key << "bias" << YAML::Value << l.bias;
+          Put(e, "bias", l.bias);
           break;
         case LayerType::kMaxPool:
         case LayerType::kAvgPool:
-          e << YAML::Key << "kernel" << YAML::Value << l.kernel;
-          if (l.stride != 0) e << YAML::Key << "stride" << YAML::Value << l.stride;
-          e << YAML::Key << "pad" << YAML::Value << l.pad;
+          Put(e, "kernel", l.kernel);
+          if (l.stride != 0) Put(e, "stride", l.stride);
+          Put(e, "pad", l.pad);
           break;
         case LayerType::kDropout:
-          e << YAML::Key << "p" << YAML::Value << l.p;
+          Put(e, "p", l.p);
           break;
         case LayerType::kBatchNorm:
-          if (l.zero_init) e << YAML::Key << "zero_init" << YAML::Value << true;
+          if (l.zero_init) Put(e, "zero_init", true);
           break;
         default:
           break;
@@ -424,41 +435,41 @@ std::string ConfigToYaml(const TrainConfig& c) {
   e << YAML::EndMap;
 
   const OptimizerConfig& o = c.optimizer;
-  e << YAML::Key << "optimizer" << YAML::Value << YAML::BeginMap;
-  e << YAML::Key << "lr" << YAML::Value << o.lr;
-  e << YAML::Key << "base_batch" << YAML::Value << o.base_batch;
-  e << YAML::Key << "momentum" << YAML::Value << o.sgd.momentum;
-  e << YAML::Key << "nesterov" << YAML::Value << o.sgd.nesterov;
-  e << YAML::Key << "weight_decay" << YAML::Value << o.sgd.weight_decay;
-  e << YAML::Key << "decay_bn_and_bias" << YAML::Value << o.sgd.decay_bn_and_bias;
+  Put(e, "optimizer", YAML::BeginMap);
+  Put(e, "lr", o.lr);
+  Put(e, "base_batch", o.base_batch);
+  Put(e, "momentum", o.sgd.momentum);
+  Put(e, "nesterov", o.sgd.nesterov);
+  Put(e, "weight_decay", o.sgd.weight_decay);
+  Put(e, "decay_bn_and_bias", o.sgd.decay_bn_and_bias);
   e << YAML::EndMap;
 
   const ScheduleConfig& s = c.schedule;
-  e << YAML::Key << "schedule" << YAML::Value << YAML::BeginMap;
-  e << YAML::Key << "type" << YAML::Value << s.type;
-  e << YAML::Key << "warmup_epochs" << YAML::Value << s.warmup_epochs;
-  e << YAML::Key << "warmup_start" << YAML::Value << s.warmup_start;
-  e << YAML::Key << "step_epochs" << YAML::Value << s.step_epochs;
-  e << YAML::Key << "milestones" << YAML::Value << YAML::Flow << s.milestones;
-  e << YAML::Key << "gamma" << YAML::Value << s.gamma;
-  e << YAML::Key << "min_lr" << YAML::Value << s.min_lr;
+  Put(e, "schedule", YAML::BeginMap);
+  Put(e, "type", s.type);
+  Put(e, "warmup_epochs", s.warmup_epochs);
+  Put(e, "warmup_start", s.warmup_start);
+  Put(e, "step_epochs", s.step_epochs);
+  PutFlow(e, "milestones", s.milestones);
+  Put(e, "gamma", s.gamma);
+  Put(e, "min_lr", s.min_lr);
   e << YAML::EndMap;
 
-  e << YAML::Key << "eval" << YAML::Value << YAML::BeginMap;
-  e << YAML::Key << "every_epochs" << YAML::Value << c.eval.every_epochs;
-  e << YAML::Key << "every_steps" << YAML::Value << c.eval.every_steps;
+  Put(e, "eval", YAML::BeginMap);
+  Put(e, "every_epochs", c.eval.every_epochs);
+  Put(e, "every_steps", c.eval.every_steps);
   e << YAML::EndMap;
-  e << YAML::Key << "checkpoint" << YAML::Value << YAML::BeginMap;
-  e << YAML::Key << "every_epochs" << YAML::Value << c.checkpoint.every_epochs;
-  e << YAML::Key << "every_steps" << YAML::Value << c.checkpoint.every_steps;
-  e << YAML::Key << "keep" << YAML::Value << c.checkpoint.keep;
+  Put(e, "checkpoint", YAML::BeginMap);
+  Put(e, "every_epochs", c.checkpoint.every_epochs);
+  Put(e, "every_steps", c.checkpoint.every_steps);
+  Put(e, "keep", c.checkpoint.keep);
   e << YAML::EndMap;
-  e << YAML::Key << "epochs" << YAML::Value << c.epochs;
-  e << YAML::Key << "seed" << YAML::Value << c.seed;
-  e << YAML::Key << "backend" << YAML::Value << c.backend;
-  e << YAML::Key << "compute_threads" << YAML::Value << c.compute_threads;
-  e << YAML::Key << "run_dir" << YAML::Value << c.run_dir;
-  e << YAML::Key << "log_every_steps" << YAML::Value << c.log_every_steps;
+  Put(e, "epochs", c.epochs);
+  Put(e, "seed", c.seed);
+  Put(e, "backend", c.backend);
+  Put(e, "compute_threads", c.compute_threads);
+  Put(e, "run_dir", c.run_dir);
+  Put(e, "log_every_steps", c.log_every_steps);
   e << YAML::EndMap;
   return std::string(e.c_str()) + "\n";
 }

@@ -113,6 +113,15 @@ class Net {
     }
   }
 
+  Node& node(int i) { return nodes[static_cast<size_t>(i)]; }
+  // Allocates a layer's output and its gradient, both in `md`.
+  Node& SetOutput(int i, const memory::desc& md) {
+    Node& n = node(i);
+    n.out = memory(md, eng);
+    n.diff = memory(md, eng);
+    return n;
+  }
+
   const memory& Out(int node) const { return node < 0 ? input : nodes[static_cast<size_t>(node)].out; }
   memory::desc OutMd(int node) const { return Out(node).get_desc(); }
 
@@ -266,8 +275,7 @@ class WeightedLayer final : public Layer {
       }
       bias_ = net.AddParam(l.name + ".bias", b_dims, Tag::x, bias_md, false, b_init);
     }
-    net.nodes[static_cast<size_t>(self)].out = memory(dst_md, net.eng);
-    net.nodes[static_cast<size_t>(self)].diff = memory(dst_md, net.eng);
+    net.SetOutput(self, dst_md);
 
     // Backward weights: ask for gradients in the weights' own layout (so SGD is elementwise);
     // when no kernel offers that, take the preferred one and convert.
@@ -345,13 +353,13 @@ class WeightedLayer final : public Layer {
     src_ = src_conv_.Run(net.Out(in_), net.strm);
     ArgMap args{{DNNL_ARG_SRC, src_},
                 {DNNL_ARG_WEIGHTS, weight_->value},
-                {DNNL_ARG_DST, net.nodes[static_cast<size_t>(self_)].out}};
+                {DNNL_ARG_DST, net.node(self_).out}};
     if (bias_) args[DNNL_ARG_BIAS] = bias_->value;
     fwd_.execute(net.strm, args);
   }
 
   void Backward(Net& net) override {
-    const memory& diff = net.nodes[static_cast<size_t>(self_)].diff;
+    const memory& diff = net.node(self_).diff;
     ArgMap args{{DNNL_ARG_SRC, src_},
                 {DNNL_ARG_DIFF_DST, dd_w_.Run(diff, net.strm)},
                 {DNNL_ARG_DIFF_WEIGHTS, grad_scratch_ ? grad_scratch_ : weight_->grad}};
@@ -414,15 +422,13 @@ class BatchNormLayer final : public Layer {
     var_ = memory(fwd_pd_.variance_desc(), net.eng);
     running_mean_ = net.AddBuffer(l.name + ".running_mean", channels_, 0.f);
     running_var_ = net.AddBuffer(l.name + ".running_var", channels_, 1.f);
-    Node& node = net.nodes[static_cast<size_t>(self)];
-    node.out = memory(fwd_pd_.dst_desc(), net.eng);
-    node.diff = memory(fwd_pd_.dst_desc(), net.eng);
+    net.SetOutput(self, fwd_pd_.dst_desc());
     dd_.Init(fwd_pd_.dst_desc(), bwd_pd.diff_dst_desc(), net.eng);
     net.InitSink(sink_, in_node, bwd_pd.diff_src_desc());
   }
 
   void Forward(Net& net, bool training, int64_t) override {
-    const memory& out = net.nodes[static_cast<size_t>(self_)].out;
+    const memory& out = net.node(self_).out;
     if (!training) {
       inf_.execute(net.strm, {{DNNL_ARG_SRC, net.Out(in_)}, {DNNL_ARG_DST, out},
                               {DNNL_ARG_SCALE, scale_->value}, {DNNL_ARG_SHIFT, shift_->value},
@@ -447,7 +453,7 @@ class BatchNormLayer final : public Layer {
   }
 
   void Backward(Net& net) override {
-    const memory& diff = net.nodes[static_cast<size_t>(self_)].diff;
+    const memory& diff = net.node(self_).diff;
     bwd_.execute(net.strm, {{DNNL_ARG_SRC, net.Out(in_)}, {DNNL_ARG_MEAN, mean_}, {DNNL_ARG_VARIANCE, var_},
                             {DNNL_ARG_DIFF_DST, dd_.Run(diff, net.strm)}, {DNNL_ARG_SCALE, scale_->value},
                             {DNNL_ARG_SHIFT, shift_->value}, {DNNL_ARG_DIFF_SRC, net.SinkTarget(sink_)},
@@ -480,18 +486,16 @@ class ReluLayer final : public Layer {
     net.Note(self, fwd_pd);
     net.Note(self, bwd_pd);
     bwd_ = dnnl::eltwise_backward(bwd_pd);
-    Node& node = net.nodes[static_cast<size_t>(self)];
-    node.out = memory(fwd_pd.dst_desc(), net.eng);
-    node.diff = memory(fwd_pd.dst_desc(), net.eng);
+    net.SetOutput(self, fwd_pd.dst_desc());
     dd_.Init(fwd_pd.dst_desc(), bwd_pd.diff_dst_desc(), net.eng);
     net.InitSink(sink_, in_node, bwd_pd.diff_src_desc());
   }
   void Forward(Net& net, bool, int64_t) override {
-    fwd_.execute(net.strm, {{DNNL_ARG_SRC, net.Out(in_)}, {DNNL_ARG_DST, net.nodes[static_cast<size_t>(self_)].out}});
+    fwd_.execute(net.strm, {{DNNL_ARG_SRC, net.Out(in_)}, {DNNL_ARG_DST, net.node(self_).out}});
   }
   void Backward(Net& net) override {
     bwd_.execute(net.strm, {{DNNL_ARG_SRC, net.Out(in_)},
-                            {DNNL_ARG_DIFF_DST, dd_.Run(net.nodes[static_cast<size_t>(self_)].diff, net.strm)},
+                            {DNNL_ARG_DIFF_DST, dd_.Run(net.node(self_).diff, net.strm)},
                             {DNNL_ARG_DIFF_SRC, net.SinkTarget(sink_)}});
     net.Deliver(sink_);
   }
@@ -536,19 +540,17 @@ class PoolLayer final : public Layer {
     net.Note(self, fwd_pd);
     net.Note(self, bwd_pd);
     if (alg == dnnl::algorithm::pooling_max) workspace_ = memory(fwd_pd.workspace_desc(), net.eng);
-    Node& node = net.nodes[static_cast<size_t>(self)];
-    node.out = memory(fwd_pd.dst_desc(), net.eng);
-    node.diff = memory(fwd_pd.dst_desc(), net.eng);
+    net.SetOutput(self, fwd_pd.dst_desc());
     dd_.Init(fwd_pd.dst_desc(), bwd_pd.diff_dst_desc(), net.eng);
     net.InitSink(sink_, in_node, bwd_pd.diff_src_desc());
   }
   void Forward(Net& net, bool, int64_t) override {
-    ArgMap args{{DNNL_ARG_SRC, net.Out(in_)}, {DNNL_ARG_DST, net.nodes[static_cast<size_t>(self_)].out}};
+    ArgMap args{{DNNL_ARG_SRC, net.Out(in_)}, {DNNL_ARG_DST, net.node(self_).out}};
     if (workspace_) args[DNNL_ARG_WORKSPACE] = workspace_;
     fwd_.execute(net.strm, args);
   }
   void Backward(Net& net) override {
-    ArgMap args{{DNNL_ARG_DIFF_DST, dd_.Run(net.nodes[static_cast<size_t>(self_)].diff, net.strm)},
+    ArgMap args{{DNNL_ARG_DIFF_DST, dd_.Run(net.node(self_).diff, net.strm)},
                 {DNNL_ARG_DIFF_SRC, net.SinkTarget(sink_)}};
     if (workspace_) args[DNNL_ARG_WORKSPACE] = workspace_;
     bwd_.execute(net.strm, args);
@@ -573,19 +575,17 @@ class AddLayer final : public Layer {
     dnnl::binary::primitive_desc pd({dnnl::algorithm::binary_add, md, md, md}, net.eng);
     net.Note(self, pd);
     fwd_ = dnnl::binary(pd);
-    Node& node = net.nodes[static_cast<size_t>(self)];
-    node.out = memory(md, net.eng);
-    node.diff = memory(md, net.eng);
+    net.SetOutput(self, md);
     if (a >= 0) to_a_.Init(md, net.OutMd(a), net.eng);
     if (b >= 0) to_b_.Init(md, net.OutMd(b), net.eng);
   }
   void Forward(Net& net, bool, int64_t) override {
     fwd_.execute(net.strm, {{DNNL_ARG_SRC_0, net.Out(a_)},
                             {DNNL_ARG_SRC_1, b_conv_.Run(net.Out(b_), net.strm)},
-                            {DNNL_ARG_DST, net.nodes[static_cast<size_t>(self_)].out}});
+                            {DNNL_ARG_DST, net.node(self_).out}});
   }
   void Backward(Net& net) override {
-    const memory& diff = net.nodes[static_cast<size_t>(self_)].diff;
+    const memory& diff = net.node(self_).diff;
     net.Give(a_, diff, to_a_);
     net.Give(b_, diff, to_b_);
   }
@@ -607,9 +607,7 @@ class FlattenLayer final : public Layer {
     for (size_t i = 1; i < dims.size(); ++i) features *= dims[i];
     const memory::desc flat({dims[0], features}, kF32, Tag::nc);
     plain_md_ = memory::desc(dims, kF32, dims.size() == 4 ? Tag::nchw : Tag::nc);
-    Node& node = net.nodes[static_cast<size_t>(self)];
-    node.out = memory(flat, net.eng);
-    node.diff = memory(flat, net.eng);
+    Node& node = net.SetOutput(self, flat);
     out_view_ = memory(plain_md_, net.eng, node.out.get_data_handle());
     diff_view_ = memory(plain_md_, net.eng, node.diff.get_data_handle());
     to_plain_ = dnnl::reorder(dnnl::reorder::primitive_desc(net.eng, md, net.eng, plain_md_));
@@ -636,16 +634,14 @@ class DropoutLayer final : public Layer {
   DropoutLayer(Net& net, const LayerSpec& l, int self, int in_node, uint64_t seed)
       : self_(self), in_(in_node), p_(l.p), seed_(seed) {
     const memory::desc md = net.OutMd(in_node);
-    Node& node = net.nodes[static_cast<size_t>(self)];
-    node.out = memory(md, net.eng);
-    node.diff = memory(md, net.eng);
+    net.SetOutput(self, md);
     mask_.resize(md.get_size() / sizeof(float));
     net.InitSink(sink_, in_node, md);
   }
   void Forward(Net& net, bool training, int64_t step) override {
     net.strm.wait();
     const float* in = Data(net.Out(in_));
-    float* out = Data(net.nodes[static_cast<size_t>(self_)].out);
+    float* out = Data(net.node(self_).out);
     if (!training || p_ == 0) {
       std::fill(mask_.begin(), mask_.end(), 1.f);
     } else {
@@ -658,7 +654,7 @@ class DropoutLayer final : public Layer {
   }
   void Backward(Net& net) override {
     net.strm.wait();
-    const float* diff = Data(net.nodes[static_cast<size_t>(self_)].diff);
+    const float* diff = Data(net.node(self_).diff);
     if (in_ < 0) return;
     float* dst = Data(net.SinkTarget(sink_));
     for (size_t i = 0; i < mask_.size(); ++i) dst[i] = diff[i] * mask_[i];

@@ -336,6 +336,16 @@ TEST(Pack, StoppedPackResumesToTheSameDataset) {
   EXPECT_TRUE(again.splits[0].already_complete);
 }
 
+// Re-executes this test binary with one environment variable (NAME=value), which selects one
+// of the child modes below; returns the child's pid.
+pid_t SpawnSelf(std::string env) {
+  char* child_argv[] = {const_cast<char*>("/proc/self/exe"), nullptr};
+  char* child_env[] = {env.data(), nullptr};
+  pid_t child = 0;
+  EXPECT_EQ(posix_spawn(&child, "/proc/self/exe", nullptr, nullptr, child_argv, child_env), 0);
+  return child;
+}
+
 // The victim of KilledPackResumesToTheSameDataset: this binary re-executed with
 // STOKE_PACK_VICTIM=<dir> packs <dir>/src into <dir>/killed and is SIGKILLed by its own commit
 // hook after 30 records, before any test runs. A fresh process (not a fork of a threaded one) is
@@ -343,11 +353,7 @@ TEST(Pack, StoppedPackResumesToTheSameDataset) {
 const bool kVictimMode = [] {
   const char* dir = std::getenv("STOKE_PACK_VICTIM");
   if (dir == nullptr) return false;
-  PackOptions o;
-  o.source = fs::path(dir) / "src";
-  o.output = fs::path(dir) / "killed";
-  o.threads = 2;
-  o.progress = false;
+  PackOptions o = Options(fs::path(dir) / "src", fs::path(dir) / "killed");
   o.commit_every = 5;
   o.after_commit = [](int64_t committed) {
     if (committed >= 30) raise(SIGKILL);  // no destructors, no final commit
@@ -359,11 +365,8 @@ const bool kVictimMode = [] {
 TEST(Pack, KilledPackResumesToTheSameDataset) {
   TempDir dir;
   testing::MakeImageTree(dir / "src", kClasses, 20);
-  std::string env = "STOKE_PACK_VICTIM=" + dir.path().string();
-  char* child_argv[] = {const_cast<char*>("/proc/self/exe"), nullptr};
-  char* child_env[] = {env.data(), nullptr};
-  pid_t child = 0;
-  ASSERT_EQ(posix_spawn(&child, "/proc/self/exe", nullptr, nullptr, child_argv, child_env), 0);
+  const pid_t child = SpawnSelf("STOKE_PACK_VICTIM=" + dir.path().string());
+  ASSERT_GT(child, 0);
   int status = 0;
   ASSERT_EQ(waitpid(child, &status, 0), child);
   ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL)
@@ -387,11 +390,7 @@ TEST(Pack, KilledPackResumesToTheSameDataset) {
 const bool kResumerMode = [] {
   const char* dir = std::getenv("STOKE_PACK_RESUMER");
   if (dir == nullptr) return false;
-  PackOptions o;
-  o.source = fs::path(dir) / "src";
-  o.output = fs::path(dir) / "killed";
-  o.threads = 2;
-  o.progress = false;
+  PackOptions o = Options(fs::path(dir) / "src", fs::path(dir) / "killed");
   o.commit_every = 3;
   o.resume = true;
   auto r = Pack(o);
@@ -406,14 +405,7 @@ TEST(Pack, KillNineAtRandomMomentsThenResumeGivesTheSameDataset) {
   TempDir dir;
   testing::MakeImageTree(dir / "src", kClasses, 60);
   ASSERT_OK(Pack(Options(dir / "src", dir / "full")).status());
-  char* child_argv[] = {const_cast<char*>("/proc/self/exe"), nullptr};
-  auto spawn = [&](const fs::path& where) {
-    std::string env = "STOKE_PACK_RESUMER=" + where.string();
-    char* child_env[] = {env.data(), nullptr};
-    pid_t child = 0;
-    EXPECT_EQ(posix_spawn(&child, "/proc/self/exe", nullptr, nullptr, child_argv, child_env), 0);
-    return child;
-  };
+  auto spawn = [](const fs::path& where) { return SpawnSelf("STOKE_PACK_RESUMER=" + where.string()); };
   // How long one whole run takes, process start-up included: the window the kills fall in.
   TempDir calib;
   fs::create_directory_symlink(dir / "src", calib / "src");

@@ -1,4 +1,5 @@
 #include "tools/bench/bench_commands.h"
+#include "tools/bench/bench_stats.h"
 
 #include <sys/resource.h>
 #include <unistd.h>
@@ -35,11 +36,6 @@ namespace stoke::bench {
 namespace fs = std::filesystem;
 namespace {
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 // Seconds taken by fn().
 double Time(const std::function<void()>& fn) {
@@ -166,6 +162,14 @@ Result<double> PackOnce(const BenchOptions& o, const fs::path& out, int threads,
   int64_t records = 0;
   for (const auto& sp : summary->splits) records += sp.records;
   return static_cast<double>(records) / s;
+}
+
+// `dataset` when one is given; otherwise options.data packed (once) into `scratch`.
+Result<fs::path> DatasetOrPack(const BenchOptions& o, const fs::path& dataset, const fs::path& scratch) {
+  if (!dataset.empty()) return dataset;
+  STOKE_RETURN_IF_ERROR(CheckData(o));
+  STOKE_RETURN_IF_ERROR(PackOnce(o, scratch, 0).status());
+  return scratch;
 }
 
 }  // namespace
@@ -368,12 +372,7 @@ Result<std::string> BenchRead(const BenchOptions& o) {
 Result<std::string> BenchDecode(const BenchOptions& o, const fs::path& dataset_path) {
   if (o.repeats < 1) return InvalidArgumentError("bench: --repeats must be >= 1");
   STOKE_ASSIGN_OR_RETURN(auto scratch, MakeScratch(o));
-  fs::path db = dataset_path;
-  if (db.empty()) {
-    STOKE_RETURN_IF_ERROR(CheckData(o));
-    db = scratch->dir / "bench_decode.lmdb";
-    STOKE_RETURN_IF_ERROR(PackOnce(o, db, 0).status());
-  }
+  STOKE_ASSIGN_OR_RETURN(const fs::path db, DatasetOrPack(o, dataset_path, scratch->dir / "bench_decode.lmdb"));
   STOKE_ASSIGN_OR_RETURN(dataset::Dataset ds, dataset::Dataset::Open(db));
   STOKE_ASSIGN_OR_RETURN(auto reader, ds.NewReader({.verify_crc = false}));
   STOKE_ASSIGN_OR_RETURN(auto jpegs, JpegViews(ds, reader));  // views into the map
@@ -566,12 +565,7 @@ Result<std::string> BenchPipeline(const BenchOptions& o, const fs::path& dataset
   if (p.batch < 1) return InvalidArgumentError("bench pipeline: --batch must be >= 1");
   const int n = o.threads > 0 ? o.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   STOKE_ASSIGN_OR_RETURN(auto scratch, MakeScratch(o));
-  fs::path db = dataset_path;
-  if (db.empty()) {
-    STOKE_RETURN_IF_ERROR(CheckData(o));
-    db = scratch->dir / "bench_pipeline.lmdb";
-    STOKE_RETURN_IF_ERROR(PackOnce(o, db, 0).status());
-  }
+  STOKE_ASSIGN_OR_RETURN(const fs::path db, DatasetOrPack(o, dataset_path, scratch->dir / "bench_pipeline.lmdb"));
   STOKE_ASSIGN_OR_RETURN(dataset::Dataset ds, dataset::Dataset::Open(db));
   STOKE_ASSIGN_OR_RETURN(auto reader, ds.NewReader({.verify_crc = false}));
   STOKE_ASSIGN_OR_RETURN(auto jpegs, JpegViews(ds, reader));  // for the TurboJPEG runs

@@ -13,6 +13,7 @@
 #include "dataset/dataset.h"
 #include "prefetch/loader.h"
 #include "tools/bench/bench_commands.h"
+#include "tools/bench/bench_stats.h"
 #include "train/config.h"
 #include "train/trainer.h"
 
@@ -21,10 +22,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-double MedianOf(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
 
 // The model as the PyTorch peer builds it: layers with their input channel counts.
 nlohmann::json ModelJson(const train::TrainConfig& c) {
@@ -152,7 +149,7 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
     waits.push_back(wait / secs);
   }
   loader->Stop();
-  const double compute = MedianOf(compute_rates), end_to_end = MedianOf(e2e_rates), wait = MedianOf(waits);
+  const double compute = Median(compute_rates), end_to_end = Median(e2e_rates), wait = Median(waits);
   const std::string model = c.model.preset.empty() ? fmt::format("{}-layer list", c.model.layers.size()) : c.model.preset;
   std::string out = fmt::format(
       "train bench: {} ({} classes) at {}x{}, batch {}, backend {}, compute threads {}, loader threads {}\n"
@@ -164,7 +161,7 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
       fmt::format("{:.0f}", fmt::join(compute_rates, ", ")), end_to_end, end_to_end / c.data.batch_size, 100 * wait);
   double ratio = 0;
   if (t.peer) {
-    const double nchw = MedianOf(torch_nchw), cl = MedianOf(torch_cl), best = std::max(nchw, cl);
+    const double nchw = Median(torch_nchw), cl = Median(torch_cl), best = std::max(nchw, cl);
     ratio = best > 0 ? compute / best : 0;
     out += fmt::format(
         "  PyTorch {} NCHW, same step    {:8.1f} img/s                   runs: {:.0f}\n"
