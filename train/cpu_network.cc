@@ -248,32 +248,11 @@ class WeightedLayer final : public Layer {
     }
     src_conv_.Init(in_md, src_md, net.eng);
 
-    // Initialisation: Kaiming-normal (fan-out, ReLU gain) for convolutions as in ResNet; the
-    // uniform +-1/sqrt(fan_in) of common frameworks for linear layers and their biases.
-    int64_t fan_in = 1;
-    for (size_t i = 1; i < w_dims.size(); ++i) fan_in *= w_dims[i];
-    int64_t w_count = 1;
-    for (auto d : w_dims) w_count *= d;
-    SplitMix64 rng(init_seed);
-    std::vector<float> w_init(static_cast<size_t>(w_count));
-    const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
-    if (conv) {
-      const double std_dev = std::sqrt(2.0 / static_cast<double>(l.out * l.kernel * l.kernel));
-      for (auto& v : w_init) {
-        const double u1 = 1.0 - Uniform01(rng), u2 = Uniform01(rng);
-        v = static_cast<float>(std_dev * std::sqrt(-2 * std::log(u1)) * std::cos(2 * std::numbers::pi * u2));
-      }
-    } else {
-      for (auto& v : w_init) v = static_cast<float>(Uniform(rng, -bound, bound));
-    }
+    const InitialParameters init = InitialWeights(l, w_dims, init_seed);
     const Tag w_plain = w_dims.size() == 4 ? Tag::oihw : Tag::oi;
-    weight_ = net.AddParam(l.name + ".weight", w_dims, w_plain, w_md, true, w_init);
+    weight_ = net.AddParam(l.name + ".weight", w_dims, w_plain, w_md, true, init.weight);
     if (l.bias) {
-      std::vector<float> b_init(static_cast<size_t>(l.out), 0.f);
-      if (!conv) {
-        for (auto& v : b_init) v = static_cast<float>(Uniform(rng, -bound, bound));
-      }
-      bias_ = net.AddParam(l.name + ".bias", b_dims, Tag::x, bias_md, false, b_init);
+      bias_ = net.AddParam(l.name + ".bias", b_dims, Tag::x, bias_md, false, init.bias);
     }
     net.SetOutput(self, dst_md);
 
@@ -710,27 +689,6 @@ BatchStats SoftmaxCrossEntropy(const float* logits, int classes, std::span<const
 struct CpuNetwork::Impl {
   Net net;
 
-  Status CheckBatch(const prefetch::Batch& b, bool full) const {
-    const int size = net.opt.image_size;
-    if (b.width != size || b.height != size) {
-      return InvalidArgumentError(fmt::format("batch images are {}x{}, the network was built for {}x{}", b.width,
-                                              b.height, size, size));
-    }
-    if (b.size < 1 || b.size > net.opt.batch || (full && b.size != net.opt.batch)) {
-      return InvalidArgumentError(fmt::format("batch of {} samples; the network takes {}{}", b.size,
-                                              full ? "exactly " : "at most ", net.opt.batch));
-    }
-    for (int i = 0; i < b.size; ++i) {
-      const int32_t y = b.labels[static_cast<size_t>(i)];
-      if (y < 0 || y >= net.opt.model.classes) {
-        const int64_t record = i < static_cast<int>(b.indices.size()) ? b.indices[static_cast<size_t>(i)] : -1;
-        return InvalidArgumentError(fmt::format("record {} has label {}, outside the model's {} classes", record, y,
-                                                net.opt.model.classes));
-      }
-    }
-    return OkStatus();
-  }
-
   Status Normalise(const prefetch::Batch& b) {
     const int size = net.opt.image_size;
     auto bytes = std::span<std::byte>(static_cast<std::byte*>(net.input.get_data_handle()),
@@ -804,7 +762,7 @@ Result<std::unique_ptr<CpuNetwork>> CpuNetwork::Create(NetworkOptions options) {
   if (!(options.label_smoothing >= 0 && options.label_smoothing < 1)) {
     return InvalidArgumentError(fmt::format("label smoothing must be in [0, 1), got {}", options.label_smoothing));
   }
-  if (options.normalize.dtype != augment::DType::kFloat32) {
+  if (options.normalize.dtype != augment::DType::kFloat32 || options.precision != Precision::kFloat32) {
     return InvalidArgumentError("the CPU backend trains in float32; set the input dtype to float32");
   }
   const Shape input{3, options.image_size, options.image_size};
@@ -878,7 +836,7 @@ Result<std::unique_ptr<CpuNetwork>> CpuNetwork::Create(NetworkOptions options) {
 }
 
 Result<BatchStats> CpuNetwork::TrainStep(const prefetch::Batch& batch, float lr, const SgdOptions& sgd, int64_t step) {
-  STOKE_RETURN_IF_ERROR(impl_->CheckBatch(batch, true));
+  STOKE_RETURN_IF_ERROR(CheckBatch(impl_->net.opt, batch, true));
   STOKE_RETURN_IF_ERROR(impl_->Normalise(batch));
   BatchStats stats = impl_->ForwardBackward(batch.labels, step);
   if (!std::isfinite(stats.loss_sum)) {
@@ -889,7 +847,7 @@ Result<BatchStats> CpuNetwork::TrainStep(const prefetch::Batch& batch, float lr,
 }
 
 Result<BatchStats> CpuNetwork::Evaluate(const prefetch::Batch& batch) {
-  STOKE_RETURN_IF_ERROR(impl_->CheckBatch(batch, false));
+  STOKE_RETURN_IF_ERROR(CheckBatch(impl_->net.opt, batch, false));
   STOKE_RETURN_IF_ERROR(impl_->Normalise(batch));
   impl_->Forward(false, 0);
   return SoftmaxCrossEntropy(impl_->Logits(), impl_->net.opt.model.classes, batch.labels, batch.size,
@@ -933,37 +891,27 @@ std::vector<NamedTensor> CpuNetwork::State() const {
 
 Status CpuNetwork::LoadState(const std::vector<NamedTensor>& state) {
   Net& net = impl_->net;
-  std::map<std::string, const NamedTensor*> by_name;
-  for (const auto& t : state) by_name[t.name] = &t;
-  auto find = [&](const std::string& name, const Dims& dims) -> Result<const NamedTensor*> {
-    auto it = by_name.find(name);
-    if (it == by_name.end()) return InvalidArgumentError(fmt::format("the state has no tensor '{}'", name));
-    const NamedTensor* t = it->second;
-    int64_t count = 1;
-    for (auto d : dims) count *= d;
-    if (t->dims != std::vector<int64_t>(dims.begin(), dims.end()) || static_cast<int64_t>(t->values.size()) != count) {
-      return InvalidArgumentError(fmt::format("tensor '{}' has shape [{}], the model needs [{}]", name,
-                                              fmt::join(t->dims, ", "), fmt::join(dims, ", ")));
-    }
-    return t;
-  };
   // Check everything before changing anything.
+  std::vector<std::pair<std::string, std::vector<int64_t>>> wanted;
+  for (const auto& p : net.params) wanted.emplace_back(p->name, std::vector<int64_t>(p->dims.begin(), p->dims.end()));
   for (const auto& p : net.params) {
-    STOKE_RETURN_IF_ERROR(find(p->name, p->dims).status());
-    STOKE_RETURN_IF_ERROR(find(p->name + ".momentum", p->dims).status());
+    wanted.emplace_back(p->name + ".momentum", std::vector<int64_t>(p->dims.begin(), p->dims.end()));
   }
-  for (const auto& b : net.buffers) {
-    STOKE_RETURN_IF_ERROR(find(b.name, {static_cast<int64_t>(Floats(b.value))}).status());
-  }
-  for (auto& p : net.params) {
-    net.FromPlain(by_name[p->name]->values, p->dims, p->plain, p->value);
-    net.FromPlain(by_name[p->name + ".momentum"]->values, p->dims, p->plain, p->momentum);
-  }
+  for (const auto& b : net.buffers) wanted.emplace_back(b.name, std::vector<int64_t>{static_cast<int64_t>(Floats(b.value))});
+  STOKE_ASSIGN_OR_RETURN(auto found, FindState(state, wanted));
+  size_t k = 0;
+  for (auto& p : net.params) net.FromPlain(found[k++]->values, p->dims, p->plain, p->value);
+  for (auto& p : net.params) net.FromPlain(found[k++]->values, p->dims, p->plain, p->momentum);
   for (auto& b : net.buffers) {
-    const auto& v = by_name[b.name]->values;
+    const auto& v = found[k++]->values;
     std::copy(v.begin(), v.end(), Data(b.value));
   }
   return OkStatus();
+}
+
+std::vector<float> CpuNetwork::LastLogits() const {
+  const float* z = impl_->Logits();
+  return std::vector<float>(z, z + static_cast<size_t>(impl_->net.opt.batch) * impl_->net.opt.model.classes);
 }
 
 }  // namespace stoke::train

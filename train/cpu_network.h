@@ -27,6 +27,7 @@ class CpuNetwork final : public Network {
   Result<BatchStats> Evaluate(const prefetch::Batch& batch) override;
   std::vector<NamedTensor> State() const override;
   Status LoadState(const std::vector<NamedTensor>& state) override;
+  std::vector<float> LastLogits() const override;
 
   // For gradient checks: forward + backward on an already normalised input (batch x 3 x H x W,
   // plain NCHW) in training mode, leaving the gradients in place and the parameters unchanged.

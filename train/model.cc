@@ -1,10 +1,14 @@
 #include "train/model.h"
 
 #include <array>
+#include <cmath>
 #include <map>
+#include <numbers>
 #include <utility>
 
 #include <fmt/format.h>
+
+#include "common/random.h"
 
 namespace stoke::train {
 namespace {
@@ -269,6 +273,33 @@ int64_t CountParameters(const ModelSpec& model, const std::vector<Shape>& shapes
     by_name[l.name] = shapes[i];
   }
   return total;
+}
+
+InitialParameters InitialWeights(const LayerSpec& l, const std::vector<int64_t>& w_dims, uint64_t seed) {
+  int64_t fan_in = 1, count = 1;
+  for (size_t i = 1; i < w_dims.size(); ++i) fan_in *= w_dims[i];
+  for (auto d : w_dims) count *= d;
+  const bool conv = l.type == LayerType::kConv;
+  SplitMix64 rng(seed);
+  InitialParameters p;
+  p.weight.resize(static_cast<size_t>(count));
+  const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
+  if (conv) {
+    const double std_dev = std::sqrt(2.0 / static_cast<double>(l.out * l.kernel * l.kernel));
+    for (auto& v : p.weight) {
+      const double u1 = 1.0 - Uniform01(rng), u2 = Uniform01(rng);
+      v = static_cast<float>(std_dev * std::sqrt(-2 * std::log(u1)) * std::cos(2 * std::numbers::pi * u2));
+    }
+  } else {
+    for (auto& v : p.weight) v = static_cast<float>(Uniform(rng, -bound, bound));
+  }
+  if (l.bias) {
+    p.bias.assign(static_cast<size_t>(l.out), 0.f);
+    if (!conv) {
+      for (auto& v : p.bias) v = static_cast<float>(Uniform(rng, -bound, bound));
+    }
+  }
+  return p;
 }
 
 }  // namespace stoke::train

@@ -66,6 +66,16 @@ Result<std::vector<LayerSpec>> ExpandPreset(std::string_view preset, int classes
 // `classes` logits. Errors name the layer (index and name) and what was expected.
 Result<std::vector<Shape>> ResolveModel(ModelSpec& model, Shape input);
 
+// A convolution's or linear layer's starting parameters, plain layout (`weight_dims`: O x I x KH x KW
+// for convolutions, O x I or O x C x H x W for linear layers): Kaiming-normal (fan-out, ReLU gain)
+// convolutions as in ResNet, the uniform +-1/sqrt(fan_in) of common frameworks for linear layers
+// and their biases, zero convolution biases. Every backend starts from these values.
+struct InitialParameters {
+  std::vector<float> weight;
+  std::vector<float> bias;  // empty when the layer has none
+};
+InitialParameters InitialWeights(const LayerSpec& layer, const std::vector<int64_t>& weight_dims, uint64_t seed);
+
 // Learnable parameters of a resolved model (for reports): weights + biases + BN scale/shift.
 int64_t CountParameters(const ModelSpec& model, const std::vector<Shape>& shapes, Shape input);
 

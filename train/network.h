@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "augment/transform.h"
@@ -15,6 +16,11 @@
 #include "train/model.h"
 
 namespace stoke::train {
+
+// Arithmetic of the backend: float32 everywhere (the reference), or mixed precision with float32
+// master weights: bfloat16, or float16 with dynamic loss scaling. The CPU backend trains in float32.
+enum class Precision { kFloat32, kBFloat16, kFloat16 };
+std::string_view PrecisionName(Precision p);
 
 struct NetworkOptions {
   ModelSpec model;  // resolved against `input` (ResolveModel) by Create
@@ -25,7 +31,9 @@ struct NetworkOptions {
   double bn_momentum = 0.1;             // running statistics: r = (1 - m) r + m batch
   double bn_epsilon = 1e-5;
   uint64_t seed = 0;  // parameter initialisation and dropout masks
-  int threads = 0;    // compute threads; 0 = every core
+  int threads = 0;    // compute threads; 0 = every core (CPU backend)
+  Precision precision = Precision::kFloat32;
+  int device = 0;  // CUDA backend: the GPU
 };
 
 struct SgdOptions {
@@ -79,6 +87,24 @@ class Network {
   virtual std::vector<NamedTensor> State() const = 0;
   // Loads a State(); kInvalidArgument naming the first missing or mis-shaped tensor.
   virtual Status LoadState(const std::vector<NamedTensor>& state) = 0;
+
+  // Device backends: the stream their work runs on (a cudaStream_t), for handing batches back to
+  // the prefetch ring; nullptr for host backends.
+  virtual void* stream() const { return nullptr; }
+  // Device backends: how long the device sat idle before the last TrainStep's batch was ready,
+  // measured with events on its stream (the trainer's data-wait); < 0 when not measured.
+  virtual double LastInputWaitSeconds() const { return -1; }
+  // Logits of the last TrainStep/Evaluate/ForwardBackward (batch x classes, row-major).
+  virtual std::vector<float> LastLogits() const = 0;
 };
+
+// A batch fits the network: its image size, at most (or, with `full`, exactly) `batch` samples, and
+// labels within the classes (naming the record). kInvalidArgument otherwise.
+Status CheckBatch(const NetworkOptions& options, const prefetch::Batch& batch, bool full);
+
+// Checks that `state` holds every tensor in `wanted` (name, plain dims) with the right size and
+// returns them by name; kInvalidArgument naming the first missing or mis-shaped one.
+Result<std::vector<const NamedTensor*>> FindState(
+    const std::vector<NamedTensor>& state, const std::vector<std::pair<std::string, std::vector<int64_t>>>& wanted);
 
 }  // namespace stoke::train

@@ -17,6 +17,9 @@
 #include "dataset/dataset.h"
 #include "train/checkpoint.h"
 #include "train/cpu_network.h"
+#if STOKE_WITH_CUDA
+#include "train/cuda_network.h"
+#endif
 #include "train/schedule.h"
 
 namespace stoke::train {
@@ -28,10 +31,6 @@ double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 }  // namespace
 
 Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c) {
-  if (c.backend == "cuda") {
-    return UnavailableError(
-        "backend 'cuda' was requested, but this build has no CUDA training backend; use backend: cpu or auto");
-  }
   NetworkOptions o;
   o.model = ModelFromConfig(c.model);
   o.image_size = c.data.image_size;
@@ -42,9 +41,27 @@ Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c) {
   o.bn_epsilon = c.model.bn_epsilon;
   o.seed = c.seed;
   o.threads = c.compute_threads;
-  if (o.normalize.dtype != augment::DType::kFloat32) {
-    return InvalidArgumentError(fmt::format("{}: data.normalize.dtype: the CPU backend trains in float32, not {}",
-                                            c.source, c.data.dtype));
+  o.precision = c.data.dtype == "bfloat16" ? Precision::kBFloat16
+                : c.data.dtype == "float16" ? Precision::kFloat16
+                                            : Precision::kFloat32;
+#if STOKE_WITH_CUDA
+  const Status gpu = CudaAvailable();
+  if (c.backend == "cuda" || (c.backend == "auto" && gpu.ok())) {
+    if (!gpu.ok()) return UnavailableError(fmt::format("backend 'cuda' was requested: {}", gpu.message()));
+    o.normalize.dtype = augment::DType::kFloat32;  // the device normalises; the host never does
+    STOKE_ASSIGN_OR_RETURN(auto net, CudaNetwork::Create(std::move(o)));
+    return std::unique_ptr<Network>(std::move(net));
+  }
+#else
+  if (c.backend == "cuda") {
+    return UnavailableError(
+        "backend 'cuda' was requested, but this build has no CUDA training backend (the CUDA toolkit was not found "
+        "at build time); use backend: cpu or auto");
+  }
+#endif
+  if (o.precision != Precision::kFloat32) {
+    return InvalidArgumentError(fmt::format("{}: data.dtype: the CPU backend trains in float32, not {}", c.source,
+                                            c.data.dtype));
   }
   STOKE_ASSIGN_OR_RETURN(auto net, CpuNetwork::Create(std::move(o)));
   return std::unique_ptr<Network>(std::move(net));
@@ -176,6 +193,7 @@ Result<TrainSummary> Train(const TrainConfig& config, const TrainRunOptions& run
 
   auto evaluate = [&]() -> Result<BatchStats> {
     prefetch::LoaderOptions o = ValLoaderOptions(config);
+    if (net->stream() != nullptr) o.device = prefetch::DeviceMode::kCuda;
     STOKE_ASSIGN_OR_RETURN(auto loader, prefetch::Loader::Create(*val_set, o));
     BatchStats total;
     while (true) {
@@ -215,6 +233,7 @@ Result<TrainSummary> Train(const TrainConfig& config, const TrainRunOptions& run
   // ---- the loop
   if (step < summary.total_steps) {
     prefetch::LoaderOptions lo = TrainLoaderOptions(config);
+    if (net->stream() != nullptr) lo.device = prefetch::DeviceMode::kCuda;  // batches copied by the ring
     lo.start_epoch = step / steps_per_epoch;
     lo.start_batch = step % steps_per_epoch;
     lo.epochs = config.epochs - lo.start_epoch;
@@ -235,7 +254,7 @@ Result<TrainSummary> Train(const TrainConfig& config, const TrainRunOptions& run
       }
       const auto t0 = Clock::now();
       auto next = loader->Next();
-      const double wait = Seconds(Clock::now() - t0);
+      double wait = Seconds(Clock::now() - t0);
       if (!next.ok()) {
         failure = next.status();
         break;
@@ -245,7 +264,9 @@ Result<TrainSummary> Train(const TrainConfig& config, const TrainRunOptions& run
       const auto lr = static_cast<float>(LearningRate(config.schedule, peak_lr, step, steps_per_epoch, config.epochs));
       auto stats = net->TrainStep(*lease, lr, config.optimizer.sgd, step);
       const int size = lease->size;
-      lease.Release();
+      lease.Release(net->stream());
+      // A device backend measures on its stream how long the device sat idle before the batch.
+      if (net->LastInputWaitSeconds() >= 0) wait = net->LastInputWaitSeconds();
       if (!stats.ok()) {
         failure = stats.status();
         break;

@@ -202,6 +202,7 @@ schedule: {{type: cosine, warmup_epochs: 1}}
 epochs: {1}
 seed: 5
 compute_threads: 2
+backend: cpu
 run_dir: {0}/{2}
 log_every_steps: 3
 {3})",

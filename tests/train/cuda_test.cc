@@ -1,0 +1,326 @@
+// The CUDA backend against the CPU backend: every layer's forward and backward on random inputs
+// (float32, bfloat16 and float16, each with its tolerance), a few hundred training steps of a small
+// model ending at close losses, state round trips, float16 loss scaling and training from the
+// prefetch ring's device buffers. Every test skips, saying why, where no GPU is usable.
+#include <cmath>
+#include <random>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "dataset/dataset.h"
+#include "tests/testing/test_util.h"
+#include "tools/pack/packer.h"
+#include "tools/synth/synth.h"
+#include "train/config.h"
+#include "train/cpu_network.h"
+#include "train/cuda_network.h"
+#include "train/trainer.h"
+
+namespace stoke::train {
+namespace {
+
+#define SKIP_WITHOUT_GPU()                                                   \
+  do {                                                                       \
+    Status gpu = CudaAvailable();                                            \
+    if (!gpu.ok()) GTEST_SKIP() << gpu.message();       \
+  } while (0)
+
+LayerSpec L(LayerType type, std::string name = "", std::vector<std::string> inputs = {}) {
+  LayerSpec l;
+  l.type = type;
+  l.name = std::move(name);
+  l.inputs = std::move(inputs);
+  return l;
+}
+LayerSpec Conv(int out, int k, int s, int p, bool bias, std::string name = "", std::vector<std::string> in = {}) {
+  LayerSpec l = L(LayerType::kConv, std::move(name), std::move(in));
+  l.out = out;
+  l.kernel = k;
+  l.stride = s;
+  l.pad = p;
+  l.bias = bias;
+  return l;
+}
+LayerSpec Linear(int out) {
+  LayerSpec l = L(LayerType::kLinear);
+  l.out = out;
+  return l;
+}
+LayerSpec Pool(LayerType type, int k, int s, int p) {
+  LayerSpec l = L(type);
+  l.kernel = k;
+  l.stride = s;
+  l.pad = p;
+  return l;
+}
+
+// One small model per layer type under test (each also runs the linear and loss steps).
+struct Case {
+  std::string name;
+  std::vector<LayerSpec> layers;
+};
+std::vector<Case> Cases() {
+  LayerSpec drop = L(LayerType::kDropout);
+  drop.p = 0.3;
+  LayerSpec bn0 = L(LayerType::kBatchNorm);
+  return {
+      {"conv_bias_stride_pad_global_pool",
+       {Conv(8, 3, 2, 1, true), L(LayerType::kGlobalAvgPool), Linear(5)}},
+      {"conv_batchnorm_relu_maxpool_flatten",
+       {Conv(16, 3, 1, 1, false), L(LayerType::kBatchNorm), L(LayerType::kRelu), Pool(LayerType::kMaxPool, 3, 2, 1),
+        L(LayerType::kFlatten), Linear(5)}},
+      {"avgpool_padding_then_linear_on_an_image",
+       {Conv(8, 1, 1, 0, false), Pool(LayerType::kAvgPool, 3, 2, 1), Linear(5)}},
+      {"residual_add_with_a_shared_input",
+       {Conv(8, 3, 1, 1, false, "stem"), L(LayerType::kRelu, "r"), Conv(8, 3, 1, 1, false, "a", {"r"}),
+        L(LayerType::kBatchNorm, "abn", {"a"}), L(LayerType::kAdd, "sum", {"abn", "r"}), L(LayerType::kRelu),
+        L(LayerType::kGlobalAvgPool), Linear(5)}},
+      {"vectors_linear_batchnorm_dropout",
+       {L(LayerType::kFlatten), Linear(32), bn0, L(LayerType::kRelu), drop, Linear(5)}},
+  };
+}
+
+struct Tolerance {
+  double loss, logits, grads;  // relative
+};
+Tolerance For(Precision p) {
+  switch (p) {
+    case Precision::kFloat32:
+      return {1e-4, 1e-3, 2e-3};
+    case Precision::kBFloat16:
+      return {3e-2, 5e-2, 8e-2};
+    case Precision::kFloat16:
+      return {5e-3, 1e-2, 2e-2};
+  }
+  return {};
+}
+
+double RelativeError(const std::vector<float>& got, const std::vector<float>& want) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    diff += (got[i] - want[i]) * static_cast<double>(got[i] - want[i]);
+    norm += want[i] * static_cast<double>(want[i]);
+  }
+  return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-12);
+}
+
+NetworkOptions Options(std::vector<LayerSpec> layers, Precision p, int batch = 8, int size = 16) {
+  NetworkOptions o;
+  o.model.layers = std::move(layers);
+  o.model.classes = 5;
+  o.image_size = size;
+  o.batch = batch;
+  o.label_smoothing = 0.1;
+  o.seed = 11;
+  o.threads = 2;
+  o.precision = p;
+  return o;
+}
+
+class CudaParity : public ::testing::TestWithParam<Precision> {};
+
+TEST_P(CudaParity, EveryLayerForwardAndBackwardMatchesTheCpu) {
+  SKIP_WITHOUT_GPU();
+  const Precision precision = GetParam();
+  const Tolerance tol = For(precision);
+  for (const Case& c : Cases()) {
+    SCOPED_TRACE(c.name);
+    NetworkOptions cpu_opt = Options(c.layers, Precision::kFloat32);
+    ASSERT_OK_AND_ASSIGN(auto cpu, CpuNetwork::Create(cpu_opt));
+    ASSERT_OK_AND_ASSIGN(auto gpu, CudaNetwork::Create(Options(c.layers, precision)));
+    for (const auto& f : gpu->FallbackKernels()) std::printf("[%s] own kernel: %s\n", c.name.c_str(), f.c_str());
+
+    // The same seed gives the same starting parameters on both backends.
+    const auto cpu_state = cpu->State(), gpu_state = gpu->State();
+    ASSERT_EQ(cpu_state.size(), gpu_state.size());
+    for (size_t i = 0; i < cpu_state.size(); ++i) {
+      EXPECT_EQ(cpu_state[i].name, gpu_state[i].name);
+      EXPECT_EQ(cpu_state[i].values, gpu_state[i].values) << cpu_state[i].name;
+    }
+
+    std::mt19937 rng(7);
+    std::normal_distribution<float> normal;
+    std::vector<float> input(8 * 3 * 16 * 16);
+    for (auto& v : input) v = normal(rng);
+    std::vector<int32_t> labels(8);
+    for (size_t i = 0; i < labels.size(); ++i) labels[i] = static_cast<int32_t>(i % 5);
+
+    ASSERT_OK_AND_ASSIGN(BatchStats want, cpu->ForwardBackward(input, labels, 3));
+    ASSERT_OK_AND_ASSIGN(BatchStats got, gpu->ForwardBackward(input, labels, 3));
+    EXPECT_NEAR(got.loss(), want.loss(), tol.loss * std::max(1.0, want.loss()));
+    EXPECT_LE(RelativeError(gpu->LastLogits(), cpu->LastLogits()), tol.logits);
+    const auto cpu_grads = cpu->Gradients(), gpu_grads = gpu->Gradients();
+    ASSERT_EQ(cpu_grads.size(), gpu_grads.size());
+    for (size_t i = 0; i < cpu_grads.size(); ++i) {
+      ASSERT_EQ(cpu_grads[i].name, gpu_grads[i].name);
+      const double err = RelativeError(gpu_grads[i].values, cpu_grads[i].values);
+      EXPECT_LE(err, tol.grads) << cpu_grads[i].name;
+      std::printf("[%s %s] %-14s gradient relative error %.2e\n", c.name.c_str(),
+                  std::string(PrecisionName(precision)).c_str(), cpu_grads[i].name.c_str(), err);
+    }
+  }
+}
+
+// Host batches of a learnable task: the class is the brightest of 4 colour patterns.
+struct Task {
+  std::vector<std::vector<uint8_t>> images;
+  std::vector<std::vector<int32_t>> labels;
+  prefetch::Batch Get(size_t i, int batch, int size) const {
+    prefetch::Batch b;
+    b.size = batch;
+    b.width = b.height = size;
+    b.images = images[i % images.size()];
+    b.labels = labels[i % labels.size()];
+    return b;
+  }
+};
+Task MakeTask(int batches, int batch, int size) {
+  Task t;
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> noise(0, 60);
+  for (int b = 0; b < batches; ++b) {
+    std::vector<uint8_t> img(static_cast<size_t>(batch) * size * size * 3);
+    std::vector<int32_t> lab(static_cast<size_t>(batch));
+    for (int s = 0; s < batch; ++s) {
+      const int y = static_cast<int>(rng() % 4);
+      lab[static_cast<size_t>(s)] = y;
+      for (int p = 0; p < size * size; ++p) {
+        const int row = p / size, col = p % size;
+        const bool on = (y == 0 && row < size / 2) || (y == 1 && row >= size / 2) || (y == 2 && col < size / 2) ||
+                        (y == 3 && col >= size / 2);
+        for (int c = 0; c < 3; ++c) {
+          img[(static_cast<size_t>(s) * size * size + p) * 3 + c] = static_cast<uint8_t>((on ? 180 : 40) + noise(rng));
+        }
+      }
+    }
+    t.images.push_back(std::move(img));
+    t.labels.push_back(std::move(lab));
+  }
+  return t;
+}
+
+TEST_P(CudaParity, ThreeHundredTrainingStepsEndAtCloseLosses) {
+  SKIP_WITHOUT_GPU();
+  const Precision precision = GetParam();
+  const std::vector<LayerSpec> layers = Cases()[1].layers;
+  const int batch = 16, size = 16, steps = 300;
+  const Task task = MakeTask(12, batch, size);
+  NetworkOptions co = Options(layers, Precision::kFloat32, batch, size);
+  co.model.classes = 5;
+  ASSERT_OK_AND_ASSIGN(auto cpu, CpuNetwork::Create(co));
+  ASSERT_OK_AND_ASSIGN(auto gpu, CudaNetwork::Create(Options(layers, precision, batch, size)));
+  SgdOptions sgd;
+  sgd.momentum = 0.9;
+  sgd.weight_decay = 5e-4;
+  double cpu_first = 0, cpu_last = 0, gpu_last = 0;
+  for (int s = 0; s < steps; ++s) {
+    const prefetch::Batch b = task.Get(static_cast<size_t>(s), batch, size);
+    ASSERT_OK_AND_ASSIGN(BatchStats cs, cpu->TrainStep(b, 0.05f, sgd, s));
+    ASSERT_OK_AND_ASSIGN(BatchStats gs, gpu->TrainStep(b, 0.05f, sgd, s));
+    if (s < 20) cpu_first += cs.loss() / 20;
+    if (s >= steps - 20) {
+      cpu_last += cs.loss() / 20;
+      gpu_last += gs.loss() / 20;
+    }
+  }
+  std::printf("[%s] mean loss of the last 20 of %d steps: CPU %.4f, GPU %.4f (CPU first 20: %.4f)\n",
+              std::string(PrecisionName(precision)).c_str(), steps, cpu_last, gpu_last, cpu_first);
+  EXPECT_LT(cpu_last, 0.5 * cpu_first);
+  const double allowed = precision == Precision::kFloat32 ? 0.02 : 0.06;
+  EXPECT_NEAR(gpu_last, cpu_last, allowed + 0.1 * cpu_last);
+}
+
+INSTANTIATE_TEST_SUITE_P(Precisions, CudaParity,
+                         ::testing::Values(Precision::kFloat32, Precision::kBFloat16, Precision::kFloat16),
+                         [](const auto& info) { return std::string(PrecisionName(info.param)); });
+
+TEST(CudaNetwork, StateRoundTripsAndBadStateIsRefused) {
+  SKIP_WITHOUT_GPU();
+  ASSERT_OK_AND_ASSIGN(auto gpu, CudaNetwork::Create(Options(Cases()[3].layers, Precision::kBFloat16)));
+  auto state = gpu->State();
+  for (auto& t : state) {
+    for (auto& v : t.values) v += 0.25f;
+  }
+  ASSERT_OK(gpu->LoadState(state));
+  const auto back = gpu->State();
+  for (size_t i = 0; i < state.size(); ++i) EXPECT_EQ(back[i].values, state[i].values) << state[i].name;
+  state[0].dims.push_back(1);
+  Status bad = gpu->LoadState(state);
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find(state[0].name), std::string::npos) << bad.ToString();
+}
+
+TEST(CudaNetwork, Float16OverflowSkipsTheUpdateAndHalvesTheLossScale) {
+  SKIP_WITHOUT_GPU();
+  ASSERT_OK_AND_ASSIGN(auto gpu, CudaNetwork::Create(Options(Cases()[0].layers, Precision::kFloat16)));
+  // Weights large enough that float16 activations overflow.
+  auto state = gpu->State();
+  for (auto& t : state) {
+    if (t.name == "conv0.weight" || t.name.ends_with("weight")) {
+      for (auto& v : t.values) v *= 3000.f;
+    }
+  }
+  ASSERT_OK(gpu->LoadState(state));
+  const float scale = gpu->loss_scale();
+  const Task task = MakeTask(1, 8, 16);
+  SgdOptions sgd;
+  ASSERT_OK(gpu->TrainStep(task.Get(0, 8, 16), 0.1f, sgd, 0).status());
+  EXPECT_EQ(gpu->skipped_steps(), 1);
+  EXPECT_EQ(gpu->loss_scale(), scale / 2);
+  const auto after = gpu->State();
+  for (size_t i = 0; i < state.size(); ++i) EXPECT_EQ(after[i].values, state[i].values) << state[i].name;
+}
+
+TEST(CudaTrain, LearnsFromTheRingsDeviceBuffersAndMeasuresDataWait) {
+  SKIP_WITHOUT_GPU();
+  testing::TempDir dir;
+  synth::SynthOptions so{.classes = 4, .per_class = 40, .min_side = 24, .max_side = 40, .seed = 3};
+  ASSERT_OK(synth::WriteSyntheticTree(dir / "images", so));
+  pack::PackOptions po;
+  po.source = dir / "images";
+  po.output = dir / "train.lmdb";
+  po.val_fraction = 0.2;
+  po.shuffle = true;
+  po.progress = false;
+  ASSERT_OK(pack::Pack(po).status());
+  const std::string yaml = fmt::format(R"(data:
+  train: {0}/train.lmdb
+  val: {0}/train_val.lmdb
+  batch_size: 16
+  threads: 2
+  image_size: 16
+  val_resize: 18
+  dtype: bfloat16
+  augment: {{scale: [0.5, 1.0]}}
+model:
+  classes: 4
+  layers:
+    - {{type: conv, out: 8, kernel: 3, pad: 1, bias: false}}
+    - {{type: batchnorm}}
+    - {{type: relu}}
+    - {{type: maxpool, kernel: 2}}
+    - {{type: flatten}}
+    - {{type: linear, out: 4}}
+optimizer: {{lr: 0.4, momentum: 0.9, nesterov: true}}
+schedule: {{type: cosine, warmup_epochs: 1}}
+epochs: 6
+seed: 5
+backend: cuda
+run_dir: {0}/run
+)",
+                                       dir.path().string());
+  ASSERT_OK_AND_ASSIGN(TrainConfig c, ParseConfig(yaml, "cuda.yaml"));
+  TrainRunOptions run;
+  run.progress = false;
+  ASSERT_OK_AND_ASSIGN(TrainSummary s, Train(c, run));
+  EXPECT_EQ(s.backend, "cuda");
+  ASSERT_TRUE(s.has_val);
+  EXPECT_GE(s.val.top1_rate(), 0.75) << FormatSummary(s);
+  EXPECT_GE(s.data_wait, 0.0);
+  EXPECT_LE(s.data_wait, 1.0);
+  std::printf("%s", FormatSummary(s).c_str());
+}
+
+}  // namespace
+}  // namespace stoke::train

@@ -1,0 +1,1273 @@
+#include "train/cuda_network.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <cudnn.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "common/logging.h"
+#include "common/random.h"
+#include "prefetch/batch_memory.h"
+#include "train/cuda/cudnn_graph.h"
+#include "train/cuda/kernels.h"
+
+namespace stoke::train {
+namespace {
+
+using cuda::DType;
+using cuda::OpSpec;
+using cuda::TensorSpec;
+
+Status CudaError(cudaError_t rc, std::string_view what) {
+  return InternalError(fmt::format("CUDA: {}: {} ({})", what, cudaGetErrorString(rc), cudaGetErrorName(rc)));
+}
+
+#define STOKE_CUDA_OK(call)                                          \
+  do {                                                               \
+    cudaError_t stoke_rc_ = (call);                                  \
+    if (stoke_rc_ != cudaSuccess) return CudaError(stoke_rc_, #call); \
+  } while (0)
+
+#define STOKE_CUBLAS_OK(call, what)                                                                        \
+  do {                                                                                                     \
+    cublasStatus_t stoke_bs_ = (call);                                                                     \
+    if (stoke_bs_ != CUBLAS_STATUS_SUCCESS) {                                                              \
+      return InternalError(fmt::format("cuBLAS: {}: {}", what, cublasGetStatusString(stoke_bs_)));         \
+    }                                                                                                      \
+  } while (0)
+
+// Launch errors surface at the next CUDA call; checked once per step and after set-up.
+Status LastLaunch(std::string_view where) {
+  cudaError_t rc = cudaGetLastError();
+  return rc == cudaSuccess ? OkStatus() : CudaError(rc, where);
+}
+
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(DeviceBuffer&& o) noexcept : p_(std::exchange(o.p_, nullptr)), bytes_(o.bytes_) {}
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    std::swap(p_, o.p_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  ~DeviceBuffer() {
+    if (p_ != nullptr) cudaFree(p_);
+  }
+  Status Alloc(size_t bytes) {
+    bytes_ = std::max<size_t>(bytes, 256);
+    STOKE_CUDA_OK(cudaMalloc(&p_, bytes_));
+    STOKE_CUDA_OK(cudaMemset(p_, 0, bytes_));
+    return OkStatus();
+  }
+  void* get() const { return p_; }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* p_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+cudnnDataType_t CudnnType(DType t) {
+  return t == DType::kF32 ? CUDNN_DATA_FLOAT : t == DType::kF16 ? CUDNN_DATA_HALF : CUDNN_DATA_BFLOAT16;
+}
+cudaDataType_t BlasType(DType t) { return t == DType::kF32 ? CUDA_R_32F : t == DType::kF16 ? CUDA_R_16F : CUDA_R_16BF; }
+char* Offset(void* p, int64_t elements, DType t) {
+  return static_cast<char*>(p) + elements * static_cast<int64_t>(cuda::SizeOf(t));
+}
+
+// One activation: NHWC (vectors: h = w = 1) for the whole batch.
+struct Node {
+  DeviceBuffer out, diff;
+  int64_t n = 0, c = 0, h = 1, w = 1;
+  bool vector = false;
+  bool claimed = false;    // a consumer's backward writes its gradient first
+  bool zero_diff = false;  // no consumer: the gradient is zero
+  int64_t count() const { return n * c * h * w; }
+};
+
+// A learnable tensor inside one of the two flat parameter groups.
+struct ParamInfo {
+  std::string name;
+  std::vector<int64_t> dims;  // plain (checkpoint) dims
+  int group = 0;              // 0: convolution weights (gradient in the compute type); 1: the rest (float32)
+  int64_t offset = 0, count = 0;
+  bool krsc = false;  // convolution weights: stored K x R x S x C on the device, O x I x KH x KW in checkpoints
+  bool decay = true;
+  bool copy = false;  // needs a copy in the compute type (convolution and linear weights)
+  std::vector<float> init;
+};
+
+struct Group {
+  DeviceBuffer master, momentum, grad, copy;
+  int64_t size = 0, decay_end = 0, copy_end = 0;
+  DType grad_type = DType::kF32;
+};
+
+struct RunningStat {
+  std::string name;
+  DeviceBuffer value;  // float, c
+  int64_t c = 0;
+  float init = 0;
+};
+
+class Net;
+
+// A cuDNN graph operation with its cached plan and a variant pack bound once.
+struct GraphOp {
+  const cuda::Plan* plan = nullptr;
+  std::vector<int64_t> uids;
+  cuda::Desc pack;
+  bool ok() const { return plan != nullptr; }
+};
+
+class Layer {
+ public:
+  virtual ~Layer() = default;
+  virtual Status Forward(Net& net, bool training, int64_t step) = 0;
+  virtual Status Backward(Net& net) = 0;
+  // After parameters and workspace exist, in backward order: claims input gradients and binds the
+  // graph operations to their buffers.
+  virtual Status Bind(Net& net) = 0;
+};
+
+class Net {
+ public:
+  NetworkOptions opt;
+  std::vector<Shape> shapes;
+  DType t = DType::kF32;
+  cudaStream_t stream = nullptr;
+  cudnnHandle_t dnn = nullptr;
+  cublasHandle_t blas = nullptr;
+  std::unique_ptr<cuda::Graphs> graphs;
+  DeviceBuffer input, staging, labels, workspace, scratch, partials, stats, upload;
+  cuda::StepStats* host_stats = nullptr;  // pinned
+  std::vector<Node> nodes;
+  std::vector<std::unique_ptr<Layer>> layers;
+  std::vector<ParamInfo> params;
+  std::array<Group, 2> groups;
+  std::vector<std::unique_ptr<RunningStat>> running;
+  std::vector<std::string> fallbacks;
+  size_t partial_floats = 0;
+  std::array<cudaEvent_t, 2> done{};
+  cudaEvent_t ready = nullptr;
+  int cur = 0;
+  bool have_prev = false;
+  double last_wait = -1;
+  float loss_scale = 1, last_grad_scale = 1;
+  int good_steps = 0;
+  int64_t skipped = 0;
+
+  ~Net() {
+    if (stream != nullptr) cudaStreamSynchronize(stream);
+    layers.clear();
+    graphs.reset();
+    for (auto e : done) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
+    if (ready != nullptr) cudaEventDestroy(ready);
+    if (host_stats != nullptr) cudaFreeHost(host_stats);
+    if (blas != nullptr) cublasDestroy(blas);
+    if (dnn != nullptr) cudnnDestroy(dnn);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+  }
+
+  const std::string& Name(int layer) const { return opt.model.layers[static_cast<size_t>(layer)].name; }
+  Node& node(int i) { return nodes[static_cast<size_t>(i)]; }
+  const void* In(int i) const { return i < 0 ? input.get() : nodes[static_cast<size_t>(i)].out.get(); }
+  // Dims of a node (or of the input, -1).
+  std::array<int64_t, 4> Dims(int i) const {
+    if (i < 0) return {opt.batch, 3, opt.image_size, opt.image_size};
+    const Node& n = nodes[static_cast<size_t>(i)];
+    return {n.n, n.c, n.h, n.w};
+  }
+  Status SetOutput(int self, int64_t c, int64_t h, int64_t w, bool vector) {
+    Node& n = node(self);
+    n.n = opt.batch;
+    n.c = c;
+    n.h = h;
+    n.w = w;
+    n.vector = vector;
+    STOKE_RETURN_IF_ERROR(n.out.Alloc(static_cast<size_t>(n.count()) * cuda::SizeOf(t)));
+    return n.diff.Alloc(static_cast<size_t>(n.count()) * cuda::SizeOf(t));
+  }
+  TensorSpec Activation(int64_t uid, const std::array<int64_t, 4>& d) const {
+    return cuda::Nhwc(uid, CudnnType(t), d[0], d[1], d[2], d[3]);
+  }
+
+  int AddParam(ParamInfo p) {
+    params.push_back(std::move(p));
+    return static_cast<int>(params.size()) - 1;
+  }
+  const ParamInfo& param(int i) const { return params[static_cast<size_t>(i)]; }
+  float* Master(int i) const { return groups[param(i).group].master.as<float>() + param(i).offset; }
+  // The weight in the compute type (the master itself in float32).
+  void* Copy(int i) const {
+    if (t == DType::kF32) return Master(i);
+    return Offset(groups[param(i).group].copy.get(), param(i).offset, t);
+  }
+  void* Grad(int i) const {
+    const Group& g = groups[param(i).group];
+    return Offset(g.grad.get(), param(i).offset, g.grad_type);
+  }
+  // A running statistic, allocated with the parameters.
+  void AddStat(const std::string& name, int64_t c, float init) {
+    auto r = std::make_unique<RunningStat>();
+    r->name = name;
+    r->c = c;
+    r->init = init;
+    running.push_back(std::move(r));
+  }
+
+  // Backward order: the first consumer to deliver writes the gradient, later ones add to it.
+  bool Claim(int i) {
+    if (i < 0) return false;
+    Node& n = node(i);
+    const bool first = !n.claimed;
+    n.claimed = true;
+    return first;
+  }
+  void* DiffTarget(int i, bool direct) const {
+    return direct ? nodes[static_cast<size_t>(i)].diff.get() : scratch.get();
+  }
+  void Deliver(int i, bool direct) {
+    if (i < 0 || direct) return;
+    Node& n = node(i);
+    cuda::Accumulate(n.diff.get(), scratch.get(), t, n.count(), stream);
+  }
+
+  // Builds the cached plan of `op`; tensors get uids 1, 2, ... in order.
+  Result<GraphOp> Plan(OpSpec op) {
+    GraphOp g;
+    for (size_t k = 0; k < op.tensors.size(); ++k) {
+      op.tensors[k].uid = static_cast<int64_t>(k) + 1;
+      g.uids.push_back(op.tensors[k].uid);
+    }
+    STOKE_ASSIGN_OR_RETURN(g.plan, graphs->PlanFor(op));
+    return g;
+  }
+  Status Bind(GraphOp& g, const std::vector<void*>& pointers) {
+    STOKE_ASSIGN_OR_RETURN(g.pack, cuda::Graphs::Bind(g.uids, pointers, workspace.get()));
+    return OkStatus();
+  }
+  Status Run(const GraphOp& g) const { return graphs->Execute(*g.plan, g.pack); }
+
+  void NeedPartials(int64_t rows, int c) {
+    partial_floats = std::max(partial_floats, cuda::BatchNormWorkspace(rows, c));
+  }
+  void Fallback(int layer, std::string_view what, const Status& why) {
+    fallbacks.push_back(fmt::format("{}: {} ({})", Name(layer), what, why.message()));
+  }
+};
+
+std::vector<float> KrscFromOihw(const std::vector<float>& v, const std::vector<int64_t>& d) {
+  std::vector<float> out(v.size());
+  const int64_t o = d[0], i = d[1], kh = d[2], kw = d[3];
+  for (int64_t a = 0; a < o; ++a)
+    for (int64_t b = 0; b < i; ++b)
+      for (int64_t y = 0; y < kh; ++y)
+        for (int64_t x = 0; x < kw; ++x) out[static_cast<size_t>(((a * kh + y) * kw + x) * i + b)] = v[static_cast<size_t>(((a * i + b) * kh + y) * kw + x)];
+  return out;
+}
+std::vector<float> OihwFromKrsc(const std::vector<float>& v, const std::vector<int64_t>& d) {
+  std::vector<float> out(v.size());
+  const int64_t o = d[0], i = d[1], kh = d[2], kw = d[3];
+  for (int64_t a = 0; a < o; ++a)
+    for (int64_t b = 0; b < i; ++b)
+      for (int64_t y = 0; y < kh; ++y)
+        for (int64_t x = 0; x < kw; ++x) out[static_cast<size_t>(((a * i + b) * kh + y) * kw + x)] = v[static_cast<size_t>(((a * kh + y) * kw + x) * i + b)];
+  return out;
+}
+
+// ---------------------------------------------------------------- convolution
+
+class ConvLayer final : public Layer {
+ public:
+  static Result<std::unique_ptr<Layer>> Make(Net& net, const LayerSpec& l, int self, int in, uint64_t seed) {
+    auto layer = std::unique_ptr<ConvLayer>(new ConvLayer(self, in));
+    STOKE_RETURN_IF_ERROR(layer->Init(net, l, seed));
+    return std::unique_ptr<Layer>(std::move(layer));
+  }
+
+  Status Forward(Net& net, bool, int64_t) override {
+    STOKE_RETURN_IF_ERROR(net.Run(fwd_));
+    if (bias_ >= 0) {
+      const Node& y = net.node(self_);
+      cuda::AddChannelBias(y.out.get(), net.t, net.Master(bias_), y.n * y.h * y.w, static_cast<int>(y.c), net.stream);
+    }
+    return OkStatus();
+  }
+  Status Backward(Net& net) override {
+    const Node& y = net.node(self_);
+    if (bias_ >= 0) {
+      cuda::ChannelSums(y.diff.get(), net.t, y.n * y.h * y.w, static_cast<int>(y.c),
+                        static_cast<float*>(net.Grad(bias_)), net.partials.as<float>(), net.stream);
+    }
+    STOKE_RETURN_IF_ERROR(net.Run(wgrad_));
+    if (in_ >= 0) {
+      STOKE_RETURN_IF_ERROR(net.Run(dgrad_));
+      net.Deliver(in_, direct_);
+    }
+    return OkStatus();
+  }
+  Status Bind(Net& net) override {
+    direct_ = net.Claim(in_);
+    void* x = const_cast<void*>(net.In(in_));
+    const Node& y = net.node(self_);
+    STOKE_RETURN_IF_ERROR(net.Bind(fwd_, {x, net.Copy(weight_), y.out.get()}));
+    STOKE_RETURN_IF_ERROR(net.Bind(wgrad_, {x, y.diff.get(), net.Grad(weight_)}));
+    if (in_ >= 0) STOKE_RETURN_IF_ERROR(net.Bind(dgrad_, {y.diff.get(), net.Copy(weight_), net.DiffTarget(in_, direct_)}));
+    return OkStatus();
+  }
+
+ private:
+  ConvLayer(int self, int in) : self_(self), in_(in) {}
+  Status Init(Net& net, const LayerSpec& l, uint64_t seed) {
+    const auto x = net.Dims(in_);
+    const Shape out = net.shapes[static_cast<size_t>(self_)];
+    const std::vector<int64_t> w_dims{l.out, x[1], l.kernel, l.kernel};
+    InitialParameters init = InitialWeights(l, w_dims, seed);
+    int64_t count = 1;
+    for (auto d : w_dims) count *= d;
+    weight_ = net.AddParam({.name = l.name + ".weight", .dims = w_dims, .group = 0, .count = count, .krsc = true,
+                            .decay = true, .copy = true, .init = std::move(init.weight)});
+    if (l.bias) {
+      bias_ = net.AddParam({.name = l.name + ".bias", .dims = {l.out}, .group = 1, .count = l.out, .decay = false,
+                            .init = std::move(init.bias)});
+      net.NeedPartials(x[0] * out.h * out.w, l.out);
+    }
+    STOKE_RETURN_IF_ERROR(net.SetOutput(self_, out.c, out.h, out.w, false));
+    const std::array<int64_t, 4> y{x[0], out.c, out.h, out.w};
+    const TensorSpec w = cuda::Nhwc(0, CudnnType(net.t), l.out, x[1], l.kernel, l.kernel);
+    auto spec = [&](OpSpec::Kind kind, std::vector<TensorSpec> tensors) {
+      OpSpec op;
+      op.kind = kind;
+      op.tensors = std::move(tensors);
+      op.pad = l.pad;
+      op.stride = l.stride;
+      return op;
+    };
+    auto fail = [&](const Status& s, std::string_view what) {
+      return InternalError(fmt::format("layer '{}' (conv): {}: {}", l.name, what, s.message()));
+    };
+    auto f = net.Plan(spec(OpSpec::Kind::kConvForward, {net.Activation(0, x), w, net.Activation(0, y)}));
+    if (!f.ok()) return fail(f.status(), "forward");
+    fwd_ = std::move(*f);
+    auto wg = net.Plan(spec(OpSpec::Kind::kConvBackwardFilter, {net.Activation(0, x), net.Activation(0, y), w}));
+    if (!wg.ok()) return fail(wg.status(), "backward filter");
+    wgrad_ = std::move(*wg);
+    if (in_ >= 0) {
+      auto dg = net.Plan(spec(OpSpec::Kind::kConvBackwardData, {net.Activation(0, y), w, net.Activation(0, x)}));
+      if (!dg.ok()) return fail(dg.status(), "backward data");
+      dgrad_ = std::move(*dg);
+    }
+    return OkStatus();
+  }
+
+  int self_, in_;
+  int weight_ = -1, bias_ = -1;
+  bool direct_ = false;
+  GraphOp fwd_, wgrad_, dgrad_;
+};
+
+// ---------------------------------------------------------------- linear (cuBLAS)
+
+class LinearLayer final : public Layer {
+ public:
+  LinearLayer(const LayerSpec& l, int self, int in) : self_(self), in_(in), out_(l.out) {}
+
+  Status Init(Net& net, const LayerSpec& l, uint64_t seed) {
+    const auto x = net.Dims(in_);
+    features_ = x[1] * x[2] * x[3];
+    const bool vector_in = in_ >= 0 && net.node(in_).vector;
+    flatten_ = x[2] * x[3] > 1;
+    const std::vector<int64_t> w_dims = vector_in ? std::vector<int64_t>{l.out, x[1]}
+                                                  : std::vector<int64_t>{l.out, x[1], x[2], x[3]};
+    InitialParameters init = InitialWeights(l, w_dims, seed);
+    weight_ = net.AddParam({.name = l.name + ".weight", .dims = w_dims, .group = 1, .count = l.out * features_,
+                            .decay = true, .copy = true, .init = std::move(init.weight)});
+    if (l.bias) {
+      bias_ = net.AddParam({.name = l.name + ".bias", .dims = {l.out}, .group = 1, .count = l.out, .decay = false,
+                            .init = std::move(init.bias)});
+      net.NeedPartials(net.opt.batch, l.out);
+    }
+    if (flatten_) {
+      STOKE_RETURN_IF_ERROR(flat_.Alloc(static_cast<size_t>(x[0] * features_) * cuda::SizeOf(net.t)));
+      STOKE_RETURN_IF_ERROR(flat_diff_.Alloc(static_cast<size_t>(x[0] * features_) * cuda::SizeOf(net.t)));
+    }
+    return net.SetOutput(self_, l.out, 1, 1, true);
+  }
+
+  Status Forward(Net& net, bool, int64_t) override {
+    const auto x = net.Dims(in_);
+    const void* src = net.In(in_);
+    if (flatten_) {
+      cuda::Flatten(src, flat_.get(), net.t, static_cast<int>(x[0]), static_cast<int>(x[2]), static_cast<int>(x[3]),
+                    static_cast<int>(x[1]), false, net.stream);
+      src = flat_.get();
+    }
+    const Node& y = net.node(self_);
+    const float one = 1, zero = 0;
+    const auto type = BlasType(net.t);
+    // Row-major Y[N x O] = X[N x I] W^T, i.e. column-major Y^T = W^T(stored I x O) ... as GEMM(T, N).
+    STOKE_CUBLAS_OK(cublasGemmEx(net.blas, CUBLAS_OP_T, CUBLAS_OP_N, out_, static_cast<int>(x[0]),
+                                 static_cast<int>(features_), &one, net.Copy(weight_), type,
+                                 static_cast<int>(features_), src, type, static_cast<int>(features_), &zero,
+                                 y.out.get(), type, out_, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                    fmt::format("layer '{}' forward", net.Name(self_)));
+    if (bias_ >= 0) cuda::AddChannelBias(y.out.get(), net.t, net.Master(bias_), y.n, out_, net.stream);
+    return OkStatus();
+  }
+  Status Backward(Net& net) override {
+    const auto x = net.Dims(in_);
+    const Node& y = net.node(self_);
+    const float one = 1, zero = 0;
+    const auto type = BlasType(net.t);
+    const int n = static_cast<int>(x[0]), in = static_cast<int>(features_);
+    const void* src = flatten_ ? flat_.get() : net.In(in_);
+    if (bias_ >= 0) {
+      cuda::ChannelSums(y.diff.get(), net.t, y.n, out_, static_cast<float*>(net.Grad(bias_)), net.partials.as<float>(),
+                        net.stream);
+    }
+    // dW[O x I] = dY^T X: column-major dW^T (I x O) = X^T(I x N) dY(N x O).
+    STOKE_CUBLAS_OK(cublasGemmEx(net.blas, CUBLAS_OP_N, CUBLAS_OP_T, in, out_, n, &one, src, type, in, y.diff.get(),
+                                 type, out_, &zero, net.Grad(weight_), CUDA_R_32F, in, CUBLAS_COMPUTE_32F,
+                                 CUBLAS_GEMM_DEFAULT),
+                    fmt::format("layer '{}' weight gradient", net.Name(self_)));
+    if (in_ < 0) return OkStatus();
+    // dX[N x I] = dY W: column-major dX^T (I x N) = W^T(I x O) dY^T(O x N).
+    void* dx = flatten_ ? flat_diff_.get() : net.DiffTarget(in_, direct_);
+    STOKE_CUBLAS_OK(cublasGemmEx(net.blas, CUBLAS_OP_N, CUBLAS_OP_N, in, n, out_, &one, net.Copy(weight_), type, in,
+                                 y.diff.get(), type, out_, &zero, dx, type, in, CUBLAS_COMPUTE_32F,
+                                 CUBLAS_GEMM_DEFAULT),
+                    fmt::format("layer '{}' input gradient", net.Name(self_)));
+    if (flatten_) {
+      cuda::Flatten(flat_diff_.get(), net.DiffTarget(in_, direct_), net.t, n, static_cast<int>(x[2]),
+                    static_cast<int>(x[3]), static_cast<int>(x[1]), true, net.stream);
+    }
+    net.Deliver(in_, direct_);
+    return OkStatus();
+  }
+  Status Bind(Net& net) override {
+    direct_ = net.Claim(in_);
+    return OkStatus();
+  }
+
+ private:
+  int self_, in_, out_;
+  int64_t features_ = 0;
+  bool flatten_ = false, direct_ = false;
+  int weight_ = -1, bias_ = -1;
+  DeviceBuffer flat_, flat_diff_;
+};
+
+// ---------------------------------------------------------------- batch norm
+
+class BatchNormLayer final : public Layer {
+ public:
+  BatchNormLayer(int self, int in) : self_(self), in_(in) {}
+
+  Status Init(Net& net, const LayerSpec& l) {
+    const auto x = net.Dims(in_);
+    c_ = x[1];
+    rows_ = x[0] * x[2] * x[3];
+    eps_ = static_cast<float>(net.opt.bn_epsilon);
+    factor_ = static_cast<float>(net.opt.bn_momentum);
+    scale_ = net.AddParam({.name = l.name + ".weight", .dims = {c_}, .group = 1, .count = c_, .decay = false,
+                           .init = std::vector<float>(static_cast<size_t>(c_), l.zero_init ? 0.f : 1.f)});
+    shift_ = net.AddParam({.name = l.name + ".bias", .dims = {c_}, .group = 1, .count = c_, .decay = false,
+                           .init = std::vector<float>(static_cast<size_t>(c_), 0.f)});
+    mean_stat_ = static_cast<int>(net.running.size());
+    net.AddStat(l.name + ".running_mean", c_, 0.f);
+    net.AddStat(l.name + ".running_var", c_, 1.f);
+    for (auto* b : {&next_mean_, &next_var_, &save_mean_, &save_inv_std_}) {
+      STOKE_RETURN_IF_ERROR(b->Alloc(static_cast<size_t>(c_) * sizeof(float)));
+    }
+    const bool vector = in_ >= 0 && net.node(in_).vector;
+    STOKE_RETURN_IF_ERROR(net.SetOutput(self_, c_, x[2], x[3], vector));
+
+    OpSpec f;
+    f.kind = OpSpec::Kind::kBatchNormTrain;
+    const auto v = [&] { return cuda::ChannelVector(0, c_); };
+    f.tensors = {net.Activation(0, x), v(), v(), cuda::Scalar(0), cuda::Scalar(0), v(), v(), v(), v(), v(), v(),
+                 net.Activation(0, x)};
+    OpSpec b;
+    b.kind = OpSpec::Kind::kBatchNormBackward;
+    b.tensors = {net.Activation(0, x), net.Activation(0, x), v(), v(), v(), v(), v(), net.Activation(0, x)};
+    auto fp = net.Plan(f);
+    auto bp = fp.ok() ? net.Plan(b) : Result<GraphOp>(fp.status());
+    if (fp.ok() && bp.ok()) {
+      fwd_ = std::move(*fp);
+      bwd_ = std::move(*bp);
+    } else {
+      net.Fallback(self_, "batch norm", fp.ok() ? bp.status() : fp.status());
+      net.NeedPartials(rows_, static_cast<int>(c_));
+    }
+    return OkStatus();
+  }
+
+  Status Forward(Net& net, bool training, int64_t) override {
+    const Node& y = net.node(self_);
+    float* rm = RunningMean(net);
+    float* rv = RunningVar(net);
+    if (!training) {
+      cuda::BatchNormInference(net.In(in_), y.out.get(), net.t, rows_, static_cast<int>(c_), net.Master(scale_),
+                               net.Master(shift_), rm, rv, eps_, net.stream);
+      return OkStatus();
+    }
+    if (!fwd_.ok()) {
+      cuda::BatchNormTrain(net.In(in_), y.out.get(), net.t, rows_, static_cast<int>(c_), net.Master(scale_),
+                           net.Master(shift_), eps_, factor_, rm, rv, save_mean_.as<float>(),
+                           save_inv_std_.as<float>(), net.partials.as<float>(), net.stream);
+      return OkStatus();
+    }
+    STOKE_RETURN_IF_ERROR(net.Run(fwd_));
+    const size_t bytes = static_cast<size_t>(c_) * sizeof(float);
+    STOKE_CUDA_OK(cudaMemcpyAsync(rm, next_mean_.get(), bytes, cudaMemcpyDeviceToDevice, net.stream));
+    STOKE_CUDA_OK(cudaMemcpyAsync(rv, next_var_.get(), bytes, cudaMemcpyDeviceToDevice, net.stream));
+    return OkStatus();
+  }
+  Status Backward(Net& net) override {
+    const Node& y = net.node(self_);
+    void* dx = in_ >= 0 ? net.DiffTarget(in_, direct_) : net.scratch.get();
+    if (!bwd_.ok()) {
+      cuda::BatchNormBackward(net.In(in_), y.diff.get(), dx, net.t, rows_, static_cast<int>(c_), net.Master(scale_),
+                              save_mean_.as<float>(), save_inv_std_.as<float>(), static_cast<float*>(net.Grad(scale_)),
+                              static_cast<float*>(net.Grad(shift_)), net.partials.as<float>(), net.stream);
+    } else {
+      STOKE_RETURN_IF_ERROR(net.Run(bwd_));
+    }
+    net.Deliver(in_, direct_);
+    return OkStatus();
+  }
+  Status Bind(Net& net) override {
+    direct_ = net.Claim(in_);
+    if (!fwd_.ok()) return OkStatus();
+    void* x = const_cast<void*>(net.In(in_));
+    const Node& y = net.node(self_);
+    STOKE_RETURN_IF_ERROR(net.Bind(fwd_, {x, net.Master(scale_), net.Master(shift_), &eps_, &factor_,
+                                          RunningMean(net), RunningVar(net), next_mean_.get(), next_var_.get(),
+                                          save_mean_.get(), save_inv_std_.get(), y.out.get()}));
+    void* dx = in_ >= 0 ? net.DiffTarget(in_, direct_) : net.scratch.get();
+    return net.Bind(bwd_, {x, y.diff.get(), net.Master(scale_), save_mean_.get(), save_inv_std_.get(),
+                           net.Grad(scale_), net.Grad(shift_), dx});
+  }
+
+ private:
+  float* RunningMean(Net& net) const { return net.running[static_cast<size_t>(mean_stat_)]->value.as<float>(); }
+  float* RunningVar(Net& net) const { return net.running[static_cast<size_t>(mean_stat_) + 1]->value.as<float>(); }
+
+  int self_, in_;
+  int64_t c_ = 0, rows_ = 0;
+  float eps_ = 0, factor_ = 0;  // by-value scalars of the cuDNN graph: must outlive it
+  int scale_ = -1, shift_ = -1, mean_stat_ = -1;
+  bool direct_ = false;
+  DeviceBuffer next_mean_, next_var_, save_mean_, save_inv_std_;
+  GraphOp fwd_, bwd_;
+};
+
+// ---------------------------------------------------------------- ReLU
+
+class ReluLayer final : public Layer {
+ public:
+  ReluLayer(int self, int in) : self_(self), in_(in) {}
+  Status Init(Net& net) {
+    const auto x = net.Dims(in_);
+    STOKE_RETURN_IF_ERROR(net.SetOutput(self_, x[1], x[2], x[3], in_ >= 0 && net.node(in_).vector));
+    OpSpec f;
+    f.kind = OpSpec::Kind::kRelu;
+    f.tensors = {net.Activation(0, x), net.Activation(0, x)};
+    OpSpec b;
+    b.kind = OpSpec::Kind::kReluBackward;
+    b.tensors = {net.Activation(0, x), net.Activation(0, x), net.Activation(0, x)};
+    auto fp = net.Plan(f);
+    auto bp = fp.ok() ? net.Plan(b) : Result<GraphOp>(fp.status());
+    if (fp.ok() && bp.ok()) {
+      fwd_ = std::move(*fp);
+      bwd_ = std::move(*bp);
+    } else {
+      net.Fallback(self_, "relu", fp.ok() ? bp.status() : fp.status());
+    }
+    return OkStatus();
+  }
+  Status Forward(Net& net, bool, int64_t) override {
+    if (fwd_.ok()) return net.Run(fwd_);
+    const Node& y = net.node(self_);
+    cuda::Relu(net.In(in_), y.out.get(), net.t, y.count(), net.stream);
+    return OkStatus();
+  }
+  Status Backward(Net& net) override {
+    if (in_ < 0) return OkStatus();
+    if (bwd_.ok()) {
+      STOKE_RETURN_IF_ERROR(net.Run(bwd_));
+    } else {
+      const Node& y = net.node(self_);
+      cuda::ReluBackward(net.In(in_), y.diff.get(), net.DiffTarget(in_, direct_), net.t, y.count(), net.stream);
+    }
+    net.Deliver(in_, direct_);
+    return OkStatus();
+  }
+  Status Bind(Net& net) override {
+    direct_ = net.Claim(in_);
+    if (!fwd_.ok()) return OkStatus();
+    void* x = const_cast<void*>(net.In(in_));
+    const Node& y = net.node(self_);
+    STOKE_RETURN_IF_ERROR(net.Bind(fwd_, {x, y.out.get()}));
+    if (in_ < 0) return OkStatus();
+    return net.Bind(bwd_, {x, y.diff.get(), net.DiffTarget(in_, direct_)});
+  }
+
+ private:
+  int self_, in_;
+  bool direct_ = false;
+  GraphOp fwd_, bwd_;
+};
+
+// ---------------------------------------------------------------- pooling
+
+class PoolLayer final : public Layer {
+ public:
+  PoolLayer(int self, int in) : self_(self), in_(in) {}
+  Status Init(Net& net, const LayerSpec& l) {
+    const auto x = net.Dims(in_);
+    const Shape out = net.shapes[static_cast<size_t>(self_)];
+    const bool global = l.type == LayerType::kGlobalAvgPool;
+    shape_ = cuda::PoolShape{.n = static_cast<int>(x[0]), .h = static_cast<int>(x[2]), .w = static_cast<int>(x[3]),
+                             .c = static_cast<int>(x[1]), .oh = out.h, .ow = out.w,
+                             .kh = global ? static_cast<int>(x[2]) : l.kernel,
+                             .kw = global ? static_cast<int>(x[3]) : l.kernel,
+                             .stride = global ? static_cast<int>(x[2]) : l.stride, .pad = global ? 0 : l.pad,
+                             .max = l.type == LayerType::kMaxPool};
+    STOKE_RETURN_IF_ERROR(net.SetOutput(self_, out.c, out.h, out.w, false));
+    const std::array<int64_t, 4> y{x[0], out.c, out.h, out.w};
+    if (shape_.kh == shape_.kw) {
+      auto spec = [&](OpSpec::Kind kind, std::vector<TensorSpec> t) {
+        OpSpec op;
+        op.kind = kind;
+        op.tensors = std::move(t);
+        op.window = shape_.kh;
+        op.stride = shape_.stride;
+        op.pad = shape_.pad;
+        op.max_pool = shape_.max;
+        if (shape_.max) op.tensors.push_back(cuda::Nhwc(0, CUDNN_DATA_INT8, y[0], y[1], y[2], y[3]));
+        return op;
+      };
+      auto fp = net.Plan(spec(OpSpec::Kind::kPool, {net.Activation(0, x), net.Activation(0, y)}));
+      auto bp = fp.ok() ? net.Plan(spec(OpSpec::Kind::kPoolBackward, {net.Activation(0, y), net.Activation(0, x)}))
+                        : Result<GraphOp>(fp.status());
+      if (fp.ok() && bp.ok()) {
+        fwd_ = std::move(*fp);
+        bwd_ = std::move(*bp);
+      } else {
+        net.Fallback(self_, shape_.max ? "max pooling" : "average pooling", fp.ok() ? bp.status() : fp.status());
+      }
+    } else {
+      net.Fallback(self_, "pooling", InvalidArgumentError("non-square window"));
+    }
+    if (shape_.max) {
+      // cuDNN's index is an int8 position in the window; the fallback keeps an int32 pixel index.
+      STOKE_RETURN_IF_ERROR(index_.Alloc(static_cast<size_t>(net.node(self_).count()) * sizeof(int32_t)));
+    }
+    return OkStatus();
+  }
+  Status Forward(Net& net, bool, int64_t) override {
+    if (fwd_.ok()) return net.Run(fwd_);
+    cuda::Pool(net.In(in_), net.node(self_).out.get(), index_.as<int32_t>(), net.t, shape_, net.stream);
+    return OkStatus();
+  }
+  Status Backward(Net& net) override {
+    if (in_ < 0) return OkStatus();
+    if (bwd_.ok()) {
+      STOKE_RETURN_IF_ERROR(net.Run(bwd_));
+    } else {
+      cuda::PoolBackward(net.node(self_).diff.get(), index_.as<int32_t>(), net.DiffTarget(in_, direct_), net.t, shape_,
+                         net.stream);
+    }
+    net.Deliver(in_, direct_);
+    return OkStatus();
+  }
+  Status Bind(Net& net) override {
+    direct_ = net.Claim(in_);
+    if (!fwd_.ok()) return OkStatus();
+    void* x = const_cast<void*>(net.In(in_));
+    const Node& y = net.node(self_);
+    std::vector<void*> f{x, y.out.get()}, b{y.diff.get(), in_ >= 0 ? net.DiffTarget(in_, direct_) : net.scratch.get()};
+    if (shape_.max) {
+      f.push_back(index_.get());
+      b.push_back(index_.get());
+    }
+    STOKE_RETURN_IF_ERROR(net.Bind(fwd_, f));
+    return net.Bind(bwd_, b);
+  }
+
+ private:
+  int self_, in_;
+  cuda::PoolShape shape_{};
+  bool direct_ = false;
+  DeviceBuffer index_;
+  GraphOp fwd_, bwd_;
+};
+
+// ---------------------------------------------------------------- residual add
+
+class AddLayer final : public Layer {
+ public:
+  AddLayer(int self, int a, int b) : self_(self), a_(a), b_(b) {}
+  Status Init(Net& net) {
+    const auto x = net.Dims(a_);
+    STOKE_RETURN_IF_ERROR(net.SetOutput(self_, x[1], x[2], x[3], a_ >= 0 && net.node(a_).vector));
+    OpSpec op;
+    op.kind = OpSpec::Kind::kAdd;
+    op.tensors = {net.Activation(0, x), net.Activation(0, x), net.Activation(0, x)};
+    auto p = net.Plan(op);
+    if (p.ok()) {
+      fwd_ = std::move(*p);
+    } else {
+      net.Fallback(self_, "add", p.status());
+    }
+    return OkStatus();
+  }
+  Status Forward(Net& net, bool, int64_t) override {
+    if (fwd_.ok()) return net.Run(fwd_);
+    const Node& y = net.node(self_);
+    cuda::Add(net.In(a_), net.In(b_), y.out.get(), net.t, y.count(), net.stream);
+    return OkStatus();
+  }
+  Status Backward(Net& net) override {
+    const Node& y = net.node(self_);
+    for (auto [in, direct] : {std::pair{a_, direct_a_}, std::pair{b_, direct_b_}}) {
+      if (in < 0) continue;
+      if (direct) {
+        STOKE_CUDA_OK(cudaMemcpyAsync(net.node(in).diff.get(), y.diff.get(), y.diff.bytes(), cudaMemcpyDeviceToDevice,
+                                      net.stream));
+      } else {
+        cuda::Accumulate(net.node(in).diff.get(), y.diff.get(), net.t, y.count(), net.stream);
+      }
+    }
+    return OkStatus();
+  }
+  Status Bind(Net& net) override {
+    direct_a_ = net.Claim(a_);
+    direct_b_ = net.Claim(b_);
+    if (!fwd_.ok()) return OkStatus();
+    return net.Bind(fwd_, {const_cast<void*>(net.In(a_)), const_cast<void*>(net.In(b_)), net.node(self_).out.get()});
+  }
+
+ private:
+  int self_, a_, b_;
+  bool direct_a_ = false, direct_b_ = false;
+  GraphOp fwd_;
+};
+
+// ---------------------------------------------------------------- flatten and dropout (own kernels)
+
+class FlattenLayer final : public Layer {
+ public:
+  FlattenLayer(int self, int in) : self_(self), in_(in) {}
+  Status Init(Net& net) {
+    const auto x = net.Dims(in_);
+    return net.SetOutput(self_, x[1] * x[2] * x[3], 1, 1, true);
+  }
+  Status Forward(Net& net, bool, int64_t) override {
+    const auto x = net.Dims(in_);
+    cuda::Flatten(net.In(in_), net.node(self_).out.get(), net.t, static_cast<int>(x[0]), static_cast<int>(x[2]),
+                  static_cast<int>(x[3]), static_cast<int>(x[1]), false, net.stream);
+    return OkStatus();
+  }
+  Status Backward(Net& net) override {
+    if (in_ < 0) return OkStatus();
+    const auto x = net.Dims(in_);
+    cuda::Flatten(net.node(self_).diff.get(), net.DiffTarget(in_, direct_), net.t, static_cast<int>(x[0]),
+                  static_cast<int>(x[2]), static_cast<int>(x[3]), static_cast<int>(x[1]), true, net.stream);
+    net.Deliver(in_, direct_);
+    return OkStatus();
+  }
+  Status Bind(Net& net) override {
+    direct_ = net.Claim(in_);
+    return OkStatus();
+  }
+
+ private:
+  int self_, in_;
+  bool direct_ = false;
+};
+
+class DropoutLayer final : public Layer {
+ public:
+  DropoutLayer(int self, int in, double p, uint64_t seed) : self_(self), in_(in), p_(p), seed_(seed) {}
+  Status Init(Net& net) {
+    const auto x = net.Dims(in_);
+    STOKE_RETURN_IF_ERROR(net.SetOutput(self_, x[1], x[2], x[3], in_ >= 0 && net.node(in_).vector));
+    return keep_.Alloc(static_cast<size_t>(net.node(self_).count()));
+  }
+  Status Forward(Net& net, bool training, int64_t step) override {
+    const Node& y = net.node(self_);
+    if (!training || p_ == 0) {
+      STOKE_CUDA_OK(cudaMemcpyAsync(y.out.get(), net.In(in_), y.out.bytes(), cudaMemcpyDeviceToDevice, net.stream));
+      return OkStatus();
+    }
+    cuda::Dropout(net.In(in_), y.out.get(), keep_.as<uint8_t>(), net.t, y.count(), static_cast<int>(y.c),
+                  static_cast<int>(y.h), static_cast<int>(y.w), MixSeed(seed_, static_cast<uint64_t>(step)), p_,
+                  net.stream);
+    return OkStatus();
+  }
+  Status Backward(Net& net) override {
+    if (in_ < 0) return OkStatus();
+    const Node& y = net.node(self_);
+    void* dx = net.DiffTarget(in_, direct_);
+    if (p_ == 0) {
+      STOKE_CUDA_OK(cudaMemcpyAsync(dx, y.diff.get(), y.diff.bytes(), cudaMemcpyDeviceToDevice, net.stream));
+    } else {
+      cuda::DropoutBackward(y.diff.get(), keep_.as<uint8_t>(), dx, net.t, y.count(), p_, net.stream);
+    }
+    net.Deliver(in_, direct_);
+    return OkStatus();
+  }
+  Status Bind(Net& net) override {
+    direct_ = net.Claim(in_);
+    return OkStatus();
+  }
+
+ private:
+  int self_, in_;
+  double p_;
+  uint64_t seed_;
+  bool direct_ = false;
+  DeviceBuffer keep_;
+};
+
+Result<std::unique_ptr<Layer>> MakeLayer(Net& net, const LayerSpec& l, int self, int in, int in2, uint64_t seed) {
+  switch (l.type) {
+    case LayerType::kConv:
+      return ConvLayer::Make(net, l, self, in, seed);
+    case LayerType::kLinear: {
+      auto layer = std::make_unique<LinearLayer>(l, self, in);
+      STOKE_RETURN_IF_ERROR(layer->Init(net, l, seed));
+      return std::unique_ptr<Layer>(std::move(layer));
+    }
+    case LayerType::kBatchNorm: {
+      auto layer = std::make_unique<BatchNormLayer>(self, in);
+      STOKE_RETURN_IF_ERROR(layer->Init(net, l));
+      return std::unique_ptr<Layer>(std::move(layer));
+    }
+    case LayerType::kRelu: {
+      auto layer = std::make_unique<ReluLayer>(self, in);
+      STOKE_RETURN_IF_ERROR(layer->Init(net));
+      return std::unique_ptr<Layer>(std::move(layer));
+    }
+    case LayerType::kMaxPool:
+    case LayerType::kAvgPool:
+    case LayerType::kGlobalAvgPool: {
+      auto layer = std::make_unique<PoolLayer>(self, in);
+      STOKE_RETURN_IF_ERROR(layer->Init(net, l));
+      return std::unique_ptr<Layer>(std::move(layer));
+    }
+    case LayerType::kAdd: {
+      auto layer = std::make_unique<AddLayer>(self, in, in2);
+      STOKE_RETURN_IF_ERROR(layer->Init(net));
+      return std::unique_ptr<Layer>(std::move(layer));
+    }
+    case LayerType::kFlatten: {
+      auto layer = std::make_unique<FlattenLayer>(self, in);
+      STOKE_RETURN_IF_ERROR(layer->Init(net));
+      return std::unique_ptr<Layer>(std::move(layer));
+    }
+    case LayerType::kDropout: {
+      auto layer = std::make_unique<DropoutLayer>(self, in, l.p, seed);
+      STOKE_RETURN_IF_ERROR(layer->Init(net));
+      return std::unique_ptr<Layer>(std::move(layer));
+    }
+  }
+  return InternalError("unknown layer type");
+}
+
+std::vector<float> Download(const void* p, DType t, int64_t n, cudaStream_t s) {
+  std::vector<float> out(static_cast<size_t>(n));
+  if (n == 0) return out;
+  DeviceBuffer tmp;
+  if (!tmp.Alloc(static_cast<size_t>(n) * sizeof(float)).ok()) return out;
+  cuda::CastToFloat(p, t, tmp.as<float>(), n, s);
+  cudaMemcpyAsync(out.data(), tmp.get(), out.size() * sizeof(float), cudaMemcpyDeviceToHost, s);
+  cudaStreamSynchronize(s);
+  return out;
+}
+
+}  // namespace
+
+Status CudaAvailable() {
+  const prefetch::CudaProbe probe = prefetch::ProbeCuda();
+  if (probe.devices > 0) return OkStatus();
+  return UnavailableError(probe.reason);
+}
+
+struct CudaNetwork::Impl {
+  Net net;
+
+  // Places the parameters in their groups (group 1: linear weights first, for their compute copies;
+  // then everything without weight decay), allocates and initialises them.
+  Status AllocateParameters() {
+    constexpr int64_t kAlign = 64;  // elements: 256-byte aligned tensors for cuDNN and cuBLAS
+    auto align = [](int64_t v) { return (v + kAlign - 1) / kAlign * kAlign; };
+    std::array<std::vector<int>, 2> order;
+    for (int i = 0; i < static_cast<int>(net.params.size()); ++i) order[net.param(i).group].push_back(i);
+    std::stable_partition(order[1].begin(), order[1].end(), [&](int i) { return net.param(i).copy; });
+    for (int g = 0; g < 2; ++g) {
+      Group& group = net.groups[g];
+      group.grad_type = g == 0 ? net.t : DType::kF32;
+      int64_t at = 0;
+      for (int i : order[g]) {
+        ParamInfo& p = net.params[static_cast<size_t>(i)];
+        p.offset = at;
+        at = align(at + p.count);
+        if (p.decay) group.decay_end = at;
+        if (p.copy) group.copy_end = at;
+      }
+      group.size = at;
+      STOKE_RETURN_IF_ERROR(group.master.Alloc(static_cast<size_t>(at) * sizeof(float)));
+      STOKE_RETURN_IF_ERROR(group.momentum.Alloc(static_cast<size_t>(at) * sizeof(float)));
+      STOKE_RETURN_IF_ERROR(group.grad.Alloc(static_cast<size_t>(at) * cuda::SizeOf(group.grad_type)));
+      if (net.t != DType::kF32) {
+        STOKE_RETURN_IF_ERROR(group.copy.Alloc(static_cast<size_t>(group.copy_end) * cuda::SizeOf(net.t)));
+      }
+    }
+    for (auto& p : net.params) {
+      STOKE_RETURN_IF_ERROR(Upload(p, p.init, net.groups[p.group].master.as<float>()));
+      p.init = {};
+    }
+    for (auto& r : net.running) {
+      STOKE_RETURN_IF_ERROR(r->value.Alloc(static_cast<size_t>(r->c) * sizeof(float)));
+      std::vector<float> v(static_cast<size_t>(r->c), r->init);
+      STOKE_CUDA_OK(cudaMemcpy(r->value.get(), v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice));
+    }
+    RefreshCopies();
+    return OkStatus();
+  }
+
+  // Plain values of one parameter into `base` (a group's master or momentum).
+  Status Upload(const ParamInfo& p, const std::vector<float>& plain, float* base) {
+    const std::vector<float> v = p.krsc ? KrscFromOihw(plain, p.dims) : plain;
+    STOKE_CUDA_OK(cudaMemcpyAsync(base + p.offset, v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice,
+                                  net.stream));
+    return cudaStreamSynchronize(net.stream) == cudaSuccess ? OkStatus() : LastLaunch("upload");
+  }
+  std::vector<float> DownloadParam(const ParamInfo& p, const void* base, DType t, float divide = 1) const {
+    std::vector<float> v = Download(Offset(const_cast<void*>(base), p.offset, t), t, p.count, net.stream);
+    if (divide != 1) {
+      for (auto& x : v) x /= divide;
+    }
+    return p.krsc ? OihwFromKrsc(v, p.dims) : v;
+  }
+  void RefreshCopies() {
+    if (net.t == DType::kF32) return;
+    for (const Group& g : net.groups) {
+      if (g.copy_end > 0) cuda::CastFromFloat(g.master.as<float>(), g.copy.get(), net.t, g.copy_end, net.stream);
+    }
+  }
+
+  // The batch's pixels and labels on the device; waits (on the stream) for the ring's copy.
+  Result<std::pair<const uint8_t*, const int32_t*>> Input(const prefetch::Batch& b) {
+    const int size = net.opt.image_size;
+    const size_t bytes = static_cast<size_t>(b.size) * size * size * 3;
+    if (b.device_images != nullptr) {
+      if (b.copied_event != nullptr) {
+        STOKE_CUDA_OK(cudaStreamWaitEvent(net.stream, static_cast<cudaEvent_t>(b.copied_event), 0));
+      }
+      const auto* base = static_cast<const uint8_t*>(b.device_images);
+      return std::pair{base, reinterpret_cast<const int32_t*>(base + b.device_labels_offset)};
+    }
+    STOKE_CUDA_OK(cudaMemcpyAsync(net.staging.get(), b.images.data(), bytes, cudaMemcpyHostToDevice, net.stream));
+    STOKE_CUDA_OK(cudaMemcpyAsync(net.labels.get(), b.labels.data(), static_cast<size_t>(b.size) * sizeof(int32_t),
+                                  cudaMemcpyHostToDevice, net.stream));
+    return std::pair{net.staging.as<const uint8_t>(), net.labels.as<const int32_t>()};
+  }
+  void Normalise(const uint8_t* pixels, int valid) {
+    cuda::InputAffine a{};
+    for (int c = 0; c < 3; ++c) {
+      a.scale[c] = 1.f / (255.f * net.opt.normalize.std[c]);
+      a.shift[c] = -net.opt.normalize.mean[c] / net.opt.normalize.std[c];
+    }
+    const int64_t pixels_per_image = int64_t{net.opt.image_size} * net.opt.image_size;
+    cuda::NormalizeInput(pixels, valid, net.opt.batch, pixels_per_image, a, net.input.get(), net.t, net.stream);
+  }
+
+  Status Forward(bool training, int64_t step) {
+    for (auto& layer : net.layers) STOKE_RETURN_IF_ERROR(layer->Forward(net, training, step));
+    return OkStatus();
+  }
+  Status Backward() {
+    for (size_t i = net.layers.size(); i-- > 0;) {
+      Node& n = net.nodes[i];
+      if (n.zero_diff) STOKE_CUDA_OK(cudaMemsetAsync(n.diff.get(), 0, n.diff.bytes(), net.stream));
+      STOKE_RETURN_IF_ERROR(net.layers[i]->Backward(net));
+    }
+    return OkStatus();
+  }
+  // Forward, loss and backward on the normalised input; statistics land in host_stats after Finish().
+  Status ForwardBackward(const int32_t* labels, int64_t step, float grad_scale) {
+    STOKE_CUDA_OK(cudaMemsetAsync(net.stats.get(), 0, sizeof(cuda::StepStats), net.stream));
+    STOKE_RETURN_IF_ERROR(Forward(true, step));
+    const Node& last = net.nodes.back();
+    cuda::SoftmaxCrossEntropy(last.out.get(), net.t, labels, net.opt.batch, net.opt.model.classes,
+                              static_cast<float>(net.opt.label_smoothing), last.diff.get(),
+                              grad_scale / static_cast<float>(net.opt.batch), net.stats.as<cuda::StepStats>(),
+                              net.stream);
+    net.last_grad_scale = grad_scale;
+    STOKE_RETURN_IF_ERROR(Backward());
+    for (const Group& g : net.groups) {
+      cuda::FindNonFinite(g.grad.get(), g.grad_type, g.size, net.stats.as<cuda::StepStats>(), net.stream);
+    }
+    return OkStatus();
+  }
+  Status Finish() {
+    STOKE_CUDA_OK(cudaMemcpyAsync(net.host_stats, net.stats.get(), sizeof(cuda::StepStats), cudaMemcpyDeviceToHost,
+                                  net.stream));
+    STOKE_CUDA_OK(cudaEventRecord(net.done[static_cast<size_t>(net.cur)], net.stream));
+    STOKE_CUDA_OK(cudaStreamSynchronize(net.stream));
+    return LastLaunch("a training kernel");
+  }
+  BatchStats Stats(int rows) const {
+    BatchStats s;
+    s.loss_sum = net.host_stats->loss_sum;
+    s.top1 = static_cast<int64_t>(net.host_stats->top1);
+    s.top5 = static_cast<int64_t>(net.host_stats->top5);
+    s.count = rows;
+    return s;
+  }
+};
+
+CudaNetwork::CudaNetwork(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaNetwork::~CudaNetwork() = default;
+
+const NetworkOptions& CudaNetwork::options() const { return impl_->net.opt; }
+
+Result<std::unique_ptr<CudaNetwork>> CudaNetwork::Create(NetworkOptions options) {
+  if (options.batch < 1) return InvalidArgumentError(fmt::format("batch must be >= 1, got {}", options.batch));
+  if (options.image_size < 1) {
+    return InvalidArgumentError(fmt::format("image size must be >= 1, got {}", options.image_size));
+  }
+  if (!(options.label_smoothing >= 0 && options.label_smoothing < 1)) {
+    return InvalidArgumentError(fmt::format("label smoothing must be in [0, 1), got {}", options.label_smoothing));
+  }
+  const Shape input{3, options.image_size, options.image_size};
+  STOKE_ASSIGN_OR_RETURN(auto shapes, ResolveModel(options.model, input));
+  STOKE_RETURN_IF_ERROR(CudaAvailable());
+
+  auto impl = std::make_unique<Impl>();
+  Net& net = impl->net;
+  net.opt = std::move(options);
+  net.shapes = std::move(shapes);
+  net.t = net.opt.precision == Precision::kFloat32   ? DType::kF32
+          : net.opt.precision == Precision::kBFloat16 ? DType::kBF16
+                                                      : DType::kF16;
+  net.loss_scale = net.opt.precision == Precision::kFloat16 ? 65536.f : 1.f;
+  STOKE_CUDA_OK(cudaSetDevice(net.opt.device));
+  STOKE_CUDA_OK(cudaStreamCreateWithFlags(&net.stream, cudaStreamNonBlocking));
+  cudnnStatus_t st = cudnnCreate(&net.dnn);
+  if (st != CUDNN_STATUS_SUCCESS) return cuda::CudnnError(st, "create handle");
+  st = cudnnSetStream(net.dnn, net.stream);
+  if (st != CUDNN_STATUS_SUCCESS) return cuda::CudnnError(st, "set stream");
+  STOKE_CUBLAS_OK(cublasCreate(&net.blas), "create handle");
+  STOKE_CUBLAS_OK(cublasSetStream(net.blas, net.stream), "set stream");
+  STOKE_ASSIGN_OR_RETURN(net.graphs, cuda::Graphs::Create(net.dnn, net.t != DType::kF32));
+  for (auto& e : net.done) STOKE_CUDA_OK(cudaEventCreate(&e));
+  STOKE_CUDA_OK(cudaEventCreate(&net.ready));
+  STOKE_CUDA_OK(cudaMallocHost(&net.host_stats, sizeof(cuda::StepStats)));
+
+  const int n = net.opt.batch, size = net.opt.image_size;
+  const size_t pixels = static_cast<size_t>(n) * size * size * 3;
+  STOKE_RETURN_IF_ERROR(net.input.Alloc(pixels * cuda::SizeOf(net.t)));
+  STOKE_RETURN_IF_ERROR(net.staging.Alloc(pixels));
+  STOKE_RETURN_IF_ERROR(net.labels.Alloc(static_cast<size_t>(n) * sizeof(int32_t)));
+  STOKE_RETURN_IF_ERROR(net.stats.Alloc(sizeof(cuda::StepStats)));
+
+  const ModelSpec& model = net.opt.model;
+  std::map<std::string, int> index{{"input", -1}};
+  for (size_t i = 0; i < model.layers.size(); ++i) index[model.layers[i].name] = static_cast<int>(i);
+  net.nodes.resize(model.layers.size());
+  int64_t largest = pixels;
+  for (size_t i = 0; i < model.layers.size(); ++i) {
+    const LayerSpec& l = model.layers[i];
+    const int in = index[l.inputs[0]];
+    const int in2 = l.inputs.size() > 1 ? index[l.inputs[1]] : -1;
+    const uint64_t seed = MixSeed(net.opt.seed, 0x6c61796572ull, i);
+    STOKE_ASSIGN_OR_RETURN(auto layer, MakeLayer(net, l, static_cast<int>(i), in, in2, seed));
+    net.layers.push_back(std::move(layer));
+    largest = std::max(largest, net.nodes[i].count());
+  }
+  STOKE_RETURN_IF_ERROR(net.workspace.Alloc(static_cast<size_t>(net.graphs->max_workspace())));
+  STOKE_RETURN_IF_ERROR(net.scratch.Alloc(static_cast<size_t>(largest) * cuda::SizeOf(net.t)));
+  STOKE_RETURN_IF_ERROR(net.partials.Alloc(std::max<size_t>(net.partial_floats, 1) * sizeof(float)));
+  STOKE_RETURN_IF_ERROR(impl->AllocateParameters());
+  for (size_t i = net.layers.size(); i-- > 0;) STOKE_RETURN_IF_ERROR(net.layers[i]->Bind(net));
+  for (size_t i = 0; i + 1 < net.nodes.size(); ++i) net.nodes[i].zero_diff = !net.nodes[i].claimed;
+  STOKE_CUDA_OK(cudaStreamSynchronize(net.stream));
+  STOKE_RETURN_IF_ERROR(LastLaunch("set-up"));
+  if (!net.fallbacks.empty()) {
+    STOKE_LOG(WARN, "cuDNN offered no engine for {} step(s); stoke's own kernels run them: {}", net.fallbacks.size(),
+              fmt::join(net.fallbacks, "; "));
+  }
+  STOKE_LOG(INFO, "CUDA backend: {} layers, {} precision, {} cuDNN plans for {} shapes, workspace {} MiB",
+            net.layers.size(), PrecisionName(net.opt.precision), net.graphs->cached_plans(),
+            net.graphs->cached_plans(), net.graphs->max_workspace() >> 20);
+  return std::unique_ptr<CudaNetwork>(new CudaNetwork(std::move(impl)));
+}
+
+Result<BatchStats> CudaNetwork::TrainStep(const prefetch::Batch& batch, float lr, const SgdOptions& sgd,
+                                          int64_t step) {
+  Net& net = impl_->net;
+  STOKE_RETURN_IF_ERROR(CheckBatch(net.opt, batch, true));
+  STOKE_ASSIGN_OR_RETURN(auto in, impl_->Input(batch));
+  STOKE_CUDA_OK(cudaEventRecord(net.ready, net.stream));
+  impl_->Normalise(in.first, batch.size);
+  STOKE_RETURN_IF_ERROR(impl_->ForwardBackward(in.second, step, net.loss_scale));
+  cuda::SgdArgs args{.lr = lr, .momentum = static_cast<float>(sgd.momentum),
+                     .weight_decay = static_cast<float>(sgd.weight_decay), .inv_loss_scale = 1.f / net.loss_scale,
+                     .nesterov = sgd.nesterov};
+  for (const Group& g : net.groups) {
+    const int64_t decay_end = sgd.decay_bn_and_bias ? g.size : g.decay_end;
+    cuda::SgdUpdate(g.master.as<float>(), g.momentum.as<float>(), g.grad.get(), g.grad_type,
+                    net.t == DType::kF32 ? nullptr : g.copy.get(), net.t, g.size, decay_end, g.copy_end, args,
+                    net.stats.as<cuda::StepStats>(), net.stream);
+  }
+  STOKE_RETURN_IF_ERROR(impl_->Finish());
+  // The device's idle time before this batch was ready: from the end of the previous step.
+  const auto prev = net.done[static_cast<size_t>(1 - net.cur)];
+  float ms = 0;
+  net.last_wait = net.have_prev && cudaEventElapsedTime(&ms, prev, net.ready) == cudaSuccess ? ms / 1000.0 : -1;
+  net.have_prev = true;
+  net.cur = 1 - net.cur;
+
+  BatchStats stats = impl_->Stats(batch.size);
+  const bool overflow = net.host_stats->non_finite != 0 || !std::isfinite(stats.loss_sum);
+  if (net.opt.precision == Precision::kFloat16) {
+    // Dynamic loss scaling: halve and skip on overflow, double after 2000 clean steps.
+    if (overflow) {
+      if (net.loss_scale <= 1.f) {
+        return InvalidArgumentError(fmt::format(
+            "the gradients are not finite at step {} even with loss scale 1 (learning rate {} too high?)", step, lr));
+      }
+      net.loss_scale = std::max(1.f, net.loss_scale / 2);
+      net.good_steps = 0;
+      ++net.skipped;
+    } else if (++net.good_steps == 2000) {
+      net.loss_scale = std::min(net.loss_scale * 2, 16777216.f);
+      net.good_steps = 0;
+    }
+  } else if (overflow) {
+    return InvalidArgumentError(fmt::format("the loss is not finite at step {} (learning rate {} too high?)", step, lr));
+  }
+  return stats;
+}
+
+Result<BatchStats> CudaNetwork::Evaluate(const prefetch::Batch& batch) {
+  Net& net = impl_->net;
+  STOKE_RETURN_IF_ERROR(CheckBatch(net.opt, batch, false));
+  STOKE_ASSIGN_OR_RETURN(auto in, impl_->Input(batch));
+  impl_->Normalise(in.first, batch.size);
+  STOKE_CUDA_OK(cudaMemsetAsync(net.stats.get(), 0, sizeof(cuda::StepStats), net.stream));
+  STOKE_RETURN_IF_ERROR(impl_->Forward(false, 0));
+  cuda::SoftmaxCrossEntropy(net.nodes.back().out.get(), net.t, in.second, batch.size, net.opt.model.classes,
+                            static_cast<float>(net.opt.label_smoothing), nullptr, 1.f,
+                            net.stats.as<cuda::StepStats>(), net.stream);
+  STOKE_RETURN_IF_ERROR(impl_->Finish());
+  return impl_->Stats(batch.size);
+}
+
+Result<BatchStats> CudaNetwork::ForwardBackward(std::span<const float> input, std::span<const int32_t> labels,
+                                                int64_t step) {
+  Net& net = impl_->net;
+  const int n = net.opt.batch, size = net.opt.image_size;
+  if (input.size() != static_cast<size_t>(n) * 3 * size * size || labels.size() != static_cast<size_t>(n)) {
+    return InvalidArgumentError("ForwardBackward: input or labels do not match the batch shape");
+  }
+  std::vector<float> nhwc(input.size());
+  const size_t plane = static_cast<size_t>(size) * size;
+  for (size_t s = 0; s < static_cast<size_t>(n); ++s)
+    for (size_t c = 0; c < 3; ++c)
+      for (size_t p = 0; p < plane; ++p) nhwc[(s * plane + p) * 3 + c] = input[(s * 3 + c) * plane + p];
+  DeviceBuffer tmp;
+  STOKE_RETURN_IF_ERROR(tmp.Alloc(nhwc.size() * sizeof(float)));
+  STOKE_CUDA_OK(cudaMemcpyAsync(tmp.get(), nhwc.data(), nhwc.size() * sizeof(float), cudaMemcpyHostToDevice,
+                                net.stream));
+  cuda::CastFromFloat(tmp.as<float>(), net.input.get(), net.t, static_cast<int64_t>(nhwc.size()), net.stream);
+  STOKE_CUDA_OK(cudaMemcpyAsync(net.labels.get(), labels.data(), labels.size() * sizeof(int32_t),
+                                cudaMemcpyHostToDevice, net.stream));
+  STOKE_RETURN_IF_ERROR(impl_->ForwardBackward(net.labels.as<int32_t>(), step, 1.f));
+  STOKE_RETURN_IF_ERROR(impl_->Finish());
+  return impl_->Stats(n);
+}
+
+std::vector<NamedTensor> CudaNetwork::Gradients() const {
+  const Net& net = impl_->net;
+  std::vector<NamedTensor> out;
+  for (const auto& p : net.params) {
+    const Group& g = net.groups[p.group];
+    out.push_back({p.name, p.dims, impl_->DownloadParam(p, g.grad.get(), g.grad_type, net.last_grad_scale)});
+  }
+  return out;
+}
+
+std::vector<NamedTensor> CudaNetwork::State() const {
+  const Net& net = impl_->net;
+  std::vector<NamedTensor> out;
+  for (const auto& p : net.params) {
+    out.push_back({p.name, p.dims, impl_->DownloadParam(p, net.groups[p.group].master.get(), DType::kF32)});
+  }
+  for (const auto& r : net.running) {
+    out.push_back({r->name, {r->c}, Download(r->value.get(), DType::kF32, r->c, net.stream)});
+  }
+  for (const auto& p : net.params) {
+    out.push_back({p.name + ".momentum", p.dims,
+                   impl_->DownloadParam(p, net.groups[p.group].momentum.get(), DType::kF32)});
+  }
+  return out;
+}
+
+Status CudaNetwork::LoadState(const std::vector<NamedTensor>& state) {
+  Net& net = impl_->net;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> wanted;
+  for (const auto& p : net.params) wanted.emplace_back(p.name, p.dims);
+  for (const auto& p : net.params) wanted.emplace_back(p.name + ".momentum", p.dims);
+  for (const auto& r : net.running) wanted.emplace_back(r->name, std::vector<int64_t>{r->c});
+  STOKE_ASSIGN_OR_RETURN(auto found, FindState(state, wanted));
+  size_t k = 0;
+  for (const auto& p : net.params) {
+    STOKE_RETURN_IF_ERROR(impl_->Upload(p, found[k++]->values, net.groups[p.group].master.as<float>()));
+  }
+  for (const auto& p : net.params) {
+    STOKE_RETURN_IF_ERROR(impl_->Upload(p, found[k++]->values, net.groups[p.group].momentum.as<float>()));
+  }
+  for (const auto& r : net.running) {
+    const auto& v = found[k++]->values;
+    STOKE_CUDA_OK(cudaMemcpy(r->value.get(), v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice));
+  }
+  impl_->RefreshCopies();
+  STOKE_CUDA_OK(cudaStreamSynchronize(net.stream));
+  return LastLaunch("load state");
+}
+
+void* CudaNetwork::stream() const { return impl_->net.stream; }
+double CudaNetwork::LastInputWaitSeconds() const { return impl_->net.last_wait; }
+const std::vector<std::string>& CudaNetwork::FallbackKernels() const { return impl_->net.fallbacks; }
+float CudaNetwork::loss_scale() const { return impl_->net.loss_scale; }
+int64_t CudaNetwork::skipped_steps() const { return impl_->net.skipped; }
+
+std::vector<float> CudaNetwork::LastLogits() const {
+  const Net& net = impl_->net;
+  const Node& last = net.nodes.back();
+  return Download(last.out.get(), net.t, last.count(), net.stream);
+}
+
+}  // namespace stoke::train

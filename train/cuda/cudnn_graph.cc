@@ -1,0 +1,379 @@
+#include "train/cuda/cudnn_graph.h"
+
+#include <algorithm>
+#include <array>
+
+#include <fmt/format.h>
+
+namespace stoke::train::cuda {
+
+Status CudnnError(cudnnStatus_t status, const std::string& what) {
+  char detail[512] = {0};
+  cudnnGetLastErrorString(detail, sizeof detail);
+  return InternalError(fmt::format("cuDNN: {}: {}{}{}", what, cudnnGetErrorString(status), detail[0] ? ": " : "",
+                                   detail));
+}
+
+#define STOKE_CUDNN_RETURN(call, what)                         \
+  do {                                                          \
+    cudnnStatus_t stoke_st_ = (call);                           \
+    if (stoke_st_ != CUDNN_STATUS_SUCCESS) return CudnnError(stoke_st_, what); \
+  } while (0)
+
+Result<Desc> Desc::Make(cudnnBackendDescriptorType_t type) {
+  Desc d;
+  STOKE_CUDNN_RETURN(cudnnBackendCreateDescriptor(type, &d.d_), fmt::format("create descriptor {}", static_cast<int>(type)));
+  return d;
+}
+
+Desc& Desc::operator=(Desc&& o) noexcept {
+  if (this != &o) {
+    if (d_ != nullptr) cudnnBackendDestroyDescriptor(d_);
+    d_ = o.d_;
+    o.d_ = nullptr;
+  }
+  return *this;
+}
+
+Desc::~Desc() {
+  if (d_ != nullptr) cudnnBackendDestroyDescriptor(d_);
+}
+
+Status Desc::Set(cudnnBackendAttributeName_t name, cudnnBackendAttributeType_t type, int64_t count,
+                 const void* values) {
+  STOKE_CUDNN_RETURN(cudnnBackendSetAttribute(d_, name, type, count, values),
+                     fmt::format("set attribute {}", static_cast<int>(name)));
+  return OkStatus();
+}
+
+Status Desc::SetDesc(cudnnBackendAttributeName_t name, const Desc& other) {
+  cudnnBackendDescriptor_t d = other.get();
+  return Set(name, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &d);
+}
+
+Status Desc::Finalize(const char* what) {
+  STOKE_CUDNN_RETURN(cudnnBackendFinalize(d_), fmt::format("finalize {}", what));
+  return OkStatus();
+}
+
+TensorSpec Nhwc(int64_t uid, cudnnDataType_t type, int64_t n, int64_t c, int64_t h, int64_t w) {
+  return TensorSpec{uid, type, {n, c, h, w}, {c * h * w, 1, w * c, c}, false};
+}
+TensorSpec ChannelVector(int64_t uid, int64_t c) {
+  return TensorSpec{uid, CUDNN_DATA_FLOAT, {1, c, 1, 1}, {c, 1, c, c}, false};
+}
+TensorSpec Scalar(int64_t uid) { return TensorSpec{uid, CUDNN_DATA_FLOAT, {1, 1, 1, 1}, {1, 1, 1, 1}, true}; }
+
+std::string OpSpec::Key() const {
+  std::string key = fmt::format("{}:{}:{}:{}:{}", static_cast<int>(kind), pad, stride, window, max_pool);
+  for (const auto& t : tensors) {
+    key += fmt::format("|{}:{}:{}:{}", static_cast<int>(t.type), fmt::join(t.dims, ","), fmt::join(t.strides, ","),
+                       t.by_value);
+  }
+  return key;
+}
+
+namespace {
+
+Result<Desc> MakeTensor(const TensorSpec& t) {
+  STOKE_ASSIGN_OR_RETURN(Desc d, Desc::Make(CUDNN_BACKEND_TENSOR_DESCRIPTOR));
+  const int64_t alignment = t.by_value ? 4 : 16;
+  const auto rank = static_cast<int64_t>(t.dims.size());
+  STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &t.type));
+  STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, rank, t.dims.data()));
+  STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_TENSOR_STRIDES, CUDNN_TYPE_INT64, rank, t.strides.data()));
+  STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_TENSOR_UNIQUE_ID, CUDNN_TYPE_INT64, 1, &t.uid));
+  STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, CUDNN_TYPE_INT64, 1, &alignment));
+  if (t.by_value) {
+    const bool yes = true;
+    STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_TENSOR_IS_BY_VALUE, CUDNN_TYPE_BOOLEAN, 1, &yes));
+  }
+  STOKE_RETURN_IF_ERROR(d.Finalize("tensor"));
+  return d;
+}
+
+Result<Desc> MakeConv(int64_t pad, int64_t stride) {
+  STOKE_ASSIGN_OR_RETURN(Desc d, Desc::Make(CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR));
+  const int64_t dims = 2;
+  const cudnnDataType_t compute = CUDNN_DATA_FLOAT;
+  const cudnnConvolutionMode_t mode = CUDNN_CROSS_CORRELATION;
+  const std::array<int64_t, 2> pads{pad, pad}, strides{stride, stride}, dilations{1, 1};
+  STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_CONVOLUTION_SPATIAL_DIMS, CUDNN_TYPE_INT64, 1, &dims));
+  STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_CONVOLUTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &compute));
+  STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_CONVOLUTION_CONV_MODE, CUDNN_TYPE_CONVOLUTION_MODE, 1, &mode));
+  STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS, CUDNN_TYPE_INT64, 2, pads.data()));
+  STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_CONVOLUTION_POST_PADDINGS, CUDNN_TYPE_INT64, 2, pads.data()));
+  STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_CONVOLUTION_FILTER_STRIDES, CUDNN_TYPE_INT64, 2, strides.data()));
+  STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_CONVOLUTION_DILATIONS, CUDNN_TYPE_INT64, 2, dilations.data()));
+  STOKE_RETURN_IF_ERROR(d.Finalize("convolution"));
+  return d;
+}
+
+Result<Desc> MakePointwise(cudnnPointwiseMode_t mode) {
+  STOKE_ASSIGN_OR_RETURN(Desc d, Desc::Make(CUDNN_BACKEND_POINTWISE_DESCRIPTOR));
+  const cudnnDataType_t prec = CUDNN_DATA_FLOAT;
+  STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_POINTWISE_MODE, CUDNN_TYPE_POINTWISE_MODE, 1, &mode));
+  STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &prec));
+  STOKE_RETURN_IF_ERROR(d.Finalize("pointwise"));
+  return d;
+}
+
+Result<Desc> MakeResample(const OpSpec& op) {
+  STOKE_ASSIGN_OR_RETURN(Desc d, Desc::Make(CUDNN_BACKEND_RESAMPLE_DESCRIPTOR));
+  const cudnnResampleMode_t mode = op.max_pool ? CUDNN_RESAMPLE_MAXPOOL : CUDNN_RESAMPLE_AVGPOOL_INCLUDE_PADDING;
+  const cudnnPaddingMode_t padding = op.max_pool ? CUDNN_NEG_INF_PAD : CUDNN_ZERO_PAD;
+  const cudnnDataType_t compute = CUDNN_DATA_FLOAT;
+  const int64_t dims = 2;
+  const std::array<cudnnFraction_t, 2> window{{{op.window, 1}, {op.window, 1}}};
+  const std::array<cudnnFraction_t, 2> stride{{{op.stride, 1}, {op.stride, 1}}};
+  const std::array<cudnnFraction_t, 2> pad{{{op.pad, 1}, {op.pad, 1}}};
+  STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_RESAMPLE_MODE, CUDNN_TYPE_RESAMPLE_MODE, 1, &mode));
+  STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_RESAMPLE_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &compute));
+  STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_RESAMPLE_PADDING_MODE, CUDNN_TYPE_PADDING_MODE, 1, &padding));
+  STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_RESAMPLE_SPATIAL_DIMS, CUDNN_TYPE_INT64, 1, &dims));
+  STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_RESAMPLE_WINDOW_DIMS, CUDNN_TYPE_FRACTION, 2, window.data()));
+  STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_RESAMPLE_STRIDES, CUDNN_TYPE_FRACTION, 2, stride.data()));
+  STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_RESAMPLE_PRE_PADDINGS, CUDNN_TYPE_FRACTION, 2, pad.data()));
+  STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_RESAMPLE_POST_PADDINGS, CUDNN_TYPE_FRACTION, 2, pad.data()));
+  STOKE_RETURN_IF_ERROR(d.Finalize("resample"));
+  return d;
+}
+
+// The operation of `op`, given its tensors' descriptors; `keep` holds helper descriptors alive.
+Result<Desc> MakeOperation(const OpSpec& op, const std::vector<Desc>& t, std::vector<Desc>& keep) {
+  using K = OpSpec::Kind;
+  const float one = 1.f, zero = 0.f;
+  switch (op.kind) {
+    case K::kConvForward:
+    case K::kConvBackwardData:
+    case K::kConvBackwardFilter: {
+      STOKE_ASSIGN_OR_RETURN(Desc conv, MakeConv(op.pad, op.stride));
+      Desc d;
+      if (op.kind == K::kConvForward) {
+        STOKE_ASSIGN_OR_RETURN(d, Desc::Make(CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR));
+        STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X, t[0]));
+        STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W, t[1]));
+        STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y, t[2]));
+        STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC, conv));
+        STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA, CUDNN_TYPE_FLOAT, 1, &one));
+        STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA, CUDNN_TYPE_FLOAT, 1, &zero));
+      } else if (op.kind == K::kConvBackwardData) {
+        STOKE_ASSIGN_OR_RETURN(d, Desc::Make(CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR));
+        STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DY, t[0]));
+        STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_W, t[1]));
+        STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DX, t[2]));
+        STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_CONV_DESC, conv));
+        STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA, CUDNN_TYPE_FLOAT, 1, &one));
+        STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA, CUDNN_TYPE_FLOAT, 1, &zero));
+      } else {
+        STOKE_ASSIGN_OR_RETURN(d, Desc::Make(CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR));
+        STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_X, t[0]));
+        STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DY, t[1]));
+        STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DW, t[2]));
+        STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_CONV_DESC, conv));
+        STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_ALPHA, CUDNN_TYPE_FLOAT, 1, &one));
+        STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA, CUDNN_TYPE_FLOAT, 1, &zero));
+      }
+      keep.push_back(std::move(conv));
+      STOKE_RETURN_IF_ERROR(d.Finalize("convolution operation"));
+      return d;
+    }
+    case K::kRelu:
+    case K::kReluBackward:
+    case K::kAdd: {
+      const cudnnPointwiseMode_t mode = op.kind == K::kRelu           ? CUDNN_POINTWISE_RELU_FWD
+                                        : op.kind == K::kReluBackward ? CUDNN_POINTWISE_RELU_BWD
+                                                                      : CUDNN_POINTWISE_ADD;
+      STOKE_ASSIGN_OR_RETURN(Desc pw, MakePointwise(mode));
+      STOKE_ASSIGN_OR_RETURN(Desc d, Desc::Make(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR));
+      STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, pw));
+      if (op.kind == K::kReluBackward) {
+        STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_POINTWISE_XDESC, t[0]));
+        STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_POINTWISE_DYDESC, t[1]));
+        STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_POINTWISE_DXDESC, t[2]));
+      } else {
+        STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_POINTWISE_XDESC, t[0]));
+        if (op.kind == K::kAdd) STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_POINTWISE_BDESC, t[1]));
+        STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_POINTWISE_YDESC, t[op.kind == K::kAdd ? 2 : 1]));
+      }
+      keep.push_back(std::move(pw));
+      STOKE_RETURN_IF_ERROR(d.Finalize("pointwise operation"));
+      return d;
+    }
+    case K::kBatchNormTrain: {
+      STOKE_ASSIGN_OR_RETURN(Desc d, Desc::Make(CUDNN_BACKEND_OPERATION_NORM_FORWARD_DESCRIPTOR));
+      const cudnnBackendNormMode_t mode = CUDNN_BATCH_NORM;
+      const cudnnBackendNormFwdPhase_t phase = CUDNN_NORM_FWD_TRAINING;
+      STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_OPERATION_NORM_FWD_MODE, CUDNN_TYPE_NORM_MODE, 1, &mode));
+      STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_OPERATION_NORM_FWD_PHASE, CUDNN_TYPE_NORM_FWD_PHASE, 1, &phase));
+      const std::array<cudnnBackendAttributeName_t, 12> roles{
+          CUDNN_ATTR_OPERATION_NORM_FWD_XDESC,
+          CUDNN_ATTR_OPERATION_NORM_FWD_SCALE_DESC,
+          CUDNN_ATTR_OPERATION_NORM_FWD_BIAS_DESC,
+          CUDNN_ATTR_OPERATION_NORM_FWD_EPSILON_DESC,
+          CUDNN_ATTR_OPERATION_NORM_FWD_EXP_AVG_FACTOR_DESC,
+          CUDNN_ATTR_OPERATION_NORM_FWD_INPUT_RUNNING_MEAN_DESC,
+          CUDNN_ATTR_OPERATION_NORM_FWD_INPUT_RUNNING_VAR_DESC,
+          CUDNN_ATTR_OPERATION_NORM_FWD_OUTPUT_RUNNING_MEAN_DESC,
+          CUDNN_ATTR_OPERATION_NORM_FWD_OUTPUT_RUNNING_VAR_DESC,
+          CUDNN_ATTR_OPERATION_NORM_FWD_MEAN_DESC,
+          CUDNN_ATTR_OPERATION_NORM_FWD_INV_VARIANCE_DESC,
+          CUDNN_ATTR_OPERATION_NORM_FWD_YDESC};
+      for (size_t i = 0; i < roles.size(); ++i) STOKE_RETURN_IF_ERROR(d.SetDesc(roles[i], t[i]));
+      STOKE_RETURN_IF_ERROR(d.Finalize("batch norm forward"));
+      return d;
+    }
+    case K::kBatchNormBackward: {
+      STOKE_ASSIGN_OR_RETURN(Desc d, Desc::Make(CUDNN_BACKEND_OPERATION_NORM_BACKWARD_DESCRIPTOR));
+      const cudnnBackendNormMode_t mode = CUDNN_BATCH_NORM;
+      STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_OPERATION_NORM_BWD_MODE, CUDNN_TYPE_NORM_MODE, 1, &mode));
+      const std::array<cudnnBackendAttributeName_t, 8> roles{
+          CUDNN_ATTR_OPERATION_NORM_BWD_XDESC,          CUDNN_ATTR_OPERATION_NORM_BWD_DYDESC,
+          CUDNN_ATTR_OPERATION_NORM_BWD_SCALE_DESC,     CUDNN_ATTR_OPERATION_NORM_BWD_MEAN_DESC,
+          CUDNN_ATTR_OPERATION_NORM_BWD_INV_VARIANCE_DESC, CUDNN_ATTR_OPERATION_NORM_BWD_DSCALE_DESC,
+          CUDNN_ATTR_OPERATION_NORM_BWD_DBIAS_DESC,     CUDNN_ATTR_OPERATION_NORM_BWD_DXDESC};
+      for (size_t i = 0; i < roles.size(); ++i) STOKE_RETURN_IF_ERROR(d.SetDesc(roles[i], t[i]));
+      STOKE_RETURN_IF_ERROR(d.Finalize("batch norm backward"));
+      return d;
+    }
+    case K::kPool:
+    case K::kPoolBackward: {
+      STOKE_ASSIGN_OR_RETURN(Desc rs, MakeResample(op));
+      Desc d;
+      if (op.kind == K::kPool) {
+        STOKE_ASSIGN_OR_RETURN(d, Desc::Make(CUDNN_BACKEND_OPERATION_RESAMPLE_FWD_DESCRIPTOR));
+        STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_RESAMPLE_FWD_XDESC, t[0]));
+        STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_RESAMPLE_FWD_YDESC, t[1]));
+        if (t.size() > 2) STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_RESAMPLE_FWD_IDXDESC, t[2]));
+        STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_RESAMPLE_FWD_DESC, rs));
+      } else {
+        STOKE_ASSIGN_OR_RETURN(d, Desc::Make(CUDNN_BACKEND_OPERATION_RESAMPLE_BWD_DESCRIPTOR));
+        STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_RESAMPLE_BWD_DYDESC, t[0]));
+        STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_RESAMPLE_BWD_DXDESC, t[1]));
+        if (t.size() > 2) STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_RESAMPLE_BWD_IDXDESC, t[2]));
+        STOKE_RETURN_IF_ERROR(d.SetDesc(CUDNN_ATTR_OPERATION_RESAMPLE_BWD_DESC, rs));
+      }
+      keep.push_back(std::move(rs));
+      STOKE_RETURN_IF_ERROR(d.Finalize("resample operation"));
+      return d;
+    }
+  }
+  return InternalError("unknown operation");
+}
+
+bool HasNote(const std::vector<cudnnBackendNumericalNote_t>& notes, cudnnBackendNumericalNote_t note) {
+  return std::find(notes.begin(), notes.end(), note) != notes.end();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Graphs>> Graphs::Create(cudnnHandle_t handle, bool allow_reduced_precision) {
+  std::unique_ptr<Graphs> g(new Graphs(handle, allow_reduced_precision));
+  STOKE_ASSIGN_OR_RETURN(g->device_, Desc::Make(CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR));
+  STOKE_RETURN_IF_ERROR(g->device_.Set(CUDNN_ATTR_DEVICEPROP_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle));
+  STOKE_RETURN_IF_ERROR(g->device_.Finalize("device properties"));
+  return g;
+}
+
+Result<const Plan*> Graphs::PlanFor(const OpSpec& op) {
+  const std::string key = op.Key();
+  if (auto it = plans_.find(key); it != plans_.end()) return it->second.get();
+
+  std::vector<Desc> tensors, keep;
+  for (const auto& t : op.tensors) {
+    STOKE_ASSIGN_OR_RETURN(Desc d, MakeTensor(t));
+    tensors.push_back(std::move(d));
+  }
+  STOKE_ASSIGN_OR_RETURN(Desc operation, MakeOperation(op, tensors, keep));
+  STOKE_ASSIGN_OR_RETURN(Desc graph, Desc::Make(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR));
+  cudnnBackendDescriptor_t ops[] = {operation.get()};
+  STOKE_RETURN_IF_ERROR(graph.Set(CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, ops));
+  STOKE_RETURN_IF_ERROR(graph.Finalize("operation graph"));
+
+  std::string tried;
+  for (cudnnBackendHeurMode_t mode : {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK}) {
+    STOKE_ASSIGN_OR_RETURN(Desc heur, Desc::Make(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR));
+    STOKE_RETURN_IF_ERROR(heur.SetDesc(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph));
+    STOKE_RETURN_IF_ERROR(heur.Set(CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode));
+    STOKE_RETURN_IF_ERROR(heur.SetDesc(CUDNN_ATTR_ENGINEHEUR_DEVICEPROP, device_));
+    if (!heur.Finalize("engine heuristics").ok()) continue;
+    int64_t count = 0;
+    if (cudnnBackendGetAttribute(heur.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count,
+                                 nullptr) != CUDNN_STATUS_SUCCESS || count <= 0) {
+      continue;
+    }
+    std::vector<Desc> configs;
+    std::vector<cudnnBackendDescriptor_t> raw;
+    for (int64_t i = 0; i < count; ++i) {
+      STOKE_ASSIGN_OR_RETURN(Desc c, Desc::Make(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR));
+      raw.push_back(c.get());
+      configs.push_back(std::move(c));
+    }
+    int64_t got = 0;
+    STOKE_CUDNN_RETURN(cudnnBackendGetAttribute(heur.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS,
+                                                CUDNN_TYPE_BACKEND_DESCRIPTOR, count, &got, raw.data()),
+                       "engine heuristics results");
+    for (int64_t i = 0; i < got; ++i) {
+      // The engine behind the configuration: its numerical notes and index.
+      STOKE_ASSIGN_OR_RETURN(Desc engine, Desc::Make(CUDNN_BACKEND_ENGINE_DESCRIPTOR));
+      cudnnBackendDescriptor_t engine_raw = engine.get();
+      int64_t n = 0, index = -1;
+      std::vector<cudnnBackendNumericalNote_t> notes(CUDNN_NUMERICAL_NOTE_TYPE_COUNT);
+      if (cudnnBackendGetAttribute(raw[static_cast<size_t>(i)], CUDNN_ATTR_ENGINECFG_ENGINE,
+                                   CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &n, &engine_raw) == CUDNN_STATUS_SUCCESS) {
+        int64_t note_count = 0;
+        if (cudnnBackendGetAttribute(engine_raw, CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, CUDNN_TYPE_NUMERICAL_NOTE,
+                                     static_cast<int64_t>(notes.size()), &note_count,
+                                     notes.data()) == CUDNN_STATUS_SUCCESS) {
+          notes.resize(static_cast<size_t>(note_count));
+        } else {
+          notes.clear();
+        }
+        cudnnBackendGetAttribute(engine_raw, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &n, &index);
+      } else {
+        notes.clear();
+      }
+      if (!reduced_ && HasNote(notes, CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS)) {
+        tried += fmt::format(" engine {} (down-converts inputs);", index);
+        continue;
+      }
+      STOKE_ASSIGN_OR_RETURN(Desc plan, Desc::Make(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR));
+      STOKE_RETURN_IF_ERROR(plan.Set(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
+                                     &raw[static_cast<size_t>(i)]));
+      STOKE_RETURN_IF_ERROR(plan.SetDesc(CUDNN_ATTR_EXECUTION_PLAN_DEVICEPROP, device_));
+      if (cudnnBackendFinalize(plan.get()) != CUDNN_STATUS_SUCCESS) {
+        tried += fmt::format(" engine {} (plan refused);", index);
+        continue;
+      }
+      auto p = std::make_unique<Plan>();
+      p->plan = std::move(plan);
+      STOKE_CUDNN_RETURN(cudnnBackendGetAttribute(p->plan.get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
+                                                  CUDNN_TYPE_INT64, 1, &n, &p->workspace),
+                         "plan workspace size");
+      p->engine = fmt::format("engine {}", index);
+      max_workspace_ = std::max(max_workspace_, p->workspace);
+      const Plan* out = p.get();
+      plans_.emplace(key, std::move(p));
+      return out;
+    }
+  }
+  return UnavailableError(fmt::format("cuDNN has no engine for this operation (kind {}){}", static_cast<int>(op.kind),
+                                        tried.empty() ? "" : ":" + tried));
+}
+
+Result<Desc> Graphs::Bind(const std::vector<int64_t>& uids, const std::vector<void*>& pointers, void* workspace) {
+  STOKE_ASSIGN_OR_RETURN(Desc d, Desc::Make(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR));
+  const auto n = static_cast<int64_t>(uids.size());
+  STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, n, uids.data()));
+  STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, n, pointers.data()));
+  STOKE_RETURN_IF_ERROR(d.Set(CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &workspace));
+  STOKE_RETURN_IF_ERROR(d.Finalize("variant pack"));
+  return d;
+}
+
+Status Graphs::Execute(const Plan& plan, const Desc& variant_pack) const {
+  STOKE_CUDNN_RETURN(cudnnBackendExecute(handle_, plan.plan.get(), variant_pack.get()), "execute " + plan.engine);
+  return OkStatus();
+}
+
+}  // namespace stoke::train::cuda

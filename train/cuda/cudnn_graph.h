@@ -1,0 +1,108 @@
+// A small C++ layer over cuDNN 9's graph (backend) API: descriptors with RAII, tensors, the
+// one-operation graphs the CUDA backend uses (convolution forward / backward data / backward
+// filter, pointwise ReLU and add, batch norm forward and backward, pooling through resampling),
+// execution plans chosen by cuDNN's heuristics and cached per shape, and variant packs built once
+// per layer (every buffer of a layer is fixed for the network's lifetime).
+//
+// Only non-deprecated entry points are used: the project builds this file with
+// CUDNN_WARN_DEPRECATED and deprecation warnings as errors. The device comes to the heuristics and
+// plans through a device-property descriptor (the handle attributes of graphs and plans are
+// deprecated in cuDNN 9).
+#pragma once
+
+#include <cudnn.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace stoke::train::cuda {
+
+Status CudnnError(cudnnStatus_t status, const std::string& what);
+
+// One backend descriptor, destroyed with its owner.
+class Desc {
+ public:
+  Desc() = default;
+  static Result<Desc> Make(cudnnBackendDescriptorType_t type);
+  Desc(Desc&& o) noexcept : d_(o.d_) { o.d_ = nullptr; }
+  Desc& operator=(Desc&& o) noexcept;
+  Desc(const Desc&) = delete;
+  Desc& operator=(const Desc&) = delete;
+  ~Desc();
+
+  cudnnBackendDescriptor_t get() const { return d_; }
+  Status Set(cudnnBackendAttributeName_t name, cudnnBackendAttributeType_t type, int64_t count, const void* values);
+  Status SetDesc(cudnnBackendAttributeName_t name, const Desc& other);
+  Status Finalize(const char* what);
+
+ private:
+  cudnnBackendDescriptor_t d_ = nullptr;
+};
+
+// A tensor of a graph: dims and strides in cuDNN's N, C, (H, W) order.
+struct TensorSpec {
+  int64_t uid = 0;
+  cudnnDataType_t type = CUDNN_DATA_FLOAT;
+  std::vector<int64_t> dims, strides;
+  bool by_value = false;  // a host scalar passed at execution (epsilon, momentum)
+};
+// NHWC activations (n, c, h, w), KRSC filters and (1, c, 1, 1) per-channel vectors.
+TensorSpec Nhwc(int64_t uid, cudnnDataType_t type, int64_t n, int64_t c, int64_t h, int64_t w);
+TensorSpec ChannelVector(int64_t uid, int64_t c);
+TensorSpec Scalar(int64_t uid);
+
+// What one graph computes; `key` identifies the shape for the plan cache.
+struct OpSpec {
+  enum class Kind { kConvForward, kConvBackwardData, kConvBackwardFilter, kRelu, kReluBackward, kAdd, kBatchNormTrain,
+                    kBatchNormBackward, kPool, kPoolBackward };
+  Kind kind = Kind::kConvForward;
+  // Tensors, by role:
+  //   conv forward: x, w, y | backward data: dy, w, dx | backward filter: x, dy, dw
+  //   relu: x, y | relu backward: x, dy, dx | add: a, b, y
+  //   batch norm train: x, scale, bias, eps, factor, in_mean, in_var, out_mean, out_var, mean, inv_var, y
+  //   batch norm backward: x, dy, scale, mean, inv_var, dscale, dbias, dx
+  //   pool: x, y [, index] | pool backward: dy, dx [, index]
+  std::vector<TensorSpec> tensors;
+  int64_t pad = 0, stride = 1, window = 1;  // conv, pool
+  bool max_pool = false;
+  std::string Key() const;
+};
+
+// A finalised plan and the workspace it needs.
+struct Plan {
+  Desc plan;
+  int64_t workspace = 0;
+  std::string engine;  // "engine N" for reports
+};
+
+class Graphs {
+ public:
+  // `allow_reduced_precision` false (float32 training) refuses engines that down-convert inputs
+  // (TF32), so the float32 backend is a reference.
+  static Result<std::unique_ptr<Graphs>> Create(cudnnHandle_t handle, bool allow_reduced_precision);
+
+  // The plan for `op`, built once per shape (heuristics A, then the fallback list; the first
+  // engine configuration that finalises). kUnavailable when cuDNN has no engine for it.
+  Result<const Plan*> PlanFor(const OpSpec& op);
+  // A variant pack binding `uids` to `pointers` and the workspace.
+  static Result<Desc> Bind(const std::vector<int64_t>& uids, const std::vector<void*>& pointers, void* workspace);
+  Status Execute(const Plan& plan, const Desc& variant_pack) const;
+
+  int64_t max_workspace() const { return max_workspace_; }
+  size_t cached_plans() const { return plans_.size(); }
+
+ private:
+  Graphs(cudnnHandle_t handle, bool reduced) : handle_(handle), reduced_(reduced) {}
+  cudnnHandle_t handle_;
+  bool reduced_;
+  Desc device_;
+  std::map<std::string, std::unique_ptr<Plan>> plans_;
+  int64_t max_workspace_ = 0;
+};
+
+}  // namespace stoke::train::cuda

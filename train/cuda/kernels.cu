@@ -1,0 +1,569 @@
+#include "train/cuda/kernels.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cfloat>
+
+namespace stoke::train::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename T>
+__device__ __forceinline__ float Load(const T* p, int64_t i);
+template <>
+__device__ __forceinline__ float Load<float>(const float* p, int64_t i) { return p[i]; }
+template <>
+__device__ __forceinline__ float Load<__half>(const __half* p, int64_t i) { return __half2float(p[i]); }
+template <>
+__device__ __forceinline__ float Load<__nv_bfloat16>(const __nv_bfloat16* p, int64_t i) {
+  return __bfloat162float(p[i]);
+}
+
+template <typename T>
+__device__ __forceinline__ void Store(T* p, int64_t i, float v);
+template <>
+__device__ __forceinline__ void Store<float>(float* p, int64_t i, float v) { p[i] = v; }
+template <>
+__device__ __forceinline__ void Store<__half>(__half* p, int64_t i, float v) { p[i] = __float2half_rn(v); }
+template <>
+__device__ __forceinline__ void Store<__nv_bfloat16>(__nv_bfloat16* p, int64_t i, float v) {
+  p[i] = __float2bfloat16_rn(v);
+}
+
+// Calls f(T*) with the pointer type matching `t`.
+#define STOKE_DISPATCH(t, F)                      \
+  switch (t) {                                    \
+    case DType::kF32: { using T = float; F; break; }          \
+    case DType::kF16: { using T = __half; F; break; }         \
+    case DType::kBF16: { using T = __nv_bfloat16; F; break; } \
+  }
+
+unsigned Blocks(int64_t n) {
+  return static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535 * 8));
+}
+
+#define STOKE_GRID_LOOP(i, n) \
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < (n); \
+       i += static_cast<int64_t>(blockDim.x) * gridDim.x)
+
+// ---------------------------------------------------------------- input
+
+template <typename T>
+__global__ void NormalizeKernel(const uint8_t* src, int64_t valid_values, int64_t total_values, InputAffine a,
+                                T* dst) {
+  STOKE_GRID_LOOP(i, total_values) {
+    const int c = static_cast<int>(i % 3);
+    Store(dst, i, i < valid_values ? src[i] * a.scale[c] + a.shift[c] : 0.f);
+  }
+}
+
+// ---------------------------------------------------------------- loss
+
+template <typename Op>
+__device__ float BlockReduce(float v, Op op, float identity, float* shared) {
+  for (int offset = 16; offset > 0; offset /= 2) v = op(v, __shfl_down_sync(0xffffffffu, v, offset));
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  const int warps = blockDim.x / 32;
+  v = threadIdx.x < warps ? shared[threadIdx.x] : identity;
+  if (warp == 0) {
+    for (int offset = 16; offset > 0; offset /= 2) v = op(v, __shfl_down_sync(0xffffffffu, v, offset));
+    if (lane == 0) shared[0] = v;
+  }
+  __syncthreads();
+  v = shared[0];
+  __syncthreads();
+  return v;
+}
+struct MaxOp {
+  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+struct SumOp {
+  __device__ float operator()(float a, float b) const { return a + b; }
+};
+
+template <typename T>
+__global__ void SoftmaxCrossEntropyKernel(const T* logits, const int32_t* labels, int classes, float smoothing,
+                                          T* grad, float grad_scale, StepStats* stats) {
+  __shared__ float shared[32];
+  const int64_t row = blockIdx.x;
+  const T* z = logits + row * classes;
+  const int y = labels[row];
+  const float zy = Load(z, y);
+  float zmax = -FLT_MAX, zsum = 0, above = 0;
+  for (int k = threadIdx.x; k < classes; k += blockDim.x) {
+    const float v = Load(z, k);
+    zmax = fmaxf(zmax, v);
+    zsum += v;
+    above += v > zy ? 1.f : 0.f;
+  }
+  zmax = BlockReduce(zmax, MaxOp{}, -FLT_MAX, shared);
+  zsum = BlockReduce(zsum, SumOp{}, 0.f, shared);
+  above = BlockReduce(above, SumOp{}, 0.f, shared);
+  float sum = 0;
+  for (int k = threadIdx.x; k < classes; k += blockDim.x) sum += __expf(Load(z, k) - zmax);
+  sum = BlockReduce(sum, SumOp{}, 0.f, shared);
+  const float off = smoothing / classes, on = 1.f - smoothing + off;
+  if (threadIdx.x == 0) {
+    const double lse = static_cast<double>(zmax) + log(static_cast<double>(sum));
+    atomicAdd(&stats->loss_sum, lse - static_cast<double>(on - off) * zy - static_cast<double>(off) * zsum);
+    if (above < 0.5f) atomicAdd(&stats->top1, 1ull);
+    if (above < 4.5f) atomicAdd(&stats->top5, 1ull);
+  }
+  if (grad != nullptr) {
+    T* g = grad + row * classes;
+    for (int k = threadIdx.x; k < classes; k += blockDim.x) {
+      const float q = k == y ? on : off;
+      Store(g, k, (__expf(Load(z, k) - zmax) / sum - q) * grad_scale);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- channel-wise steps
+
+template <typename T>
+__global__ void AddChannelBiasKernel(T* y, const float* bias, int64_t n, int channels) {
+  STOKE_GRID_LOOP(i, n) { Store(y, i, Load(y, i) + bias[i % channels]); }
+}
+
+// Partial per-channel sums of f(r, c) over chunks of rows: block (32, 8) covers 32 channels and one
+// chunk; out[chunk * channels + c].
+constexpr int kChunkRows = 8;
+int Chunks(int64_t rows) { return static_cast<int>(std::min<int64_t>((rows + 255) / 256, 256)); }
+
+template <typename F>
+__device__ void ChannelPartials(int64_t rows, int channels, int chunks, F f, float* out) {
+  __shared__ float shared[kChunkRows][33];
+  const int c = blockIdx.x * 32 + threadIdx.x;
+  const int chunk = blockIdx.y;
+  const int64_t per_chunk = (rows + chunks - 1) / chunks;
+  const int64_t begin = chunk * per_chunk, end = min(rows, begin + per_chunk);
+  float acc = 0;
+  if (c < channels) {
+    for (int64_t r = begin + threadIdx.y; r < end; r += kChunkRows) acc += f(r, c);
+  }
+  shared[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < channels) {
+    float total = 0;
+    for (int k = 0; k < kChunkRows; ++k) total += shared[k][threadIdx.x];
+    out[static_cast<int64_t>(chunk) * channels + c] = total;
+  }
+  __syncthreads();  // the caller may reuse `shared` for a second sum
+}
+
+template <typename T>
+__global__ void ChannelSumsKernel(const T* x, int64_t rows, int channels, int chunks, float* partials) {
+  ChannelPartials(rows, channels, chunks, [=] __device__(int64_t r, int c) { return Load(x, r * channels + c); },
+                  partials);
+}
+
+__global__ void CombinePartialsKernel(const float* partials, int chunks, int channels, float* out) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= channels) return;
+  double total = 0;
+  for (int k = 0; k < chunks; ++k) total += partials[static_cast<int64_t>(k) * channels + c];
+  out[c] = static_cast<float>(total);
+}
+
+// ---------------------------------------------------------------- elementwise
+
+template <typename T>
+__global__ void ReluKernel(const T* x, T* y, int64_t n) {
+  STOKE_GRID_LOOP(i, n) { Store(y, i, fmaxf(Load(x, i), 0.f)); }
+}
+template <typename T>
+__global__ void ReluBackwardKernel(const T* x, const T* dy, T* dx, int64_t n) {
+  STOKE_GRID_LOOP(i, n) { Store(dx, i, Load(x, i) > 0.f ? Load(dy, i) : 0.f); }
+}
+template <typename T>
+__global__ void AddKernel(const T* a, const T* b, T* y, int64_t n) {
+  STOKE_GRID_LOOP(i, n) { Store(y, i, Load(a, i) + Load(b, i)); }
+}
+template <typename T>
+__global__ void AccumulateKernel(T* dst, const T* src, int64_t n) {
+  STOKE_GRID_LOOP(i, n) { Store(dst, i, Load(dst, i) + Load(src, i)); }
+}
+
+__device__ __forceinline__ uint64_t SplitMixAt(uint64_t seed, uint64_t index) {
+  uint64_t z = seed + (index + 1) * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+template <typename T>
+__global__ void DropoutKernel(const T* x, T* y, uint8_t* keep, int64_t n, int c, int h, int w, uint64_t seed,
+                              double p, float scale) {
+  STOKE_GRID_LOOP(i, n) {
+    // i walks NHWC; the mask is drawn in logical NCHW order.
+    const int64_t ch = i % c, pixel = (i / c) % (static_cast<int64_t>(h) * w), sample = i / (static_cast<int64_t>(c) * h * w);
+    const int64_t logical = (sample * c + ch) * h * w + pixel;
+    const double u = static_cast<double>(SplitMixAt(seed, static_cast<uint64_t>(logical)) >> 11) * 0x1.0p-53;
+    const bool k = !(u < p);
+    keep[i] = k ? 1 : 0;
+    Store(y, i, k ? Load(x, i) * scale : 0.f);
+  }
+}
+template <typename T>
+__global__ void DropoutBackwardKernel(const T* dy, const uint8_t* keep, T* dx, int64_t n, float scale) {
+  STOKE_GRID_LOOP(i, n) { Store(dx, i, keep[i] ? Load(dy, i) * scale : 0.f); }
+}
+
+// ---------------------------------------------------------------- batch norm (fallback)
+
+template <typename T>
+__global__ void MomentsKernel(const T* x, int64_t rows, int channels, int chunks, float* partials) {
+  const int64_t plane = static_cast<int64_t>(chunks) * channels;
+  ChannelPartials(rows, channels, chunks, [=] __device__(int64_t r, int c) { return Load(x, r * channels + c); },
+                  partials);
+  ChannelPartials(rows, channels, chunks, [=] __device__(int64_t r, int c) {
+    const float v = Load(x, r * channels + c);
+    return v * v;
+  }, partials + plane);
+}
+
+__global__ void BatchNormStatsKernel(const float* partials, int chunks, int channels, int64_t rows, float eps,
+                                     float momentum, float* running_mean, float* running_var, float* save_mean,
+                                     float* save_inv_std) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= channels) return;
+  const int64_t plane = static_cast<int64_t>(chunks) * channels;
+  double s = 0, s2 = 0;
+  for (int k = 0; k < chunks; ++k) {
+    s += partials[static_cast<int64_t>(k) * channels + c];
+    s2 += partials[plane + static_cast<int64_t>(k) * channels + c];
+  }
+  const double mean = s / rows;
+  const double var = fmax(s2 / rows - mean * mean, 0.0);
+  save_mean[c] = static_cast<float>(mean);
+  save_inv_std[c] = static_cast<float>(1.0 / sqrt(var + eps));
+  const double unbias = rows > 1 ? static_cast<double>(rows) / (rows - 1) : 1.0;
+  running_mean[c] = static_cast<float>((1 - momentum) * running_mean[c] + momentum * mean);
+  running_var[c] = static_cast<float>((1 - momentum) * running_var[c] + momentum * var * unbias);
+}
+
+template <typename T>
+__global__ void ChannelNormalizeKernel(const T* x, T* y, int64_t n, int channels, const float* scale,
+                                       const float* shift, const float* mean, const float* inv_std) {
+  STOKE_GRID_LOOP(i, n) {
+    const int c = static_cast<int>(i % channels);
+    Store(y, i, (Load(x, i) - mean[c]) * inv_std[c] * scale[c] + shift[c]);
+  }
+}
+
+template <typename T>
+__global__ void BatchNormGradPartialsKernel(const T* x, const T* dy, int64_t rows, int channels, int chunks,
+                                            const float* mean, const float* inv_std, float* partials) {
+  const int64_t plane = static_cast<int64_t>(chunks) * channels;
+  ChannelPartials(rows, channels, chunks, [=] __device__(int64_t r, int c) { return Load(dy, r * channels + c); },
+                  partials);
+  ChannelPartials(rows, channels, chunks, [=] __device__(int64_t r, int c) {
+    const int64_t i = r * channels + c;
+    return Load(dy, i) * (Load(x, i) - mean[c]) * inv_std[c];
+  }, partials + plane);
+}
+
+__global__ void BatchNormGradCombineKernel(const float* partials, int chunks, int channels, float* dscale,
+                                           float* dshift) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= channels) return;
+  const int64_t plane = static_cast<int64_t>(chunks) * channels;
+  double s = 0, s2 = 0;
+  for (int k = 0; k < chunks; ++k) {
+    s += partials[static_cast<int64_t>(k) * channels + c];
+    s2 += partials[plane + static_cast<int64_t>(k) * channels + c];
+  }
+  dshift[c] = static_cast<float>(s);
+  dscale[c] = static_cast<float>(s2);
+}
+
+template <typename T>
+__global__ void BatchNormDxKernel(const T* x, const T* dy, T* dx, int64_t n, int64_t rows, int channels,
+                                  const float* scale, const float* mean, const float* inv_std, const float* dscale,
+                                  const float* dshift) {
+  STOKE_GRID_LOOP(i, n) {
+    const int c = static_cast<int>(i % channels);
+    const float xhat = (Load(x, i) - mean[c]) * inv_std[c];
+    const float m = static_cast<float>(rows);
+    Store(dx, i, scale[c] * inv_std[c] * (Load(dy, i) - dshift[c] / m - xhat * dscale[c] / m));
+  }
+}
+
+template <typename T>
+__global__ void BatchNormInferenceKernel(const T* x, T* y, int64_t n, int channels, const float* scale,
+                                         const float* shift, const float* mean, const float* var, float eps) {
+  STOKE_GRID_LOOP(i, n) {
+    const int c = static_cast<int>(i % channels);
+    Store(y, i, (Load(x, i) - mean[c]) * rsqrtf(var[c] + eps) * scale[c] + shift[c]);
+  }
+}
+
+// ---------------------------------------------------------------- pooling (fallback)
+
+template <typename T>
+__global__ void PoolKernel(const T* x, T* y, int32_t* argmax, PoolShape p) {
+  const int64_t n = static_cast<int64_t>(p.n) * p.oh * p.ow * p.c;
+  STOKE_GRID_LOOP(i, n) {
+    const int c = static_cast<int>(i % p.c);
+    const int ox = static_cast<int>((i / p.c) % p.ow), oy = static_cast<int>((i / p.c / p.ow) % p.oh);
+    const int64_t s = i / (static_cast<int64_t>(p.c) * p.ow * p.oh);
+    const T* base = x + s * p.h * p.w * p.c;
+    float best = -FLT_MAX, sum = 0;
+    int arg = -1;
+    for (int ky = 0; ky < p.kh; ++ky) {
+      const int iy = oy * p.stride - p.pad + ky;
+      if (iy < 0 || iy >= p.h) continue;
+      for (int kx = 0; kx < p.kw; ++kx) {
+        const int ix = ox * p.stride - p.pad + kx;
+        if (ix < 0 || ix >= p.w) continue;
+        const float v = Load(base, (static_cast<int64_t>(iy) * p.w + ix) * p.c + c);
+        sum += v;
+        if (arg < 0 || v > best) {
+          best = v;
+          arg = iy * p.w + ix;
+        }
+      }
+    }
+    if (p.max) {
+      argmax[i] = arg;
+      Store(y, i, best);
+    } else {
+      Store(y, i, sum / static_cast<float>(p.kh * p.kw));
+    }
+  }
+}
+
+template <typename T>
+__global__ void PoolBackwardKernel(const T* dy, const int32_t* argmax, T* dx, PoolShape p) {
+  const int64_t n = static_cast<int64_t>(p.n) * p.h * p.w * p.c;
+  STOKE_GRID_LOOP(i, n) {
+    const int c = static_cast<int>(i % p.c);
+    const int ix = static_cast<int>((i / p.c) % p.w), iy = static_cast<int>((i / p.c / p.w) % p.h);
+    const int64_t s = i / (static_cast<int64_t>(p.c) * p.w * p.h);
+    // Outputs whose window covers (iy, ix): oy * stride - pad <= iy < oy * stride - pad + kh.
+    const int oy0 = max(0, (iy + p.pad - p.kh + p.stride) / p.stride), oy1 = min(p.oh - 1, (iy + p.pad) / p.stride);
+    const int ox0 = max(0, (ix + p.pad - p.kw + p.stride) / p.stride), ox1 = min(p.ow - 1, (ix + p.pad) / p.stride);
+    float acc = 0;
+    for (int oy = oy0; oy <= oy1; ++oy) {
+      if (iy < oy * p.stride - p.pad || iy >= oy * p.stride - p.pad + p.kh) continue;
+      for (int ox = ox0; ox <= ox1; ++ox) {
+        if (ix < ox * p.stride - p.pad || ix >= ox * p.stride - p.pad + p.kw) continue;
+        const int64_t o = ((s * p.oh + oy) * p.ow + ox) * p.c + c;
+        if (p.max) {
+          if (argmax[o] == iy * p.w + ix) acc += Load(dy, o);
+        } else {
+          acc += Load(dy, o);
+        }
+      }
+    }
+    Store(dx, i, p.max ? acc : acc / static_cast<float>(p.kh * p.kw));
+  }
+}
+
+// ---------------------------------------------------------------- flatten
+
+template <typename T>
+__global__ void FlattenKernel(const T* x, T* y, int64_t n, int h, int w, int c, bool inverse) {
+  STOKE_GRID_LOOP(i, n) {  // i walks NHWC
+    const int ch = static_cast<int>(i % c);
+    const int64_t pixel = (i / c) % (static_cast<int64_t>(h) * w), sample = i / (static_cast<int64_t>(c) * h * w);
+    const int64_t j = sample * c * h * w + ch * static_cast<int64_t>(h) * w + pixel;
+    if (inverse) {
+      Store(y, i, Load(x, j));
+    } else {
+      Store(y, j, Load(x, i));
+    }
+  }
+}
+
+// ---------------------------------------------------------------- optimizer
+
+template <typename T>
+__global__ void NonFiniteKernel(const T* g, int64_t n, StepStats* stats) {
+  bool bad = false;
+  STOKE_GRID_LOOP(i, n) { bad |= !isfinite(Load(g, i)); }
+  if (__syncthreads_or(bad) && threadIdx.x == 0) stats->non_finite = 1;
+}
+
+template <typename G, typename C>
+__global__ void SgdKernel(float* master, float* momentum, const G* grad, C* copy, int64_t n, int64_t decay_end,
+                          int64_t copy_end, SgdArgs a, const StepStats* stats) {
+  if (stats->non_finite) return;
+  STOKE_GRID_LOOP(i, n) {
+    const float w = master[i];
+    const float g = Load(grad, i) * a.inv_loss_scale + (i < decay_end ? a.weight_decay * w : 0.f);
+    const float m = a.momentum * momentum[i] + g;
+    momentum[i] = m;
+    const float updated = w - a.lr * (a.nesterov ? g + a.momentum * m : m);
+    master[i] = updated;
+    if (copy != nullptr && i < copy_end) Store(copy, i, updated);
+  }
+}
+
+template <typename T>
+__global__ void CastFromFloatKernel(const float* src, T* dst, int64_t n) {
+  STOKE_GRID_LOOP(i, n) { Store(dst, i, src[i]); }
+}
+template <typename T>
+__global__ void CastToFloatKernel(const T* src, float* dst, int64_t n) {
+  STOKE_GRID_LOOP(i, n) { dst[i] = Load(src, i); }
+}
+
+}  // namespace
+
+void NormalizeInput(const uint8_t* src, int valid, int total, int64_t pixels, InputAffine a, void* dst, DType t,
+                    cudaStream_t s) {
+  const int64_t values = static_cast<int64_t>(total) * pixels * 3;
+  STOKE_DISPATCH(t, (NormalizeKernel<T><<<Blocks(values), kThreads, 0, s>>>(
+                        src, static_cast<int64_t>(valid) * pixels * 3, values, a, static_cast<T*>(dst))));
+}
+
+void SoftmaxCrossEntropy(const void* logits, DType t, const int32_t* labels, int rows, int classes, float smoothing,
+                         void* grad, float grad_scale, StepStats* stats, cudaStream_t s) {
+  if (rows <= 0) return;
+  STOKE_DISPATCH(t, (SoftmaxCrossEntropyKernel<T><<<rows, kThreads, 0, s>>>(
+                        static_cast<const T*>(logits), labels, classes, smoothing, static_cast<T*>(grad), grad_scale,
+                        stats)));
+}
+
+void AddChannelBias(void* y, DType t, const float* bias, int64_t rows, int channels, cudaStream_t s) {
+  const int64_t n = rows * channels;
+  STOKE_DISPATCH(t, (AddChannelBiasKernel<T><<<Blocks(n), kThreads, 0, s>>>(static_cast<T*>(y), bias, n, channels)));
+}
+
+void ChannelSums(const void* x, DType t, int64_t rows, int channels, float* out, float* partials, cudaStream_t s) {
+  const int chunks = Chunks(rows);
+  const dim3 block(32, kChunkRows), grid((channels + 31) / 32, chunks);
+  STOKE_DISPATCH(t, (ChannelSumsKernel<T><<<grid, block, 0, s>>>(static_cast<const T*>(x), rows, channels, chunks,
+                                                               partials)));
+  CombinePartialsKernel<<<(channels + 127) / 128, 128, 0, s>>>(partials, chunks, channels, out);
+}
+
+void Relu(const void* x, void* y, DType t, int64_t n, cudaStream_t s) {
+  STOKE_DISPATCH(t, (ReluKernel<T><<<Blocks(n), kThreads, 0, s>>>(static_cast<const T*>(x), static_cast<T*>(y), n)));
+}
+void ReluBackward(const void* x, const void* dy, void* dx, DType t, int64_t n, cudaStream_t s) {
+  STOKE_DISPATCH(t, (ReluBackwardKernel<T><<<Blocks(n), kThreads, 0, s>>>(
+                        static_cast<const T*>(x), static_cast<const T*>(dy), static_cast<T*>(dx), n)));
+}
+void Add(const void* a, const void* b, void* y, DType t, int64_t n, cudaStream_t s) {
+  STOKE_DISPATCH(t, (AddKernel<T><<<Blocks(n), kThreads, 0, s>>>(static_cast<const T*>(a), static_cast<const T*>(b),
+                                                               static_cast<T*>(y), n)));
+}
+void Accumulate(void* dst, const void* src, DType t, int64_t n, cudaStream_t s) {
+  STOKE_DISPATCH(t, (AccumulateKernel<T><<<Blocks(n), kThreads, 0, s>>>(static_cast<T*>(dst),
+                                                                       static_cast<const T*>(src), n)));
+}
+
+void Dropout(const void* x, void* y, uint8_t* keep, DType t, int64_t n, int c, int h, int w, uint64_t seed, double p,
+             cudaStream_t s) {
+  const auto scale = static_cast<float>(1.0 / (1.0 - p));
+  STOKE_DISPATCH(t, (DropoutKernel<T><<<Blocks(n), kThreads, 0, s>>>(static_cast<const T*>(x), static_cast<T*>(y),
+                                                                   keep, n, c, h, w, seed,
+                                                                   p, scale)));
+}
+void DropoutBackward(const void* dy, const uint8_t* keep, void* dx, DType t, int64_t n, double p, cudaStream_t s) {
+  const auto scale = static_cast<float>(1.0 / (1.0 - p));
+  STOKE_DISPATCH(t, (DropoutBackwardKernel<T><<<Blocks(n), kThreads, 0, s>>>(static_cast<const T*>(dy), keep,
+                                                                           static_cast<T*>(dx), n, scale)));
+}
+
+size_t BatchNormWorkspace(int64_t rows, int channels) {
+  return 2 * static_cast<size_t>(Chunks(rows)) * static_cast<size_t>(channels);
+}
+
+void BatchNormTrain(const void* x, void* y, DType t, int64_t rows, int channels, const float* scale, const float* shift,
+                    float eps, float momentum, float* running_mean, float* running_var, float* save_mean,
+                    float* save_inv_std, float* partials, cudaStream_t s) {
+  const int chunks = Chunks(rows);
+  const dim3 block(32, kChunkRows), grid((channels + 31) / 32, chunks);
+  STOKE_DISPATCH(t, (MomentsKernel<T><<<grid, block, 0, s>>>(static_cast<const T*>(x), rows, channels, chunks,
+                                                           partials)));
+  BatchNormStatsKernel<<<(channels + 127) / 128, 128, 0, s>>>(partials, chunks, channels, rows, eps, momentum,
+                                                              running_mean, running_var, save_mean, save_inv_std);
+  const int64_t n = rows * channels;
+  STOKE_DISPATCH(t, (ChannelNormalizeKernel<T><<<Blocks(n), kThreads, 0, s>>>(
+                        static_cast<const T*>(x), static_cast<T*>(y), n, channels, scale, shift, save_mean,
+                        save_inv_std)));
+}
+
+void BatchNormBackward(const void* x, const void* dy, void* dx, DType t, int64_t rows, int channels,
+                       const float* scale, const float* save_mean, const float* save_inv_std, float* dscale,
+                       float* dshift, float* partials, cudaStream_t s) {
+  const int chunks = Chunks(rows);
+  const dim3 block(32, kChunkRows), grid((channels + 31) / 32, chunks);
+  STOKE_DISPATCH(t, (BatchNormGradPartialsKernel<T><<<grid, block, 0, s>>>(
+                        static_cast<const T*>(x), static_cast<const T*>(dy), rows, channels, chunks, save_mean,
+                        save_inv_std, partials)));
+  BatchNormGradCombineKernel<<<(channels + 127) / 128, 128, 0, s>>>(partials, chunks, channels, dscale, dshift);
+  const int64_t n = rows * channels;
+  STOKE_DISPATCH(t, (BatchNormDxKernel<T><<<Blocks(n), kThreads, 0, s>>>(
+                        static_cast<const T*>(x), static_cast<const T*>(dy), static_cast<T*>(dx), n, rows, channels,
+                        scale, save_mean, save_inv_std, dscale, dshift)));
+}
+
+void BatchNormInference(const void* x, void* y, DType t, int64_t rows, int channels, const float* scale,
+                        const float* shift, const float* mean, const float* var, float eps, cudaStream_t s) {
+  const int64_t n = rows * channels;
+  STOKE_DISPATCH(t, (BatchNormInferenceKernel<T><<<Blocks(n), kThreads, 0, s>>>(
+                        static_cast<const T*>(x), static_cast<T*>(y), n, channels, scale, shift, mean, var, eps)));
+}
+
+void Pool(const void* x, void* y, int32_t* argmax, DType t, PoolShape p, cudaStream_t s) {
+  const int64_t n = static_cast<int64_t>(p.n) * p.oh * p.ow * p.c;
+  STOKE_DISPATCH(t, (PoolKernel<T><<<Blocks(n), kThreads, 0, s>>>(static_cast<const T*>(x), static_cast<T*>(y), argmax,
+                                                                p)));
+}
+void PoolBackward(const void* dy, const int32_t* argmax, void* dx, DType t, PoolShape p, cudaStream_t s) {
+  const int64_t n = static_cast<int64_t>(p.n) * p.h * p.w * p.c;
+  STOKE_DISPATCH(t, (PoolBackwardKernel<T><<<Blocks(n), kThreads, 0, s>>>(static_cast<const T*>(dy), argmax,
+                                                                        static_cast<T*>(dx), p)));
+}
+
+void Flatten(const void* x, void* y, DType t, int n, int h, int w, int c, bool inverse, cudaStream_t s) {
+  const int64_t count = static_cast<int64_t>(n) * h * w * c;
+  STOKE_DISPATCH(t, (FlattenKernel<T><<<Blocks(count), kThreads, 0, s>>>(static_cast<const T*>(x), static_cast<T*>(y),
+                                                                       count, h, w, c, inverse)));
+}
+
+void FindNonFinite(const void* g, DType t, int64_t n, StepStats* stats, cudaStream_t s) {
+  if (n <= 0) return;
+  STOKE_DISPATCH(t, (NonFiniteKernel<T><<<Blocks(n), kThreads, 0, s>>>(static_cast<const T*>(g), n, stats)));
+}
+
+void SgdUpdate(float* master, float* momentum, const void* grad, DType gt, void* copy, DType ct, int64_t n,
+               int64_t decay_end, int64_t copy_end, SgdArgs a, const StepStats* stats, cudaStream_t s) {
+  if (n <= 0) return;
+  // The copy type only matters where a copy is written; float copies never are (the master is used).
+  switch (gt) {
+    case DType::kF32:
+      STOKE_DISPATCH(ct, (SgdKernel<float, T><<<Blocks(n), kThreads, 0, s>>>(
+                             master, momentum, static_cast<const float*>(grad), static_cast<T*>(copy), n, decay_end,
+                             copy_end, a, stats)));
+      break;
+    case DType::kF16:
+      SgdKernel<__half, __half><<<Blocks(n), kThreads, 0, s>>>(master, momentum, static_cast<const __half*>(grad),
+                                                               static_cast<__half*>(copy), n, decay_end, copy_end, a,
+                                                               stats);
+      break;
+    case DType::kBF16:
+      SgdKernel<__nv_bfloat16, __nv_bfloat16><<<Blocks(n), kThreads, 0, s>>>(
+          master, momentum, static_cast<const __nv_bfloat16*>(grad), static_cast<__nv_bfloat16*>(copy), n, decay_end,
+          copy_end, a, stats);
+      break;
+  }
+}
+
+void CastFromFloat(const float* src, void* dst, DType t, int64_t n, cudaStream_t s) {
+  STOKE_DISPATCH(t, (CastFromFloatKernel<T><<<Blocks(n), kThreads, 0, s>>>(src, static_cast<T*>(dst), n)));
+}
+void CastToFloat(const void* src, DType t, float* dst, int64_t n, cudaStream_t s) {
+  STOKE_DISPATCH(t, (CastToFloatKernel<T><<<Blocks(n), kThreads, 0, s>>>(static_cast<const T*>(src), dst, n)));
+}
+
+}  // namespace stoke::train::cuda

@@ -1,0 +1,100 @@
+// The CUDA backend's own kernels: the steps cuDNN and cuBLAS have no node for (input
+// normalisation, softmax cross-entropy, the optimizer update, bias and flatten steps, dropout), and
+// the fallbacks used for a layer when cuDNN offers no engine for it (batch norm, ReLU, add,
+// pooling). Every launch is asynchronous on the given stream. Activations are NHWC (vectors are
+// N x C), in the compute type; statistics, parameters and their gradients are float32 unless said.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace stoke::train::cuda {
+
+enum class DType { kF32, kF16, kBF16 };
+inline size_t SizeOf(DType t) { return t == DType::kF32 ? 4 : 2; }
+
+// Per-channel affine map of the uint8 input: v * scale[c] + shift[c] (mean/std folded in).
+struct InputAffine {
+  float scale[3];
+  float shift[3];
+};
+
+// Written by SoftmaxCrossEntropy (accumulated: zero it first) and FindNonFinite.
+struct StepStats {
+  double loss_sum;
+  unsigned long long top1;
+  unsigned long long top5;
+  int non_finite;  // a gradient held an Inf or NaN (the update is skipped)
+  int pad;
+};
+
+struct SgdArgs {
+  float lr;
+  float momentum;
+  float weight_decay;
+  float inv_loss_scale;  // gradients are divided by the loss scale first
+  bool nesterov;
+};
+
+// uint8 HWC images (`valid` of them, `pixels` each) -> NHWC `dst` of `total` images (the rest zero).
+void NormalizeInput(const uint8_t* src, int valid, int total, int64_t pixels, InputAffine a, void* dst, DType t,
+                    cudaStream_t s);
+
+// Row-wise softmax cross-entropy with label smoothing over `rows` of `classes` logits (row stride
+// `classes`). Adds loss, top-1 and top-5 into `stats`; with `grad` writes
+// (softmax - target) * grad_scale there (grad_scale = loss scale / batch).
+void SoftmaxCrossEntropy(const void* logits, DType t, const int32_t* labels, int rows, int classes, float smoothing,
+                         void* grad, float grad_scale, StepStats* stats, cudaStream_t s);
+
+// y[r, c] += bias[c] for rows x channels.
+void AddChannelBias(void* y, DType t, const float* bias, int64_t rows, int channels, cudaStream_t s);
+// out[c] = sum over rows of x[r, c], in a fixed order; `partials` holds BatchNormWorkspace floats.
+void ChannelSums(const void* x, DType t, int64_t rows, int channels, float* out, float* partials, cudaStream_t s);
+
+void Relu(const void* x, void* y, DType t, int64_t n, cudaStream_t s);
+void ReluBackward(const void* x, const void* dy, void* dx, DType t, int64_t n, cudaStream_t s);
+void Add(const void* a, const void* b, void* y, DType t, int64_t n, cudaStream_t s);
+void Accumulate(void* dst, const void* src, DType t, int64_t n, cudaStream_t s);  // dst += src
+
+// Inverted dropout. The mask of element (n, c, h, w) is the one the CPU backend draws for logical
+// index ((n * C + c) * H + h) * W + w from SplitMix64(seed): identical masks for vectors.
+void Dropout(const void* x, void* y, uint8_t* keep, DType t, int64_t n, int c, int h, int w, uint64_t seed, double p,
+             cudaStream_t s);
+void DropoutBackward(const void* dy, const uint8_t* keep, void* dx, DType t, int64_t n, double p, cudaStream_t s);
+
+// Batch norm over rows x channels (training statistics; running ones updated with the unbiased
+// variance). `partials` holds BatchNormWorkspace(rows, channels) floats.
+size_t BatchNormWorkspace(int64_t rows, int channels);
+void BatchNormTrain(const void* x, void* y, DType t, int64_t rows, int channels, const float* scale, const float* shift,
+                    float eps, float momentum, float* running_mean, float* running_var, float* save_mean,
+                    float* save_inv_std, float* partials, cudaStream_t s);
+void BatchNormBackward(const void* x, const void* dy, void* dx, DType t, int64_t rows, int channels,
+                       const float* scale, const float* save_mean, const float* save_inv_std, float* dscale,
+                       float* dshift, float* partials, cudaStream_t s);
+// Evaluation: y = (x - mean) / sqrt(var + eps) * scale + shift.
+void BatchNormInference(const void* x, void* y, DType t, int64_t rows, int channels, const float* scale,
+                        const float* shift, const float* mean, const float* var, float eps, cudaStream_t s);
+
+struct PoolShape {
+  int n, h, w, c, oh, ow, kh, kw, stride, pad;
+  bool max;  // else average, divisor kh * kw (padding counted)
+};
+void Pool(const void* x, void* y, int32_t* argmax, DType t, PoolShape p, cudaStream_t s);
+void PoolBackward(const void* dy, const int32_t* argmax, void* dx, DType t, PoolShape p, cudaStream_t s);
+
+// NHWC (n, h, w, c) <-> vector (n, c * h * w) in C, H, W order.
+void Flatten(const void* x, void* y, DType t, int n, int h, int w, int c, bool inverse, cudaStream_t s);
+
+// Sets stats->non_finite when any of the n values is Inf or NaN.
+void FindNonFinite(const void* g, DType t, int64_t n, StepStats* stats, cudaStream_t s);
+// SGD with momentum over a flat group of parameters: master (float32), momentum, gradient (type
+// `gt`); weight decay on [0, decay_end); the compute copy (type `ct`) rewritten on [0, copy_end).
+// Does nothing when stats->non_finite is set.
+void SgdUpdate(float* master, float* momentum, const void* grad, DType gt, void* copy, DType ct, int64_t n,
+               int64_t decay_end, int64_t copy_end, SgdArgs a, const StepStats* stats, cudaStream_t s);
+void CastFromFloat(const float* src, void* dst, DType t, int64_t n, cudaStream_t s);
+void CastToFloat(const void* src, DType t, float* dst, int64_t n, cudaStream_t s);
+
+}  // namespace stoke::train::cuda

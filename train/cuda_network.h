@@ -1,0 +1,65 @@
+// The CUDA backend: the CPU backend's layers and optimizer on one GPU. Activations are NHWC in the
+// compute precision (float32, bfloat16, or float16 with dynamic loss scaling), parameters keep
+// float32 master copies. Convolutions (forward, backward data, backward filter), batch norm in
+// training, ReLU, residual adds and pooling are cuDNN graph operations with execution plans chosen
+// once per shape; fully connected layers are cuBLAS GEMMs; input normalisation, softmax
+// cross-entropy, the SGD update, bias, flatten and dropout steps are stoke's own kernels. Where
+// cuDNN has no engine for a batch-norm, ReLU, add or pooling shape, the layer runs on stoke's own
+// kernel instead and FallbackKernels() names it.
+//
+// Batches come straight from the prefetch ring's device buffers (Batch::device_images) after the
+// ring's copy event; batches in host memory are uploaded. Compiled only when the CUDA toolkit is
+// found (STOKE_WITH_CUDA); CudaAvailable() says whether a GPU can be used.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "train/network.h"
+
+namespace stoke::train {
+
+// OK when the CUDA backend is built and a GPU is usable; otherwise kUnavailable saying why.
+Status CudaAvailable();
+
+class CudaNetwork final : public Network {
+ public:
+  // Resolves the model, builds every cuDNN plan (cached per shape), allocates the activations and
+  // initialises the parameters exactly as the CPU backend does for the same seed.
+  // kInvalidArgument for a bad model or options, kUnavailable without a GPU, kInternal when CUDA,
+  // cuDNN or cuBLAS fail (naming the layer).
+  static Result<std::unique_ptr<CudaNetwork>> Create(NetworkOptions options);
+  ~CudaNetwork() override;
+
+  std::string_view backend() const override { return "cuda"; }
+  const NetworkOptions& options() const override;
+  Result<BatchStats> TrainStep(const prefetch::Batch& batch, float lr, const SgdOptions& sgd,
+                               int64_t step) override;
+  Result<BatchStats> Evaluate(const prefetch::Batch& batch) override;
+  std::vector<NamedTensor> State() const override;
+  Status LoadState(const std::vector<NamedTensor>& state) override;
+  void* stream() const override;
+  double LastInputWaitSeconds() const override;
+  std::vector<float> LastLogits() const override;
+
+  // For parity tests: forward + backward on a normalised float input (batch x 3 x H x W, plain
+  // NCHW, cast to the compute precision) in training mode; parameters unchanged.
+  Result<BatchStats> ForwardBackward(std::span<const float> input, std::span<const int32_t> labels, int64_t step);
+  // Gradients of the last ForwardBackward/TrainStep, plain layout, named like the parameters.
+  std::vector<NamedTensor> Gradients() const;
+  // "layer: operation" for each step running on stoke's own kernel because cuDNN had no engine.
+  const std::vector<std::string>& FallbackKernels() const;
+  // Float16: the current loss scale and the updates skipped for overflowing gradients.
+  float loss_scale() const;
+  int64_t skipped_steps() const;
+
+  struct Impl;
+
+ private:
+  explicit CudaNetwork(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace stoke::train

@@ -1,0 +1,62 @@
+#include "train/network.h"
+
+#include <map>
+
+#include <fmt/format.h>
+
+namespace stoke::train {
+
+std::string_view PrecisionName(Precision p) {
+  switch (p) {
+    case Precision::kFloat32:
+      return "float32";
+    case Precision::kBFloat16:
+      return "bfloat16";
+    case Precision::kFloat16:
+      return "float16";
+  }
+  return "?";
+}
+
+Status CheckBatch(const NetworkOptions& opt, const prefetch::Batch& b, bool full) {
+  const int size = opt.image_size;
+  if (b.width != size || b.height != size) {
+    return InvalidArgumentError(fmt::format("batch images are {}x{}, the network was built for {}x{}", b.width,
+                                            b.height, size, size));
+  }
+  if (b.size < 1 || b.size > opt.batch || (full && b.size != opt.batch)) {
+    return InvalidArgumentError(fmt::format("batch of {} samples; the network takes {}{}", b.size,
+                                            full ? "exactly " : "at most ", opt.batch));
+  }
+  for (int i = 0; i < b.size; ++i) {
+    const int32_t y = b.labels[static_cast<size_t>(i)];
+    if (y < 0 || y >= opt.model.classes) {
+      const int64_t record = i < static_cast<int>(b.indices.size()) ? b.indices[static_cast<size_t>(i)] : -1;
+      return InvalidArgumentError(
+          fmt::format("record {} has label {}, outside the model's {} classes", record, y, opt.model.classes));
+    }
+  }
+  return OkStatus();
+}
+
+Result<std::vector<const NamedTensor*>> FindState(
+    const std::vector<NamedTensor>& state, const std::vector<std::pair<std::string, std::vector<int64_t>>>& wanted) {
+  std::map<std::string, const NamedTensor*> by_name;
+  for (const auto& t : state) by_name[t.name] = &t;
+  std::vector<const NamedTensor*> out;
+  for (const auto& [name, dims] : wanted) {
+    auto it = by_name.find(name);
+    if (it == by_name.end()) return InvalidArgumentError(fmt::format("the state has no tensor '{}'", name));
+    const NamedTensor* t = it->second;
+    int64_t count = 1;
+    for (auto d : dims) count *= d;
+    if (t->dims != dims || static_cast<int64_t>(t->values.size()) != count) {
+      return InvalidArgumentError(fmt::format("tensor '{}' has shape [{}], the model needs [{}]", name,
+                                              fmt::join(t->dims, ", "), fmt::join(dims, ", ")));
+    }
+    out.push_back(t);
+  }
+  return out;
+}
+
+}  // namespace stoke::train
