@@ -152,7 +152,7 @@ int main(int argc, char** argv) {
   std::string model_json;
   bench_train->add_option("--model-json", model_json, "Write the resolved model as JSON (for the PyTorch peer)");
   bench_train->add_flag("--peer", train_bench.peer,
-                        "Also run PyTorch's CPU training step on the same model, batch and threads, and the ratio");
+                        "Also run PyTorch's training step on the same model, batch and threads (on the GPU with autocast for the CUDA backend), and the ratio");
   bench_train->add_option("--python", train_bench.python, "Python with torch for --peer")->default_str("/usr/bin/python3");
   std::string peer_script;
   bench_train->add_option("--peer-script", peer_script, "The peer (default: bench/peers/torch_train.py of the source tree)");

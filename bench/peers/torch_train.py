@@ -1,8 +1,11 @@
 #!/usr/bin/python3
-"""The training step `stoke bench train` measures, in PyTorch on the CPU: the same model (built
-from the JSON that `stoke bench train --model-json` writes), batch, threads, loss and optimizer
-(SGD with momentum / Nesterov / weight decay), on one fixed batch of normalised float32 input.
-Prints one JSON line: images/s, median of --repeats runs of --steps steps after --warmup steps."""
+"""The training step `stoke bench train` measures, in PyTorch: the same model (built from the JSON
+that `stoke bench train --model-json` writes, or torchvision's own ResNet-18/34/50 when the preset
+is one of them and torchvision is installed), batch, threads, loss and optimizer (SGD with
+momentum / Nesterov / weight decay), on one fixed batch of normalised input. On the device the JSON
+names: "cpu" in float32, or "cuda" with autocast to the JSON's precision (bfloat16, or float16
+with a GradScaler). Prints one JSON line: images/s, median of --repeats runs of --steps steps
+after --warmup steps."""
 import argparse
 import json
 import statistics
@@ -68,10 +71,28 @@ def main():
     spec = json.load(open(a.model))
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    net = Net(spec)
+    device = spec.get("device", "cpu")
+    precision = spec.get("precision", "float32")
+    model_source = "stoke layer list"
+    net = None
+    if spec.get("preset") in ("resnet18", "resnet34", "resnet50"):
+        try:
+            import torchvision
+            net = getattr(torchvision.models, spec["preset"])(num_classes=spec["classes"])
+            model_source = "torchvision " + spec["preset"]
+        except ImportError:
+            net = None
+    if net is None:
+        net = Net(spec)
     n, size, classes = spec["batch"], spec["image_size"], spec["classes"]
     x = torch.randn(n, 3, size, size)
     y = torch.randint(0, classes, (n,))
+    if device == "cuda":
+        torch.backends.cudnn.benchmark = True
+        net, x, y = net.cuda(), x.cuda(), y.cuda()
+    amp_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(precision)
+    use_amp = device == "cuda" and amp_dtype is not None
+    scaler = torch.cuda.amp.GradScaler() if use_amp and amp_dtype == torch.float16 else None
     if a.channels_last:
         net = net.to(memory_format=torch.channels_last)
         x = x.to(memory_format=torch.channels_last)
@@ -82,20 +103,33 @@ def main():
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(net(x), y)
-        loss.backward()
-        opt.step()
+        with torch.autocast(device_type="cuda", dtype=amp_dtype, enabled=use_amp):
+            loss = loss_fn(net(x), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
 
     rates = []
     for _ in range(a.repeats):
         for _ in range(a.warmup):
             step()
+        sync()
         t0 = time.perf_counter()
         for _ in range(a.steps):
             step()
+        sync()
         rates.append(a.steps * n / (time.perf_counter() - t0))
     print(json.dumps({"img_s": statistics.median(rates), "runs": rates, "threads": a.threads, "batch": n,
                       "channels_last": a.channels_last, "torch": torch.__version__,
+                      "device": device, "precision": precision if use_amp else "float32", "model": model_source,
                       "params": sum(p.numel() for p in net.parameters())}))
 
 

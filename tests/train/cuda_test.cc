@@ -18,6 +18,9 @@
 #include "train/trainer.h"
 
 namespace stoke::train {
+
+void PrintTo(Precision p, std::ostream* os) { *os << PrecisionName(p); }
+
 namespace {
 
 #define SKIP_WITHOUT_GPU()                                                   \
@@ -291,7 +294,7 @@ TEST(CudaTrain, LearnsFromTheRingsDeviceBuffersAndMeasuresDataWait) {
   threads: 2
   image_size: 16
   val_resize: 18
-  dtype: bfloat16
+  normalize: {{dtype: bfloat16}}
   augment: {{scale: [0.5, 1.0]}}
 model:
   classes: 4

@@ -52,7 +52,8 @@ struct TrainBenchOptions {
   int steps = 20;                    // timed steps per run
   int warmup = 5;                    // untimed steps before each run
   std::filesystem::path model_json;  // optional: the resolved model as JSON (for the PyTorch peer)
-  // Also run the same model, batch, loss, optimizer and threads in PyTorch on the CPU
+  // Also run the same model, batch, loss, optimizer and threads in PyTorch (on the GPU, with
+  // autocast to the config's dtype, when the backend is CUDA)
   // (`peer_script`, bench/peers/torch_train.py, under `python`), interleaved with stoke's runs,
   // in NCHW and channels-last; the faster is the peer of the ratio.
   bool peer = false;

@@ -80,7 +80,13 @@ Result<PeerRun> RunPeer(const TrainBenchOptions& t, const std::filesystem::path&
 Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t) {
   STOKE_ASSIGN_OR_RETURN(train::TrainConfig c, train::LoadConfig(t.config.string()));
   if (o.threads > 0) c.compute_threads = o.threads, c.data.threads = o.threads;
-  const nlohmann::json model_json = ModelJson(c);
+  STOKE_ASSIGN_OR_RETURN(auto db, dataset::Dataset::Open(c.data.train));
+  STOKE_ASSIGN_OR_RETURN(auto net, train::CreateNetwork(c));
+  nlohmann::json model_json = ModelJson(c);
+  // The peer runs where stoke's backend does, in the same precision (autocast on a GPU).
+  model_json["device"] = net->stream() != nullptr ? "cuda" : "cpu";
+  model_json["precision"] = c.data.dtype;
+  model_json["preset"] = c.model.preset;
   if (!t.model_json.empty()) STOKE_RETURN_IF_ERROR(WriteFileAtomic(t.model_json, model_json.dump(1) + "\n"));
   TrainBenchOptions peer_opts = t;
   std::filesystem::path peer_model;
@@ -92,8 +98,6 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
                                       : t.model_json;
     STOKE_RETURN_IF_ERROR(WriteFileAtomic(peer_model, model_json.dump(1) + "\n"));
   }
-  STOKE_ASSIGN_OR_RETURN(auto db, dataset::Dataset::Open(c.data.train));
-  STOKE_ASSIGN_OR_RETURN(auto net, train::CreateNetwork(c));
   prefetch::LoaderOptions lo = train::TrainLoaderOptions(c);
   lo.epochs = 0;  // endless
   if (net->stream() != nullptr) lo.device = prefetch::DeviceMode::kCuda;

@@ -18,7 +18,9 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <opencv2/core.hpp>
+#if STOKE_PACK_OTHER_FORMATS
 #include <opencv2/imgcodecs.hpp>
+#endif
 #include <opencv2/imgproc.hpp>
 #include <optional>
 #include <system_error>
@@ -285,6 +287,10 @@ void ProcessJpeg(std::vector<std::byte>& bytes, const PackOptions& o, Worker& w,
 
 void ProcessOther(const std::vector<std::byte>& bytes, const PackOptions& o, Worker& w,
                   Processed& out) {
+#if !STOKE_PACK_OTHER_FORMATS
+  (void)bytes, (void)o, (void)w;
+  out.reason = "not a JPEG; this build of stoke packs JPEG only (built with STOKE_PACK_OTHER_FORMATS=OFF)";
+#else
   cv::Mat decoded = cv::imdecode(
       cv::Mat(1, static_cast<int>(bytes.size()), CV_8UC1, const_cast<std::byte*>(bytes.data())),
       cv::IMREAD_COLOR);
@@ -297,6 +303,7 @@ void ProcessOther(const std::vector<std::byte>& bytes, const PackOptions& o, Wor
   out.converted = true;
   // imdecode(IMREAD_COLOR) has already applied any EXIF orientation.
   Finish(rgb, 1, o, o.quality > 0 ? o.quality : o.reencode_quality, w, out);
+#endif
 }
 
 Processed ProcessInput(const Input& input, const PackOptions& o, Worker& w) {

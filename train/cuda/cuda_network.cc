@@ -65,7 +65,10 @@ class DeviceBuffer {
   Status Alloc(size_t bytes) {
     bytes_ = std::max<size_t>(bytes, 256);
     STOKE_CUDA_OK(cudaMalloc(&p_, bytes_));
+    // The zeroing runs on the legacy default stream, which the network's non-blocking stream does
+    // not wait for: finish it before anything else touches the buffer.
     STOKE_CUDA_OK(cudaMemset(p_, 0, bytes_));
+    STOKE_CUDA_OK(cudaDeviceSynchronize());
     return OkStatus();
   }
   void* get() const { return p_; }
@@ -897,7 +900,10 @@ std::vector<float> Download(const void* p, DType t, int64_t n, cudaStream_t s) {
   std::vector<float> out(static_cast<size_t>(n));
   if (n == 0) return out;
   DeviceBuffer tmp;
-  if (!tmp.Alloc(static_cast<size_t>(n) * sizeof(float)).ok()) return out;
+  if (Status st = tmp.Alloc(static_cast<size_t>(n) * sizeof(float)); !st.ok()) {
+    STOKE_LOG(ERROR, "reading a tensor back from the GPU failed: {}", st.ToString());
+    return {};
+  }
   cuda::CastToFloat(p, t, tmp.as<float>(), n, s);
   cudaMemcpyAsync(out.data(), tmp.get(), out.size() * sizeof(float), cudaMemcpyDeviceToHost, s);
   cudaStreamSynchronize(s);
@@ -949,7 +955,9 @@ struct CudaNetwork::Impl {
     for (auto& r : net.running) {
       STOKE_RETURN_IF_ERROR(r->value.Alloc(static_cast<size_t>(r->c) * sizeof(float)));
       std::vector<float> v(static_cast<size_t>(r->c), r->init);
-      STOKE_CUDA_OK(cudaMemcpy(r->value.get(), v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice));
+      STOKE_CUDA_OK(cudaMemcpyAsync(r->value.get(), v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice,
+                                    net.stream));
+      STOKE_CUDA_OK(cudaStreamSynchronize(net.stream));
     }
     RefreshCopies();
     return OkStatus();
@@ -1182,6 +1190,7 @@ Result<BatchStats> CudaNetwork::Evaluate(const prefetch::Batch& batch) {
                             static_cast<float>(net.opt.label_smoothing), nullptr, 1.f,
                             net.stats.as<cuda::StepStats>(), net.stream);
   STOKE_RETURN_IF_ERROR(impl_->Finish());
+  net.have_prev = false;  // the next step's wait is not measured across an evaluation
   return impl_->Stats(batch.size);
 }
 
@@ -1206,6 +1215,7 @@ Result<BatchStats> CudaNetwork::ForwardBackward(std::span<const float> input, st
                                 cudaMemcpyHostToDevice, net.stream));
   STOKE_RETURN_IF_ERROR(impl_->ForwardBackward(net.labels.as<int32_t>(), step, 1.f));
   STOKE_RETURN_IF_ERROR(impl_->Finish());
+  net.have_prev = false;
   return impl_->Stats(n);
 }
 
@@ -1251,7 +1261,8 @@ Status CudaNetwork::LoadState(const std::vector<NamedTensor>& state) {
   }
   for (const auto& r : net.running) {
     const auto& v = found[k++]->values;
-    STOKE_CUDA_OK(cudaMemcpy(r->value.get(), v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice));
+    STOKE_CUDA_OK(cudaMemcpyAsync(r->value.get(), v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice,
+                                  net.stream));
   }
   impl_->RefreshCopies();
   STOKE_CUDA_OK(cudaStreamSynchronize(net.stream));

@@ -333,8 +333,10 @@ Result<const Plan*> Graphs::PlanFor(const OpSpec& op) {
       } else {
         notes.clear();
       }
-      if (!reduced_ && HasNote(notes, CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS)) {
-        tried += fmt::format(" engine {} (down-converts inputs);", index);
+      // Float32 reference: no engine that rounds inputs (TF32 tensor cores on float data).
+      if (!reduced_ && (HasNote(notes, CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS) ||
+                        HasNote(notes, CUDNN_NUMERICAL_NOTE_TENSOR_CORE))) {
+        tried += fmt::format(" engine {} (reduced precision);", index);
         continue;
       }
       STOKE_ASSIGN_OR_RETURN(Desc plan, Desc::Make(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR));

@@ -110,7 +110,9 @@ __global__ void SoftmaxCrossEntropyKernel(const T* logits, const int32_t* labels
   const float off = smoothing / classes, on = 1.f - smoothing + off;
   if (threadIdx.x == 0) {
     const double lse = static_cast<double>(zmax) + log(static_cast<double>(sum));
-    atomicAdd(&stats->loss_sum, lse - static_cast<double>(on - off) * zy - static_cast<double>(off) * zsum);
+    const double loss = lse - static_cast<double>(on - off) * zy - static_cast<double>(off) * zsum;
+    atomicAdd(&stats->loss_sum, loss);
+    if (!isfinite(loss)) stats->non_finite = 1;  // no update from a step whose loss overflowed
     if (above < 0.5f) atomicAdd(&stats->top1, 1ull);
     if (above < 4.5f) atomicAdd(&stats->top5, 1ull);
   }
