@@ -386,13 +386,16 @@ TEST(Pack, KilledPackResumesToTheSameDataset) {
 
 // The process `kill -9` hits in KillNineAtRandomMomentsThenResume: this binary re-executed with
 // STOKE_PACK_RESUMER=<dir> packs (or resumes packing) <dir>/src into <dir>/killed, small
-// transactions, and exits 0 on success, 3 with the error on stderr otherwise.
+// transactions, and exits 0 on success, 3 with the error on stderr otherwise. A short pause after
+// each commit stretches the pack well beyond the variation in process start-up (hundreds of ms
+// under TSan), so random kill moments land inside it.
 const bool kResumerMode = [] {
   const char* dir = std::getenv("STOKE_PACK_RESUMER");
   if (dir == nullptr) return false;
   PackOptions o = Options(fs::path(dir) / "src", fs::path(dir) / "killed");
   o.commit_every = 3;
   o.resume = true;
+  o.after_commit = [](int64_t) { std::this_thread::sleep_for(std::chrono::milliseconds(3)); };
   auto r = Pack(o);
   if (!r.ok()) std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
   _exit(r.ok() ? 0 : 3);
@@ -414,37 +417,46 @@ TEST(Pack, KillNineAtRandomMomentsThenResumeGivesTheSameDataset) {
   int probe_status = 0;
   ASSERT_EQ(waitpid(probe, &probe_status, 0), probe);
   ASSERT_TRUE(WIFEXITED(probe_status) && WEXITSTATUS(probe_status) == 0);
-  // The window adapts: narrower after a run that finished before its kill, wider after a kill
-  // that came before any dataset existed (start-up dominates under sanitizers and varies).
-  double window_us = static_cast<double>(
+  // Kills fall in [lo, hi) after the spawn. The range closes in on the pack itself: a kill that
+  // came before any dataset existed raises lo to its moment, a run that finished before its kill
+  // lowers hi to that delay (start-up dominates under sanitizers and varies, so both are kept
+  // loose).
+  double hi = static_cast<double>(
       std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count());
+  double lo = 0;
   std::mt19937 rng(11);
   int killed = 0, mid_pack = 0, finished = 0;
   const auto want_records = ReadAll(dir / "full");
   const auto want_manifest = Comparable(dir / "full");
-  // Until 8 kills have landed mid-pack: kill each run at a random moment of the window and let
+  // Until 8 kills have landed mid-pack: kill each run at a random moment of the range and let
   // the next run resume it. A run that finishes first is checked and removed, and a new chain
   // starts.
-  for (int round = 0; round < 80 && mid_pack < 8; ++round) {
+  for (int round = 0; round < 150 && mid_pack < 8; ++round) {
+    const double delay = lo + std::uniform_real_distribution<double>(0, 1)(rng) * (hi - lo);
     const pid_t child = spawn(dir.path());
-    std::this_thread::sleep_for(std::chrono::microseconds(rng() % (static_cast<uint64_t>(window_us) + 1)));
+    std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(delay)));
     kill(child, SIGKILL);
     int status = 0;
     ASSERT_EQ(waitpid(child, &status, 0), child);
+    // A kill can also land after the pack finished, while the process exits (slow under TSan).
+    const bool completed = fs::exists(dir / "killed");
     if (WIFSIGNALED(status)) {
       ASSERT_EQ(WTERMSIG(status), SIGKILL);
       ++killed;
       if (fs::exists(dir / "killed.partial")) {
         ++mid_pack;
-      } else {
-        window_us *= 1.2;
+        continue;
       }
-      continue;
+      if (!completed) {
+        lo = std::min(std::max(lo, 0.8 * delay), 0.8 * hi);
+        continue;
+      }
+    } else {
+      ASSERT_TRUE(WIFEXITED(status));
+      ASSERT_EQ(WEXITSTATUS(status), 0) << "round " << round << ": a run after a kill failed (its error is above)";
     }
-    ASSERT_TRUE(WIFEXITED(status));
-    ASSERT_EQ(WEXITSTATUS(status), 0) << "round " << round << ": a run after a kill failed (its error is above)";
     ++finished;
-    window_us *= 0.7;
+    hi = std::max(1.1 * delay, 1.25 * lo);
     ASSERT_EQ(ReadAll(dir / "killed"), want_records) << "round " << round;
     ASSERT_EQ(Comparable(dir / "killed"), want_manifest) << "round " << round;
     fs::remove_all(dir / "killed");

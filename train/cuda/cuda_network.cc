@@ -968,7 +968,8 @@ struct CudaNetwork::Impl {
     const std::vector<float> v = p.krsc ? KrscFromOihw(plain, p.dims) : plain;
     STOKE_CUDA_OK(cudaMemcpyAsync(base + p.offset, v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice,
                                   net.stream));
-    return cudaStreamSynchronize(net.stream) == cudaSuccess ? OkStatus() : LastLaunch("upload");
+    STOKE_CUDA_OK(cudaStreamSynchronize(net.stream));
+    return OkStatus();
   }
   std::vector<float> DownloadParam(const ParamInfo& p, const void* base, DType t, float divide = 1) const {
     std::vector<float> v = Download(Offset(const_cast<void*>(base), p.offset, t), t, p.count, net.stream);

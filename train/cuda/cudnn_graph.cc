@@ -275,20 +275,40 @@ Result<std::unique_ptr<Graphs>> Graphs::Create(cudnnHandle_t handle, bool allow_
   return g;
 }
 
+namespace {
+
+// The finalised one-operation graph of `op`, and the descriptors it refers to.
+struct BuiltGraph {
+  std::vector<Desc> tensors, keep;
+  Desc operation, graph;
+};
+Result<std::unique_ptr<BuiltGraph>> BuildGraph(const OpSpec& op) {
+  auto g = std::make_unique<BuiltGraph>();
+  for (const auto& t : op.tensors) {
+    STOKE_ASSIGN_OR_RETURN(Desc d, MakeTensor(t));
+    g->tensors.push_back(std::move(d));
+  }
+  STOKE_ASSIGN_OR_RETURN(g->operation, MakeOperation(op, g->tensors, g->keep));
+  STOKE_ASSIGN_OR_RETURN(g->graph, Desc::Make(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR));
+  cudnnBackendDescriptor_t ops[] = {g->operation.get()};
+  STOKE_RETURN_IF_ERROR(g->graph.Set(CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, ops));
+  STOKE_RETURN_IF_ERROR(g->graph.Finalize("operation graph"));
+  return g;
+}
+
+}  // namespace
+
+Status Graphs::Validate(const OpSpec& op) {
+  OpSpec numbered = op;
+  for (size_t k = 0; k < numbered.tensors.size(); ++k) numbered.tensors[k].uid = static_cast<int64_t>(k) + 1;
+  return BuildGraph(numbered).status();
+}
+
 Result<const Plan*> Graphs::PlanFor(const OpSpec& op) {
   const std::string key = op.Key();
   if (auto it = plans_.find(key); it != plans_.end()) return it->second.get();
-
-  std::vector<Desc> tensors, keep;
-  for (const auto& t : op.tensors) {
-    STOKE_ASSIGN_OR_RETURN(Desc d, MakeTensor(t));
-    tensors.push_back(std::move(d));
-  }
-  STOKE_ASSIGN_OR_RETURN(Desc operation, MakeOperation(op, tensors, keep));
-  STOKE_ASSIGN_OR_RETURN(Desc graph, Desc::Make(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR));
-  cudnnBackendDescriptor_t ops[] = {operation.get()};
-  STOKE_RETURN_IF_ERROR(graph.Set(CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, ops));
-  STOKE_RETURN_IF_ERROR(graph.Finalize("operation graph"));
+  STOKE_ASSIGN_OR_RETURN(auto built, BuildGraph(op));
+  const Desc& graph = built->graph;
 
   std::string tried;
   for (cudnnBackendHeurMode_t mode : {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK}) {

@@ -89,6 +89,10 @@ class Graphs {
   // The plan for `op`, built once per shape (heuristics A, then the fallback list; the first
   // engine configuration that finalises). kUnavailable when cuDNN has no engine for it.
   Result<const Plan*> PlanFor(const OpSpec& op);
+  // Builds and finalises `op`'s tensors, operation and operation graph without a device or a
+  // handle: what cuDNN checks of the descriptors themselves (attribute names, types, roles,
+  // shapes), with no engine chosen. For tests on machines without a GPU.
+  static Status Validate(const OpSpec& op);
   // A variant pack binding `uids` to `pointers` and the workspace.
   static Result<Desc> Bind(const std::vector<int64_t>& uids, const std::vector<void*>& pointers, void* workspace);
   Status Execute(const Plan& plan, const Desc& variant_pack) const;
