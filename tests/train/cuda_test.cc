@@ -16,6 +16,7 @@
 #include "train/config.h"
 #include "train/cpu_network.h"
 #include "train/cuda/cudnn_graph.h"
+#include "train/cuda/layer_graphs.h"
 #include "train/cuda_network.h"
 #include "train/trainer.h"
 
@@ -329,64 +330,45 @@ run_dir: {0}/run
 
 // ---------------------------------------------------------------- without a GPU
 
-// cuDNN checks descriptors on the host: every kind of operation the backend builds, at ResNet-50's
-// shapes and in each precision, must finalise (tensors, operation, operation graph) exactly as the
-// backend writes it. Engines and plans need the GPU.
-TEST(CudnnGraph, EveryOperationTheBackendBuildsFinalisesWithoutADevice) {
-  using cuda::OpSpec;
-  for (cudnnDataType_t t : {CUDNN_DATA_FLOAT, CUDNN_DATA_BFLOAT16, CUDNN_DATA_HALF}) {
-    auto act = [&](int64_t n, int64_t c, int64_t h, int64_t w) { return cuda::Nhwc(0, t, n, c, h, w); };
-    auto index = [](int64_t n, int64_t c, int64_t h, int64_t w) { return cuda::Nhwc(0, CUDNN_DATA_INT8, n, c, h, w); };
-    auto v = [](int64_t c) { return cuda::ChannelVector(0, c); };
-    struct Named {
-      std::string name;
-      OpSpec op;
-    };
-    std::vector<Named> ops;
-    auto add = [&](std::string name, OpSpec::Kind kind, std::vector<cuda::TensorSpec> tensors, int64_t pad = 0,
-                   int64_t stride = 1, int64_t window = 1, bool max = false) {
-      OpSpec op;
-      op.kind = kind;
-      op.tensors = std::move(tensors);
-      op.pad = pad;
-      op.stride = stride;
-      op.window = window;
-      op.max_pool = max;
-      ops.push_back({std::move(name), std::move(op)});
-    };
-    // The stem (7x7 stride 2 on 3 channels), a bottleneck 1x1 and a strided 3x3.
-    add("stem forward", OpSpec::Kind::kConvForward, {act(4, 3, 224, 224), act(64, 3, 7, 7), act(4, 64, 112, 112)}, 3, 2);
-    add("stem filter gradient", OpSpec::Kind::kConvBackwardFilter,
-        {act(4, 3, 224, 224), act(4, 64, 112, 112), act(64, 3, 7, 7)}, 3, 2);
-    add("1x1 forward", OpSpec::Kind::kConvForward, {act(4, 256, 56, 56), act(64, 256, 1, 1), act(4, 64, 56, 56)});
-    add("3x3/2 data gradient", OpSpec::Kind::kConvBackwardData,
-        {act(4, 128, 28, 28), act(128, 128, 3, 3), act(4, 128, 56, 56)}, 1, 2);
-    add("3x3/2 filter gradient", OpSpec::Kind::kConvBackwardFilter,
-        {act(4, 128, 56, 56), act(4, 128, 28, 28), act(128, 128, 3, 3)}, 1, 2);
-    add("relu", OpSpec::Kind::kRelu, {act(4, 64, 56, 56), act(4, 64, 56, 56)});
-    add("relu backward", OpSpec::Kind::kReluBackward, {act(4, 64, 56, 56), act(4, 64, 56, 56), act(4, 64, 56, 56)});
-    add("add", OpSpec::Kind::kAdd, {act(4, 256, 56, 56), act(4, 256, 56, 56), act(4, 256, 56, 56)});
-    add("batch norm", OpSpec::Kind::kBatchNormTrain,
-        {act(4, 64, 56, 56), v(64), v(64), cuda::Scalar(0), cuda::Scalar(0), v(64), v(64), v(64), v(64), v(64), v(64),
-         act(4, 64, 56, 56)});
-    add("batch norm on vectors", OpSpec::Kind::kBatchNormTrain,
-        {act(4, 32, 1, 1), v(32), v(32), cuda::Scalar(0), cuda::Scalar(0), v(32), v(32), v(32), v(32), v(32), v(32),
-         act(4, 32, 1, 1)});
-    add("batch norm backward", OpSpec::Kind::kBatchNormBackward,
-        {act(4, 64, 56, 56), act(4, 64, 56, 56), v(64), v(64), v(64), v(64), v(64), act(4, 64, 56, 56)});
-    add("max pool 3/2", OpSpec::Kind::kPool, {act(4, 64, 112, 112), act(4, 64, 56, 56), index(4, 64, 56, 56)}, 1, 2, 3,
-        true);
-    add("max pool backward", OpSpec::Kind::kPoolBackward,
-        {act(4, 64, 56, 56), act(4, 64, 112, 112), index(4, 64, 56, 56)}, 1, 2, 3, true);
-    add("average pool 3/2 pad 1", OpSpec::Kind::kPool, {act(4, 8, 16, 16), act(4, 8, 8, 8)}, 1, 2, 3);
-    add("global average pool", OpSpec::Kind::kPool, {act(4, 2048, 7, 7), act(4, 2048, 1, 1)}, 0, 7, 7);
-    add("global average pool backward", OpSpec::Kind::kPoolBackward, {act(4, 2048, 1, 1), act(4, 2048, 7, 7)}, 0, 7,
-        7);
-    for (const auto& [name, op] : ops) {
-      const Status s = cuda::Graphs::Validate(op);
-      EXPECT_TRUE(s.ok()) << name << ", data type " << static_cast<int>(t) << ": " << s.ToString();
+// cuDNN checks descriptors on the host: every graph the backend builds for whole models, through
+// its own per-layer builders, must finalise (tensors, operation, operation graph). Every preset at
+// its usual input (ResNet-50's 7x7/2 stem on 3 channels, bottlenecks, strided projections, pools)
+// and the parity models (BN on vectors, padded average pooling), in each precision. Engines and
+// plans need the GPU.
+TEST(CudnnGraph, EveryGraphOfEveryPresetFinalisesWithoutADevice) {
+  struct Model {
+    std::string name;
+    ModelSpec spec;
+    int size;
+  };
+  std::vector<Model> models;
+  for (const auto& [preset, size] : std::vector<std::pair<std::string, int>>{
+           {"lenet", 32}, {"resnet20", 32}, {"resnet18", 224}, {"resnet50", 224}}) {
+    ModelSpec m;
+    m.preset = preset;
+    m.classes = 1000;
+    ASSERT_OK_AND_ASSIGN(m.layers, ExpandPreset(preset, m.classes));
+    models.push_back({preset, m, size});
+  }
+  for (const Case& c : Cases()) {
+    ModelSpec m;
+    m.classes = 5;
+    m.layers = c.layers;
+    models.push_back({c.name, m, 16});
+  }
+  size_t checked = 0;
+  for (auto& [name, spec, size] : models) {
+    ASSERT_OK_AND_ASSIGN(auto shapes, ResolveModel(spec, Shape{3, size, size}));
+    for (Precision p : {Precision::kFloat32, Precision::kBFloat16, Precision::kFloat16}) {
+      for (const auto& [what, op] : cuda::ModelGraphs(spec, shapes, 8, size, p)) {
+        const Status s = cuda::Graphs::Validate(op);
+        EXPECT_TRUE(s.ok()) << name << " " << PrecisionName(p) << " " << what << ": " << s.ToString();
+        ++checked;
+      }
     }
   }
+  std::printf("%zu graphs finalised (4 presets and %zu parity models, 3 precisions)\n", checked, Cases().size());
+  EXPECT_GT(checked, 1000u);
 }
 
 TEST(CudnnGraph, ShapeMistakesAreRefusedWithCudnnsReason) {

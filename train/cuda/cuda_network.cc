@@ -18,13 +18,13 @@
 #include "prefetch/batch_memory.h"
 #include "train/cuda/cudnn_graph.h"
 #include "train/cuda/kernels.h"
+#include "train/cuda/layer_graphs.h"
 
 namespace stoke::train {
 namespace {
 
 using cuda::DType;
 using cuda::OpSpec;
-using cuda::TensorSpec;
 
 Status CudaError(cudaError_t rc, std::string_view what) {
   return InternalError(fmt::format("CUDA: {}: {} ({})", what, cudaGetErrorString(rc), cudaGetErrorName(rc)));
@@ -83,9 +83,6 @@ class DeviceBuffer {
   size_t bytes_ = 0;
 };
 
-cudnnDataType_t CudnnType(DType t) {
-  return t == DType::kF32 ? CUDNN_DATA_FLOAT : t == DType::kF16 ? CUDNN_DATA_HALF : CUDNN_DATA_BFLOAT16;
-}
 cudaDataType_t BlasType(DType t) { return t == DType::kF32 ? CUDA_R_32F : t == DType::kF16 ? CUDA_R_16F : CUDA_R_16BF; }
 char* Offset(void* p, int64_t elements, DType t) {
   return static_cast<char*>(p) + elements * static_cast<int64_t>(cuda::SizeOf(t));
@@ -151,6 +148,7 @@ class Net {
   NetworkOptions opt;
   std::vector<Shape> shapes;
   DType t = DType::kF32;
+  cudnnDataType_t ct = CUDNN_DATA_FLOAT;  // t, for cuDNN
   cudaStream_t stream = nullptr;
   cudnnHandle_t dnn = nullptr;
   cublasHandle_t blas = nullptr;
@@ -205,9 +203,6 @@ class Net {
     n.vector = vector;
     STOKE_RETURN_IF_ERROR(n.out.Alloc(static_cast<size_t>(n.count()) * cuda::SizeOf(t)));
     return n.diff.Alloc(static_cast<size_t>(n.count()) * cuda::SizeOf(t));
-  }
-  TensorSpec Activation(int64_t uid, const std::array<int64_t, 4>& d) const {
-    return cuda::Nhwc(uid, CudnnType(t), d[0], d[1], d[2], d[3]);
   }
 
   int AddParam(ParamInfo p) {
@@ -352,27 +347,18 @@ class ConvLayer final : public Layer {
       net.NeedPartials(x[0] * out.h * out.w, l.out);
     }
     STOKE_RETURN_IF_ERROR(net.SetOutput(self_, out.c, out.h, out.w, false));
-    const std::array<int64_t, 4> y{x[0], out.c, out.h, out.w};
-    const TensorSpec w = cuda::Nhwc(0, CudnnType(net.t), l.out, x[1], l.kernel, l.kernel);
-    auto spec = [&](OpSpec::Kind kind, std::vector<TensorSpec> tensors) {
-      OpSpec op;
-      op.kind = kind;
-      op.tensors = std::move(tensors);
-      op.pad = l.pad;
-      op.stride = l.stride;
-      return op;
-    };
+    cuda::ConvGraphs g = cuda::ConvOps(net.ct, x, {x[0], out.c, out.h, out.w}, l);
     auto fail = [&](const Status& s, std::string_view what) {
       return InternalError(fmt::format("layer '{}' (conv): {}: {}", l.name, what, s.message()));
     };
-    auto f = net.Plan(spec(OpSpec::Kind::kConvForward, {net.Activation(0, x), w, net.Activation(0, y)}));
+    auto f = net.Plan(std::move(g.forward));
     if (!f.ok()) return fail(f.status(), "forward");
     fwd_ = std::move(*f);
-    auto wg = net.Plan(spec(OpSpec::Kind::kConvBackwardFilter, {net.Activation(0, x), net.Activation(0, y), w}));
+    auto wg = net.Plan(std::move(g.backward_filter));
     if (!wg.ok()) return fail(wg.status(), "backward filter");
     wgrad_ = std::move(*wg);
     if (in_ >= 0) {
-      auto dg = net.Plan(spec(OpSpec::Kind::kConvBackwardData, {net.Activation(0, y), w, net.Activation(0, x)}));
+      auto dg = net.Plan(std::move(g.backward_data));
       if (!dg.ok()) return fail(dg.status(), "backward data");
       dgrad_ = std::move(*dg);
     }
@@ -501,16 +487,9 @@ class BatchNormLayer final : public Layer {
     const bool vector = in_ >= 0 && net.node(in_).vector;
     STOKE_RETURN_IF_ERROR(net.SetOutput(self_, c_, x[2], x[3], vector));
 
-    OpSpec f;
-    f.kind = OpSpec::Kind::kBatchNormTrain;
-    const auto v = [&] { return cuda::ChannelVector(0, c_); };
-    f.tensors = {net.Activation(0, x), v(), v(), cuda::Scalar(0), cuda::Scalar(0), v(), v(), v(), v(), v(), v(),
-                 net.Activation(0, x)};
-    OpSpec b;
-    b.kind = OpSpec::Kind::kBatchNormBackward;
-    b.tensors = {net.Activation(0, x), net.Activation(0, x), v(), v(), v(), v(), v(), net.Activation(0, x)};
-    auto fp = net.Plan(f);
-    auto bp = fp.ok() ? net.Plan(b) : Result<GraphOp>(fp.status());
+    cuda::PairOps g = cuda::BatchNormOps(net.ct, x);
+    auto fp = net.Plan(std::move(g.forward));
+    auto bp = fp.ok() ? net.Plan(std::move(g.backward)) : Result<GraphOp>(fp.status());
     if (fp.ok() && bp.ok()) {
       fwd_ = std::move(*fp);
       bwd_ = std::move(*bp);
@@ -589,14 +568,9 @@ class ReluLayer final : public Layer {
   Status Init(Net& net) {
     const auto x = net.Dims(in_);
     STOKE_RETURN_IF_ERROR(net.SetOutput(self_, x[1], x[2], x[3], in_ >= 0 && net.node(in_).vector));
-    OpSpec f;
-    f.kind = OpSpec::Kind::kRelu;
-    f.tensors = {net.Activation(0, x), net.Activation(0, x)};
-    OpSpec b;
-    b.kind = OpSpec::Kind::kReluBackward;
-    b.tensors = {net.Activation(0, x), net.Activation(0, x), net.Activation(0, x)};
-    auto fp = net.Plan(f);
-    auto bp = fp.ok() ? net.Plan(b) : Result<GraphOp>(fp.status());
+    cuda::PairOps g = cuda::ReluOps(net.ct, x);
+    auto fp = net.Plan(std::move(g.forward));
+    auto bp = fp.ok() ? net.Plan(std::move(g.backward)) : Result<GraphOp>(fp.status());
     if (fp.ok() && bp.ok()) {
       fwd_ = std::move(*fp);
       bwd_ = std::move(*bp);
@@ -656,20 +630,9 @@ class PoolLayer final : public Layer {
     STOKE_RETURN_IF_ERROR(net.SetOutput(self_, out.c, out.h, out.w, false));
     const std::array<int64_t, 4> y{x[0], out.c, out.h, out.w};
     if (shape_.kh == shape_.kw) {
-      auto spec = [&](OpSpec::Kind kind, std::vector<TensorSpec> t) {
-        OpSpec op;
-        op.kind = kind;
-        op.tensors = std::move(t);
-        op.window = shape_.kh;
-        op.stride = shape_.stride;
-        op.pad = shape_.pad;
-        op.max_pool = shape_.max;
-        if (shape_.max) op.tensors.push_back(cuda::Nhwc(0, CUDNN_DATA_INT8, y[0], y[1], y[2], y[3]));
-        return op;
-      };
-      auto fp = net.Plan(spec(OpSpec::Kind::kPool, {net.Activation(0, x), net.Activation(0, y)}));
-      auto bp = fp.ok() ? net.Plan(spec(OpSpec::Kind::kPoolBackward, {net.Activation(0, y), net.Activation(0, x)}))
-                        : Result<GraphOp>(fp.status());
+      cuda::PairOps g = cuda::PoolOps(net.ct, x, y, shape_.kh, shape_.stride, shape_.pad, shape_.max);
+      auto fp = net.Plan(std::move(g.forward));
+      auto bp = fp.ok() ? net.Plan(std::move(g.backward)) : Result<GraphOp>(fp.status());
       if (fp.ok() && bp.ok()) {
         fwd_ = std::move(*fp);
         bwd_ = std::move(*bp);
@@ -731,10 +694,7 @@ class AddLayer final : public Layer {
   Status Init(Net& net) {
     const auto x = net.Dims(a_);
     STOKE_RETURN_IF_ERROR(net.SetOutput(self_, x[1], x[2], x[3], a_ >= 0 && net.node(a_).vector));
-    OpSpec op;
-    op.kind = OpSpec::Kind::kAdd;
-    op.tensors = {net.Activation(0, x), net.Activation(0, x), net.Activation(0, x)};
-    auto p = net.Plan(op);
+    auto p = net.Plan(cuda::AddOp(net.ct, x));
     if (p.ok()) {
       fwd_ = std::move(*p);
     } else {
@@ -1080,6 +1040,7 @@ Result<std::unique_ptr<CudaNetwork>> CudaNetwork::Create(NetworkOptions options)
   net.t = net.opt.precision == Precision::kFloat32   ? DType::kF32
           : net.opt.precision == Precision::kBFloat16 ? DType::kBF16
                                                       : DType::kF16;
+  net.ct = cuda::CudnnType(net.opt.precision);
   net.loss_scale = net.opt.precision == Precision::kFloat16 ? 65536.f : 1.f;
   STOKE_CUDA_OK(cudaSetDevice(net.opt.device));
   STOKE_CUDA_OK(cudaStreamCreateWithFlags(&net.stream, cudaStreamNonBlocking));
