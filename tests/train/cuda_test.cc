@@ -11,8 +11,7 @@
 
 #include "dataset/dataset.h"
 #include "tests/testing/test_util.h"
-#include "tools/pack/packer.h"
-#include "tools/synth/synth.h"
+#include "tests/train/train_test_util.h"
 #include "train/config.h"
 #include "train/cpu_network.h"
 #include "train/cuda/cudnn_graph.h"
@@ -32,35 +31,6 @@ namespace {
     if (!gpu.ok()) GTEST_SKIP() << gpu.message();       \
   } while (0)
 
-LayerSpec L(LayerType type, std::string name = "", std::vector<std::string> inputs = {}) {
-  LayerSpec l;
-  l.type = type;
-  l.name = std::move(name);
-  l.inputs = std::move(inputs);
-  return l;
-}
-LayerSpec Conv(int out, int k, int s, int p, bool bias, std::string name = "", std::vector<std::string> in = {}) {
-  LayerSpec l = L(LayerType::kConv, std::move(name), std::move(in));
-  l.out = out;
-  l.kernel = k;
-  l.stride = s;
-  l.pad = p;
-  l.bias = bias;
-  return l;
-}
-LayerSpec Linear(int out) {
-  LayerSpec l = L(LayerType::kLinear);
-  l.out = out;
-  return l;
-}
-LayerSpec Pool(LayerType type, int k, int s, int p) {
-  LayerSpec l = L(type);
-  l.kernel = k;
-  l.stride = s;
-  l.pad = p;
-  return l;
-}
-
 // One small model per layer type under test (each also runs the linear and loss steps).
 struct Case {
   std::string name;
@@ -72,14 +42,14 @@ std::vector<Case> Cases() {
   LayerSpec bn0 = L(LayerType::kBatchNorm);
   return {
       {"conv_bias_stride_pad_global_pool",
-       {Conv(8, 3, 2, 1, true), L(LayerType::kGlobalAvgPool), Linear(5)}},
+       {Conv(8, 3, 2, 1), L(LayerType::kGlobalAvgPool), Linear(5)}},
       {"conv_batchnorm_relu_maxpool_flatten",
-       {Conv(16, 3, 1, 1, false), L(LayerType::kBatchNorm), L(LayerType::kRelu), Pool(LayerType::kMaxPool, 3, 2, 1),
+       {NoBias(Conv(16, 3, 1, 1)), L(LayerType::kBatchNorm), L(LayerType::kRelu), Pool(LayerType::kMaxPool, 3, 2, 1),
         L(LayerType::kFlatten), Linear(5)}},
       {"avgpool_padding_then_linear_on_an_image",
-       {Conv(8, 1, 1, 0, false), Pool(LayerType::kAvgPool, 3, 2, 1), Linear(5)}},
+       {NoBias(Conv(8, 1, 1, 0)), Pool(LayerType::kAvgPool, 3, 2, 1), Linear(5)}},
       {"residual_add_with_a_shared_input",
-       {Conv(8, 3, 1, 1, false, "stem"), L(LayerType::kRelu, "r"), Conv(8, 3, 1, 1, false, "a", {"r"}),
+       {NoBias(Conv(8, 3, 1, 1, "stem")), L(LayerType::kRelu, "r"), NoBias(Conv(8, 3, 1, 1, "a", {"r"})),
         L(LayerType::kBatchNorm, "abn", {"a"}), L(LayerType::kAdd, "sum", {"abn", "r"}), L(LayerType::kRelu),
         L(LayerType::kGlobalAvgPool), Linear(5)}},
       {"vectors_linear_batchnorm_dropout",
@@ -281,15 +251,7 @@ TEST(CudaNetwork, Float16OverflowSkipsTheUpdateAndHalvesTheLossScale) {
 TEST(CudaTrain, LearnsFromTheRingsDeviceBuffersAndMeasuresDataWait) {
   SKIP_WITHOUT_GPU();
   testing::TempDir dir;
-  synth::SynthOptions so{.classes = 4, .per_class = 40, .min_side = 24, .max_side = 40, .seed = 3};
-  ASSERT_OK(synth::WriteSyntheticTree(dir / "images", so));
-  pack::PackOptions po;
-  po.source = dir / "images";
-  po.output = dir / "train.lmdb";
-  po.val_fraction = 0.2;
-  po.shuffle = true;
-  po.progress = false;
-  ASSERT_OK(pack::Pack(po).status());
+  PackSmallSyntheticSet(dir);
   const std::string yaml = fmt::format(R"(data:
   train: {0}/train.lmdb
   val: {0}/train_val.lmdb

@@ -7,38 +7,11 @@
 #include <gtest/gtest.h>
 
 #include "tests/testing/test_util.h"
+#include "tests/train/train_test_util.h"
 #include "train/cpu_network.h"
 
 namespace stoke::train {
 namespace {
-
-LayerSpec L(LayerType type, std::string name = "", std::vector<std::string> inputs = {}) {
-  LayerSpec l;
-  l.type = type;
-  l.name = std::move(name);
-  l.inputs = std::move(inputs);
-  return l;
-}
-LayerSpec Conv(int out, int k, int s, int p, std::string name = "", std::vector<std::string> in = {}) {
-  LayerSpec l = L(LayerType::kConv, std::move(name), std::move(in));
-  l.out = out;
-  l.kernel = k;
-  l.stride = s;
-  l.pad = p;
-  return l;
-}
-LayerSpec Linear(int out, std::string name = "") {
-  LayerSpec l = L(LayerType::kLinear, std::move(name));
-  l.out = out;
-  return l;
-}
-LayerSpec Pool(LayerType type, int k, int s, int p) {
-  LayerSpec l = L(type);
-  l.kernel = k;
-  l.stride = s;
-  l.pad = p;
-  return l;
-}
 
 struct Fixture {
   std::unique_ptr<CpuNetwork> net;

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include "tests/testing/test_util.h"
+#include "tests/train/train_test_util.h"
 #include "tools/pack/packer.h"
 #include "tools/synth/synth.h"
 #include "train/checkpoint.h"
@@ -163,15 +164,7 @@ class TrainLoop : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new testing::TempDir();
-    synth::SynthOptions so{.classes = 4, .per_class = 40, .min_side = 24, .max_side = 40, .seed = 3};
-    ASSERT_OK(synth::WriteSyntheticTree(*dir_ / "images", so));
-    pack::PackOptions po;
-    po.source = *dir_ / "images";
-    po.output = *dir_ / "train.lmdb";
-    po.val_fraction = 0.2;
-    po.shuffle = true;
-    po.progress = false;
-    ASSERT_OK(pack::Pack(po).status());
+    PackSmallSyntheticSet(*dir_);
   }
   static void TearDownTestSuite() {
     delete dir_;

@@ -268,6 +268,35 @@ class Net {
   void Fallback(int layer, std::string_view what, const Status& why) {
     fallbacks.push_back(fmt::format("{}: {} ({})", Name(layer), what, why.message()));
   }
+  // Plans a layer's forward and backward graphs; false, with the layer listed as a fallback, when
+  // cuDNN has no engine for either (the layer then runs both on stoke's kernels).
+  bool PlanPair(int layer, std::string_view what, cuda::PairOps ops, GraphOp& fwd, GraphOp& bwd) {
+    auto f = Plan(std::move(ops.forward));
+    auto b = f.ok() ? Plan(std::move(ops.backward)) : Result<GraphOp>(f.status());
+    if (f.ok() && b.ok()) {
+      fwd = std::move(*f);
+      bwd = std::move(*b);
+      return true;
+    }
+    Fallback(layer, what, f.ok() ? b.status() : f.status());
+    return false;
+  }
+};
+
+// A layer reading one earlier node (or the input, -1). Bind, called in backward order, claims
+// that node's gradient: the first claimer writes it, later ones add to it.
+class OneInputLayer : public Layer {
+ public:
+  OneInputLayer(int self, int in) : self_(self), in_(in) {}
+  Status Bind(Net& net) final {
+    direct_ = net.Claim(in_);
+    return BindGraphs(net);
+  }
+
+ protected:
+  virtual Status BindGraphs(Net&) { return OkStatus(); }
+  int self_, in_;
+  bool direct_ = false;
 };
 
 std::vector<float> KrscFromOihw(const std::vector<float>& v, const std::vector<int64_t>& d) {
@@ -291,7 +320,7 @@ std::vector<float> OihwFromKrsc(const std::vector<float>& v, const std::vector<i
 
 // ---------------------------------------------------------------- convolution
 
-class ConvLayer final : public Layer {
+class ConvLayer final : public OneInputLayer {
  public:
   static Result<std::unique_ptr<Layer>> Make(Net& net, const LayerSpec& l, int self, int in, uint64_t seed) {
     auto layer = std::unique_ptr<ConvLayer>(new ConvLayer(self, in));
@@ -320,8 +349,7 @@ class ConvLayer final : public Layer {
     }
     return OkStatus();
   }
-  Status Bind(Net& net) override {
-    direct_ = net.Claim(in_);
+  Status BindGraphs(Net& net) override {
     void* x = const_cast<void*>(net.In(in_));
     const Node& y = net.node(self_);
     STOKE_RETURN_IF_ERROR(net.Bind(fwd_, {x, net.Copy(weight_), y.out.get()}));
@@ -331,7 +359,7 @@ class ConvLayer final : public Layer {
   }
 
  private:
-  ConvLayer(int self, int in) : self_(self), in_(in) {}
+  ConvLayer(int self, int in) : OneInputLayer(self, in) {}
   Status Init(Net& net, const LayerSpec& l, uint64_t seed) {
     const auto x = net.Dims(in_);
     const Shape out = net.shapes[static_cast<size_t>(self_)];
@@ -365,17 +393,15 @@ class ConvLayer final : public Layer {
     return OkStatus();
   }
 
-  int self_, in_;
   int weight_ = -1, bias_ = -1;
-  bool direct_ = false;
   GraphOp fwd_, wgrad_, dgrad_;
 };
 
 // ---------------------------------------------------------------- linear (cuBLAS)
 
-class LinearLayer final : public Layer {
+class LinearLayer final : public OneInputLayer {
  public:
-  LinearLayer(const LayerSpec& l, int self, int in) : self_(self), in_(in), out_(l.out) {}
+  LinearLayer(const LayerSpec& l, int self, int in) : OneInputLayer(self, in), out_(l.out) {}
 
   Status Init(Net& net, const LayerSpec& l, uint64_t seed) {
     const auto x = net.Dims(in_);
@@ -449,24 +475,20 @@ class LinearLayer final : public Layer {
     net.Deliver(in_, direct_);
     return OkStatus();
   }
-  Status Bind(Net& net) override {
-    direct_ = net.Claim(in_);
-    return OkStatus();
-  }
 
  private:
-  int self_, in_, out_;
+  int out_;
   int64_t features_ = 0;
-  bool flatten_ = false, direct_ = false;
+  bool flatten_ = false;
   int weight_ = -1, bias_ = -1;
   DeviceBuffer flat_, flat_diff_;
 };
 
 // ---------------------------------------------------------------- batch norm
 
-class BatchNormLayer final : public Layer {
+class BatchNormLayer final : public OneInputLayer {
  public:
-  BatchNormLayer(int self, int in) : self_(self), in_(in) {}
+  BatchNormLayer(int self, int in) : OneInputLayer(self, in) {}
 
   Status Init(Net& net, const LayerSpec& l) {
     const auto x = net.Dims(in_);
@@ -487,14 +509,7 @@ class BatchNormLayer final : public Layer {
     const bool vector = in_ >= 0 && net.node(in_).vector;
     STOKE_RETURN_IF_ERROR(net.SetOutput(self_, c_, x[2], x[3], vector));
 
-    cuda::PairOps g = cuda::BatchNormOps(net.ct, x);
-    auto fp = net.Plan(std::move(g.forward));
-    auto bp = fp.ok() ? net.Plan(std::move(g.backward)) : Result<GraphOp>(fp.status());
-    if (fp.ok() && bp.ok()) {
-      fwd_ = std::move(*fp);
-      bwd_ = std::move(*bp);
-    } else {
-      net.Fallback(self_, "batch norm", fp.ok() ? bp.status() : fp.status());
+    if (!net.PlanPair(self_, "batch norm", cuda::BatchNormOps(net.ct, x), fwd_, bwd_)) {
       net.NeedPartials(rows_, static_cast<int>(c_));
     }
     return OkStatus();
@@ -534,8 +549,7 @@ class BatchNormLayer final : public Layer {
     net.Deliver(in_, direct_);
     return OkStatus();
   }
-  Status Bind(Net& net) override {
-    direct_ = net.Claim(in_);
+  Status BindGraphs(Net& net) override {
     if (!fwd_.ok()) return OkStatus();
     void* x = const_cast<void*>(net.In(in_));
     const Node& y = net.node(self_);
@@ -551,32 +565,22 @@ class BatchNormLayer final : public Layer {
   float* RunningMean(Net& net) const { return net.running[static_cast<size_t>(mean_stat_)]->value.as<float>(); }
   float* RunningVar(Net& net) const { return net.running[static_cast<size_t>(mean_stat_) + 1]->value.as<float>(); }
 
-  int self_, in_;
   int64_t c_ = 0, rows_ = 0;
   float eps_ = 0, factor_ = 0;  // by-value scalars of the cuDNN graph: must outlive it
   int scale_ = -1, shift_ = -1, mean_stat_ = -1;
-  bool direct_ = false;
   DeviceBuffer next_mean_, next_var_, save_mean_, save_inv_std_;
   GraphOp fwd_, bwd_;
 };
 
 // ---------------------------------------------------------------- ReLU
 
-class ReluLayer final : public Layer {
+class ReluLayer final : public OneInputLayer {
  public:
-  ReluLayer(int self, int in) : self_(self), in_(in) {}
+  ReluLayer(int self, int in) : OneInputLayer(self, in) {}
   Status Init(Net& net) {
     const auto x = net.Dims(in_);
     STOKE_RETURN_IF_ERROR(net.SetOutput(self_, x[1], x[2], x[3], in_ >= 0 && net.node(in_).vector));
-    cuda::PairOps g = cuda::ReluOps(net.ct, x);
-    auto fp = net.Plan(std::move(g.forward));
-    auto bp = fp.ok() ? net.Plan(std::move(g.backward)) : Result<GraphOp>(fp.status());
-    if (fp.ok() && bp.ok()) {
-      fwd_ = std::move(*fp);
-      bwd_ = std::move(*bp);
-    } else {
-      net.Fallback(self_, "relu", fp.ok() ? bp.status() : fp.status());
-    }
+    net.PlanPair(self_, "relu", cuda::ReluOps(net.ct, x), fwd_, bwd_);
     return OkStatus();
   }
   Status Forward(Net& net, bool, int64_t) override {
@@ -596,8 +600,7 @@ class ReluLayer final : public Layer {
     net.Deliver(in_, direct_);
     return OkStatus();
   }
-  Status Bind(Net& net) override {
-    direct_ = net.Claim(in_);
+  Status BindGraphs(Net& net) override {
     if (!fwd_.ok()) return OkStatus();
     void* x = const_cast<void*>(net.In(in_));
     const Node& y = net.node(self_);
@@ -607,16 +610,14 @@ class ReluLayer final : public Layer {
   }
 
  private:
-  int self_, in_;
-  bool direct_ = false;
   GraphOp fwd_, bwd_;
 };
 
 // ---------------------------------------------------------------- pooling
 
-class PoolLayer final : public Layer {
+class PoolLayer final : public OneInputLayer {
  public:
-  PoolLayer(int self, int in) : self_(self), in_(in) {}
+  PoolLayer(int self, int in) : OneInputLayer(self, in) {}
   Status Init(Net& net, const LayerSpec& l) {
     const auto x = net.Dims(in_);
     const Shape out = net.shapes[static_cast<size_t>(self_)];
@@ -630,15 +631,8 @@ class PoolLayer final : public Layer {
     STOKE_RETURN_IF_ERROR(net.SetOutput(self_, out.c, out.h, out.w, false));
     const std::array<int64_t, 4> y{x[0], out.c, out.h, out.w};
     if (shape_.kh == shape_.kw) {
-      cuda::PairOps g = cuda::PoolOps(net.ct, x, y, shape_.kh, shape_.stride, shape_.pad, shape_.max);
-      auto fp = net.Plan(std::move(g.forward));
-      auto bp = fp.ok() ? net.Plan(std::move(g.backward)) : Result<GraphOp>(fp.status());
-      if (fp.ok() && bp.ok()) {
-        fwd_ = std::move(*fp);
-        bwd_ = std::move(*bp);
-      } else {
-        net.Fallback(self_, shape_.max ? "max pooling" : "average pooling", fp.ok() ? bp.status() : fp.status());
-      }
+      net.PlanPair(self_, shape_.max ? "max pooling" : "average pooling",
+                   cuda::PoolOps(net.ct, x, y, shape_.kh, shape_.stride, shape_.pad, shape_.max), fwd_, bwd_);
     } else {
       net.Fallback(self_, "pooling", InvalidArgumentError("non-square window"));
     }
@@ -664,8 +658,7 @@ class PoolLayer final : public Layer {
     net.Deliver(in_, direct_);
     return OkStatus();
   }
-  Status Bind(Net& net) override {
-    direct_ = net.Claim(in_);
+  Status BindGraphs(Net& net) override {
     if (!fwd_.ok()) return OkStatus();
     void* x = const_cast<void*>(net.In(in_));
     const Node& y = net.node(self_);
@@ -679,9 +672,7 @@ class PoolLayer final : public Layer {
   }
 
  private:
-  int self_, in_;
   cuda::PoolShape shape_{};
-  bool direct_ = false;
   DeviceBuffer index_;
   GraphOp fwd_, bwd_;
 };
@@ -736,9 +727,9 @@ class AddLayer final : public Layer {
 
 // ---------------------------------------------------------------- flatten and dropout (own kernels)
 
-class FlattenLayer final : public Layer {
+class FlattenLayer final : public OneInputLayer {
  public:
-  FlattenLayer(int self, int in) : self_(self), in_(in) {}
+  FlattenLayer(int self, int in) : OneInputLayer(self, in) {}
   Status Init(Net& net) {
     const auto x = net.Dims(in_);
     return net.SetOutput(self_, x[1] * x[2] * x[3], 1, 1, true);
@@ -757,19 +748,11 @@ class FlattenLayer final : public Layer {
     net.Deliver(in_, direct_);
     return OkStatus();
   }
-  Status Bind(Net& net) override {
-    direct_ = net.Claim(in_);
-    return OkStatus();
-  }
-
- private:
-  int self_, in_;
-  bool direct_ = false;
 };
 
-class DropoutLayer final : public Layer {
+class DropoutLayer final : public OneInputLayer {
  public:
-  DropoutLayer(int self, int in, double p, uint64_t seed) : self_(self), in_(in), p_(p), seed_(seed) {}
+  DropoutLayer(int self, int in, double p, uint64_t seed) : OneInputLayer(self, in), p_(p), seed_(seed) {}
   Status Init(Net& net) {
     const auto x = net.Dims(in_);
     STOKE_RETURN_IF_ERROR(net.SetOutput(self_, x[1], x[2], x[3], in_ >= 0 && net.node(in_).vector));
@@ -798,16 +781,10 @@ class DropoutLayer final : public Layer {
     net.Deliver(in_, direct_);
     return OkStatus();
   }
-  Status Bind(Net& net) override {
-    direct_ = net.Claim(in_);
-    return OkStatus();
-  }
 
  private:
-  int self_, in_;
   double p_;
   uint64_t seed_;
-  bool direct_ = false;
   DeviceBuffer keep_;
 };
 

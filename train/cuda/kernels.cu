@@ -164,12 +164,17 @@ __global__ void ChannelSumsKernel(const T* x, int64_t rows, int channels, int ch
                   partials);
 }
 
+// Channel c's total over the chunks of one plane of partial sums (chunks x channels), in double.
+__device__ double SumChunks(const float* plane, int chunks, int channels, int c) {
+  double total = 0;
+  for (int k = 0; k < chunks; ++k) total += plane[static_cast<int64_t>(k) * channels + c];
+  return total;
+}
+
 __global__ void CombinePartialsKernel(const float* partials, int chunks, int channels, float* out) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= channels) return;
-  double total = 0;
-  for (int k = 0; k < chunks; ++k) total += partials[static_cast<int64_t>(k) * channels + c];
-  out[c] = static_cast<float>(total);
+  out[c] = static_cast<float>(SumChunks(partials, chunks, channels, c));
 }
 
 // ---------------------------------------------------------------- elementwise
@@ -235,11 +240,7 @@ __global__ void BatchNormStatsKernel(const float* partials, int chunks, int chan
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= channels) return;
   const int64_t plane = static_cast<int64_t>(chunks) * channels;
-  double s = 0, s2 = 0;
-  for (int k = 0; k < chunks; ++k) {
-    s += partials[static_cast<int64_t>(k) * channels + c];
-    s2 += partials[plane + static_cast<int64_t>(k) * channels + c];
-  }
+  const double s = SumChunks(partials, chunks, channels, c), s2 = SumChunks(partials + plane, chunks, channels, c);
   const double mean = s / rows;
   const double var = fmax(s2 / rows - mean * mean, 0.0);
   save_mean[c] = static_cast<float>(mean);
@@ -275,13 +276,8 @@ __global__ void BatchNormGradCombineKernel(const float* partials, int chunks, in
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= channels) return;
   const int64_t plane = static_cast<int64_t>(chunks) * channels;
-  double s = 0, s2 = 0;
-  for (int k = 0; k < chunks; ++k) {
-    s += partials[static_cast<int64_t>(k) * channels + c];
-    s2 += partials[plane + static_cast<int64_t>(k) * channels + c];
-  }
-  dshift[c] = static_cast<float>(s);
-  dscale[c] = static_cast<float>(s2);
+  dshift[c] = static_cast<float>(SumChunks(partials, chunks, channels, c));
+  dscale[c] = static_cast<float>(SumChunks(partials + plane, chunks, channels, c));
 }
 
 template <typename T>
