@@ -97,6 +97,8 @@ Status ApplyPlan(const ImageView& src, const RectF& region, const CropPlan& plan
     if (out.data != dst.data()) return InternalError("augment: OpenCV reallocated the destination");
   } catch (const cv::Exception& e) {
     return InternalError(fmt::format("augment: OpenCV: {}", e.what()));
+  } catch (const std::bad_alloc&) {
+    return ResourceExhaustedError("augment: out of memory");
   }
   return OkStatus();
 }
@@ -125,7 +127,13 @@ Status Normalize(std::span<const uint8_t> src, int count, int width, int height,
   }
   thread_local std::vector<float> f32;  // float16 output is converted from this
   const bool half = o.dtype == DType::kFloat16;
-  if (half) f32.resize(pixels * 3);
+  if (half) {
+    try {
+      f32.resize(pixels * 3);
+    } catch (const std::bad_alloc&) {
+      return ResourceExhaustedError(fmt::format("augment: normalise: out of memory for {} pixels", pixels));
+    }
+  }
   for (int n = 0; n < count; ++n) {
     const uint8_t* in = src.data() + n * pixels * 3;
     float* out = half ? f32.data() : reinterpret_cast<float*>(dst.data()) + n * pixels * 3;
@@ -140,9 +148,13 @@ Status Normalize(std::span<const uint8_t> src, int count, int width, int height,
       }
     }
     if (half) {
-      cv::Mat from(1, static_cast<int>(pixels * 3), CV_32F, f32.data());
-      cv::Mat to(1, static_cast<int>(pixels * 3), CV_16F, dst.data() + n * pixels * 3 * 2);
-      from.convertTo(to, CV_16F);
+      try {
+        cv::Mat from(1, static_cast<int>(pixels * 3), CV_32F, f32.data());
+        cv::Mat to(1, static_cast<int>(pixels * 3), CV_16F, dst.data() + n * pixels * 3 * 2);
+        from.convertTo(to, CV_16F);
+      } catch (const cv::Exception& e) {
+        return InternalError(fmt::format("augment: normalise: OpenCV: {}", e.what()));
+      }
     }
   }
   return OkStatus();

@@ -3,6 +3,8 @@
 // they travel as values, never as exceptions across an API.
 #pragma once
 
+#include <exception>
+#include <new>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -98,6 +100,23 @@ class [[nodiscard]] Result {
   Status status_;
   std::optional<T> value_;
 };
+
+// Runs `fn` (returning a Status or a Result) and turns anything it throws into an error whose
+// message starts with `what`: std::bad_alloc becomes kResourceExhausted ("out of memory"), any
+// other exception kInternal. For the boundary of a module that calls into a throwing library, so
+// that no exception crosses a stoke API.
+template <typename F>
+auto CatchExceptions(std::string_view what, F&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const std::bad_alloc&) {
+    return ResourceExhaustedError(std::string(what) + ": out of memory");
+  } catch (const std::exception& e) {
+    return InternalError(std::string(what) + ": unexpected exception: " + e.what());
+  } catch (...) {
+    return InternalError(std::string(what) + ": unexpected exception of unknown type");
+  }
+}
 
 }  // namespace stoke
 

@@ -35,9 +35,7 @@ int Fail(const stoke::Status& s) {
   return 1;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int Run(int argc, char** argv) {
   // Image-sized buffers (100 KB - 10 MB) are allocated and freed per image on several threads.
   // glibc would serve each from a fresh mmap and trim freed heap back to the kernel, and the page
   // faults to map it in again cost ~5% of a pack. Keep such memory in the process instead.
@@ -296,4 +294,19 @@ int main(int argc, char** argv) {
     return 0;
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Every library call that can throw is wrapped where it is made; anything that still escapes is
+  // a bug in stoke. Report it in one line and exit non-zero rather than abort with a core dump.
+  try {
+    return Run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "stoke: internal error: uncaught exception: %s (please report this)\n", e.what());
+  } catch (...) {
+    std::fprintf(stderr, "stoke: internal error: uncaught exception of unknown type (please report this)\n");
+  }
+  return 70;  // EX_SOFTWARE
 }

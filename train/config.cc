@@ -3,6 +3,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <set>
@@ -192,6 +193,30 @@ Status ParseData(Section& top, DataConfig& d) {
   return s.Finish();
 }
 
+// The option keys of each layer type (besides name, type and inputs, which every layer has).
+constexpr std::array<std::string_view, 7> kLayerOptionKeys = {"out", "kernel", "stride", "pad", "bias", "p", "zero_init"};
+std::vector<std::string> LayerKeys(LayerType type) {
+  switch (type) {
+    case LayerType::kConv:
+      return {"out", "kernel", "stride", "pad", "bias"};
+    case LayerType::kLinear:
+      return {"out", "bias"};
+    case LayerType::kMaxPool:
+    case LayerType::kAvgPool:
+      return {"kernel", "stride", "pad"};
+    case LayerType::kBatchNorm:
+      return {"zero_init"};
+    case LayerType::kDropout:
+      return {"p"};
+    case LayerType::kRelu:
+    case LayerType::kGlobalAvgPool:
+    case LayerType::kAdd:
+    case LayerType::kFlatten:
+      return {};
+  }
+  return {};
+}
+
 Status ParseLayer(Section& l, LayerSpec& spec) {
   std::string type;
   YAML::Node type_node;
@@ -202,6 +227,18 @@ Status ParseLayer(Section& l, LayerSpec& spec) {
   auto parsed = ParseLayerType(type);
   if (!parsed.ok()) return l.Error(type_node, l.Path("type"), parsed.status().message());
   spec.type = *parsed;
+  // A key of another layer type is a mistake worth stopping for ({type: relu, kernel: 2} was
+  // probably meant as a pool), not something to ignore.
+  const std::vector<std::string> own = LayerKeys(spec.type);
+  for (const auto& kv : l.node()) {
+    const std::string key = kv.first.Scalar();
+    const bool other_layers = std::find(kLayerOptionKeys.begin(), kLayerOptionKeys.end(), key) != kLayerOptionKeys.end();
+    if (other_layers && std::find(own.begin(), own.end(), key) == own.end()) {
+      return l.Error(kv.first, l.Path(key),
+                     fmt::format("does not apply to a {} layer; its keys are: name, type, inputs{}{}", type,
+                                 own.empty() ? "" : ", ", fmt::join(own, ", ")));
+    }
+  }
   STOKE_RETURN_IF_ERROR(l.String("name", &spec.name));
   YAML::Node inputs;
   if (l.Has("inputs", &inputs)) {
@@ -233,7 +270,7 @@ Status ParseLayer(Section& l, LayerSpec& spec) {
 Status ParseModel(Section& top, ModelConfig& m) {
   STOKE_ASSIGN_OR_RETURN(Section s, top.Sub("model"));
   STOKE_RETURN_IF_ERROR(s.String("preset", &m.preset, PresetNames()));
-  STOKE_RETURN_IF_ERROR(s.Number("classes", &m.classes, 1, 1 << 24));
+  STOKE_RETURN_IF_ERROR(s.Number("classes", &m.classes, 2, 1 << 24));
   STOKE_RETURN_IF_ERROR(s.Number("label_smoothing", &m.label_smoothing, 0, 1, true));
   STOKE_RETURN_IF_ERROR(s.Number("bn_momentum", &m.bn_momentum, 0, 1));
   STOKE_RETURN_IF_ERROR(s.Number("bn_epsilon", &m.bn_epsilon, 1e-12, 1));
@@ -253,7 +290,7 @@ Status ParseModel(Section& top, ModelConfig& m) {
       m.layers.push_back(std::move(spec));
     }
   }
-  if (m.classes == 0) return s.Error(at, s.Path("classes"), "missing; expected the number of classes (>= 1)");
+  if (m.classes == 0) return s.Error(at, s.Path("classes"), "missing; expected the number of classes (>= 2)");
   if (has_layers == !m.preset.empty()) {
     return s.Error(at, s.Path("preset"),
                    fmt::format("give either a preset ({}) or a layers list, not {}", fmt::join(PresetNames(), ", "),
@@ -299,9 +336,18 @@ void PutFlow(YAML::Emitter& e, const char* key, const T& value) {
   e << YAML::Key << key << YAML::Value << YAML::Flow << value;
 }
 
+Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::string& source);
+
 }  // namespace
 
 Result<TrainConfig> ParseConfig(const std::string& yaml, const std::string& source) {
+  // yaml-cpp reports some mistakes by throwing; every one becomes an error naming the file.
+  return CatchExceptions(source, [&] { return ParseConfigUnguarded(yaml, source); });
+}
+
+namespace {
+
+Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::string& source) {
   YAML::Node root;
   try {
     root = YAML::Load(yaml);
@@ -351,6 +397,8 @@ Result<TrainConfig> ParseConfig(const std::string& yaml, const std::string& sour
   }
   return c;
 }
+
+}  // namespace
 
 Result<TrainConfig> LoadConfig(const std::string& path) {
   STOKE_ASSIGN_OR_RETURN(auto bytes, ReadFileBytes(path));

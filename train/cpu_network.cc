@@ -1,10 +1,12 @@
 #include "train/cpu_network.h"
 
 #include <omp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <numbers>
 #include <oneapi/dnnl/dnnl.hpp>
@@ -104,6 +106,10 @@ class Net {
   memory loss_diff;  // N x classes, plain
   Converter loss_diff_conv;
 
+  std::vector<bool> needs_grad;  // per layer: its output's gradient is used (LayersNeedingGradient)
+  int running = -1;              // the layer being built or run, for error messages
+  const char* phase = "";        // what it was doing: "build", "forward", "backward"
+
   std::vector<std::string> reference_kernels;  // "layer: kernel" for each slow fallback in use
   void Note(int layer, const dnnl::primitive_desc_base& pd) {
     if (IsReference(pd)) {
@@ -114,11 +120,13 @@ class Net {
   }
 
   Node& node(int i) { return nodes[static_cast<size_t>(i)]; }
-  // Allocates a layer's output and its gradient, both in `md`.
+  // Whether the backward pass needs the gradient of node `i`'s output; never for the input (-1).
+  bool NeedsGrad(int i) const { return i >= 0 && needs_grad[static_cast<size_t>(i)]; }
+  // Allocates a layer's output and, when the backward pass needs it, its gradient, both in `md`.
   Node& SetOutput(int i, const memory::desc& md) {
     Node& n = node(i);
     n.out = memory(md, eng);
-    n.diff = memory(md, eng);
+    if (NeedsGrad(i)) n.diff = memory(md, eng);
     return n;
   }
 
@@ -165,8 +173,8 @@ class Net {
   }
 
   void InitSink(DiffSink& s, int node, const memory::desc& produced) {
-    s.node = node;
-    if (node < 0) return;
+    s.node = NeedsGrad(node) ? node : -1;
+    if (s.node < 0) return;
     const Node& n = nodes[static_cast<size_t>(node)];
     s.direct = n.consumers == 1 && produced == n.out.get_desc();
     if (!s.direct) {
@@ -187,7 +195,7 @@ class Net {
   }
   // Adds `d` (converted into the node's layout) to the node's gradient.
   void Give(int node, const memory& d, Converter& conv) {
-    if (node < 0) return;
+    if (!NeedsGrad(node)) return;
     memory src = conv.Run(d, strm);
     strm.wait();
     Node& n = nodes[static_cast<size_t>(node)];
@@ -298,8 +306,10 @@ class WeightedLayer final : public Layer {
     }
     dd_w_.Init(dst_md, bw_diff_dst, net.eng);
 
-    // Backward data, unless the input is the network input.
-    if (in_node < 0) return;
+    // Backward data, unless nothing upstream learns (the network input, or parameter-free layers
+    // on it).
+    data_grad_ = net.NeedsGrad(in_node);
+    if (!data_grad_) return;
     memory::desc bd_w, bd_diff_dst, bd_diff_src;
     auto make_bwd_data = [&](const memory::desc& wmd) {
       if (conv) {
@@ -345,7 +355,7 @@ class WeightedLayer final : public Layer {
     if (bias_) args[DNNL_ARG_DIFF_BIAS] = bias_->grad;
     bwd_w_.execute(net.strm, args);
     if (grad_scratch_) grad_conv_.execute(net.strm, grad_scratch_, weight_->grad);
-    if (in_ < 0) return;
+    if (!data_grad_) return;
     bwd_d_.execute(net.strm, {{DNNL_ARG_DIFF_DST, dd_d_.Run(diff, net.strm)},
                               {DNNL_ARG_WEIGHTS, w_for_data_.Run(weight_->value, net.strm)},
                               {DNNL_ARG_DIFF_SRC, net.SinkTarget(sink_)}});
@@ -354,6 +364,7 @@ class WeightedLayer final : public Layer {
 
  private:
   int self_, in_;
+  bool data_grad_ = false;  // the input's gradient is needed
   dnnl::convolution_forward::primitive_desc conv_pd_;
   dnnl::inner_product_forward::primitive_desc ip_pd_;
   dnnl::primitive fwd_, bwd_w_, bwd_d_;
@@ -404,6 +415,8 @@ class BatchNormLayer final : public Layer {
     net.SetOutput(self, fwd_pd_.dst_desc());
     dd_.Init(fwd_pd_.dst_desc(), bwd_pd.diff_dst_desc(), net.eng);
     net.InitSink(sink_, in_node, bwd_pd.diff_src_desc());
+    // oneDNN's backward always writes the input gradient; when nothing needs it, it goes here.
+    if (sink_.node < 0) discard_ = memory(bwd_pd.diff_src_desc(), net.eng);
   }
 
   void Forward(Net& net, bool training, int64_t) override {
@@ -435,7 +448,8 @@ class BatchNormLayer final : public Layer {
     const memory& diff = net.node(self_).diff;
     bwd_.execute(net.strm, {{DNNL_ARG_SRC, net.Out(in_)}, {DNNL_ARG_MEAN, mean_}, {DNNL_ARG_VARIANCE, var_},
                             {DNNL_ARG_DIFF_DST, dd_.Run(diff, net.strm)}, {DNNL_ARG_SCALE, scale_->value},
-                            {DNNL_ARG_SHIFT, shift_->value}, {DNNL_ARG_DIFF_SRC, net.SinkTarget(sink_)},
+                            {DNNL_ARG_SHIFT, shift_->value},
+                            {DNNL_ARG_DIFF_SRC, sink_.node < 0 ? discard_ : net.SinkTarget(sink_)},
                             {DNNL_ARG_DIFF_SCALE, scale_->grad}, {DNNL_ARG_DIFF_SHIFT, shift_->grad}});
     net.Deliver(sink_);
   }
@@ -447,7 +461,7 @@ class BatchNormLayer final : public Layer {
   dnnl::primitive fwd_, inf_, bwd_;
   Param* scale_ = nullptr;
   Param* shift_ = nullptr;
-  memory mean_, var_, running_mean_, running_var_;
+  memory mean_, var_, running_mean_, running_var_, discard_;
   Converter dd_;
   DiffSink sink_;
 };
@@ -473,6 +487,7 @@ class ReluLayer final : public Layer {
     fwd_.execute(net.strm, {{DNNL_ARG_SRC, net.Out(in_)}, {DNNL_ARG_DST, net.node(self_).out}});
   }
   void Backward(Net& net) override {
+    if (sink_.node < 0) return;
     bwd_.execute(net.strm, {{DNNL_ARG_SRC, net.Out(in_)},
                             {DNNL_ARG_DIFF_DST, dd_.Run(net.node(self_).diff, net.strm)},
                             {DNNL_ARG_DIFF_SRC, net.SinkTarget(sink_)}});
@@ -529,6 +544,7 @@ class PoolLayer final : public Layer {
     fwd_.execute(net.strm, args);
   }
   void Backward(Net& net) override {
+    if (sink_.node < 0) return;
     ArgMap args{{DNNL_ARG_DIFF_DST, dd_.Run(net.node(self_).diff, net.strm)},
                 {DNNL_ARG_DIFF_SRC, net.SinkTarget(sink_)}};
     if (workspace_) args[DNNL_ARG_WORKSPACE] = workspace_;
@@ -555,8 +571,8 @@ class AddLayer final : public Layer {
     net.Note(self, pd);
     fwd_ = dnnl::binary(pd);
     net.SetOutput(self, md);
-    if (a >= 0) to_a_.Init(md, net.OutMd(a), net.eng);
-    if (b >= 0) to_b_.Init(md, net.OutMd(b), net.eng);
+    if (net.NeedsGrad(a)) to_a_.Init(md, net.OutMd(a), net.eng);
+    if (net.NeedsGrad(b)) to_b_.Init(md, net.OutMd(b), net.eng);
   }
   void Forward(Net& net, bool, int64_t) override {
     fwd_.execute(net.strm, {{DNNL_ARG_SRC_0, net.Out(a_)},
@@ -588,15 +604,19 @@ class FlattenLayer final : public Layer {
     plain_md_ = memory::desc(dims, kF32, dims.size() == 4 ? Tag::nchw : Tag::nc);
     Node& node = net.SetOutput(self, flat);
     out_view_ = memory(plain_md_, net.eng, node.out.get_data_handle());
-    diff_view_ = memory(plain_md_, net.eng, node.diff.get_data_handle());
     to_plain_ = dnnl::reorder(dnnl::reorder::primitive_desc(net.eng, md, net.eng, plain_md_));
-    if (in_node >= 0) back_.Init(plain_md_, md, net.eng);
+    if (net.NeedsGrad(in_node)) {
+      diff_view_ = memory(plain_md_, net.eng, node.diff.get_data_handle());
+      back_.Init(plain_md_, md, net.eng);
+    }
   }
   void Forward(Net& net, bool, int64_t) override {
     memory src = net.Out(in_);
     to_plain_.execute(net.strm, src, out_view_);
   }
-  void Backward(Net& net) override { net.Give(in_, diff_view_, back_); }
+  void Backward(Net& net) override {
+    if (net.NeedsGrad(in_)) net.Give(in_, diff_view_, back_);
+  }
 
  private:
   int self_, in_;
@@ -632,9 +652,9 @@ class DropoutLayer final : public Layer {
     for (size_t i = 0; i < mask_.size(); ++i) out[i] = in[i] * mask_[i];
   }
   void Backward(Net& net) override {
+    if (sink_.node < 0) return;
     net.strm.wait();
     const float* diff = Data(net.node(self_).diff);
-    if (in_ < 0) return;
     float* dst = Data(net.SinkTarget(sink_));
     for (size_t i = 0; i < mask_.size(); ++i) dst[i] = diff[i] * mask_[i];
     net.Deliver(sink_);
@@ -690,18 +710,23 @@ struct CpuNetwork::Impl {
   Net net;
 
   Status Normalise(const prefetch::Batch& b) {
-    const int size = net.opt.image_size;
     auto bytes = std::span<std::byte>(static_cast<std::byte*>(net.input.get_data_handle()),
                                       net.input.get_desc().get_size());
-    const size_t used = augment::NormalizedBytes(b.size, size, size, augment::DType::kFloat32);
-    STOKE_RETURN_IF_ERROR(augment::Normalize(b.images, b.size, size, size, net.opt.normalize, bytes.first(used)));
+    const int w = net.opt.image_size, h = net.opt.height();
+    const size_t used = augment::NormalizedBytes(b.size, w, h, augment::DType::kFloat32);
+    STOKE_RETURN_IF_ERROR(augment::Normalize(b.images, b.size, w, h, net.opt.normalize, bytes.first(used)));
     // A short (evaluation) batch: the remaining rows are zeros and their outputs are ignored.
     std::memset(bytes.data() + used, 0, bytes.size() - used);
     return OkStatus();
   }
 
   void Forward(bool training, int64_t step) {
-    for (auto& layer : net.layers) layer->Forward(net, training, step);
+    net.phase = "forward";
+    for (size_t i = 0; i < net.layers.size(); ++i) {
+      net.running = static_cast<int>(i);
+      net.layers[i]->Forward(net, training, step);
+    }
+    net.running = -1;
     net.logits_conv.Run(net.nodes.back().out, net.strm);
     net.strm.wait();
   }
@@ -716,11 +741,15 @@ struct CpuNetwork::Impl {
                                            Data(net.loss_diff), n);
     for (auto& node : net.nodes) node.writes = 0;
     net.Give(static_cast<int>(net.nodes.size()) - 1, net.loss_diff, net.loss_diff_conv);
+    net.phase = "backward";
     for (size_t i = net.layers.size(); i-- > 0;) {
+      if (!net.needs_grad[i]) continue;  // nothing upstream of it learns
+      net.running = static_cast<int>(i);
       Node& node = net.nodes[i];
       if (node.writes == 0) std::memset(node.diff.get_data_handle(), 0, node.diff.get_desc().get_size());
       net.layers[i]->Backward(net);
     }
+    net.running = -1;
     net.strm.wait();
     return stats;
   }
@@ -747,6 +776,41 @@ struct CpuNetwork::Impl {
       }
     }
   }
+
+  // Where a failure happened: "layer 3 ('relu3', relu), backward" or the operation alone.
+  std::string Where(std::string_view what) const {
+    if (net.running < 0) return std::string(what);
+    const LayerSpec& l = net.opt.model.layers[static_cast<size_t>(net.running)];
+    return fmt::format("{}: layer {} ('{}', {}), {}", what, net.running, l.name, LayerTypeName(l.type), net.phase);
+  }
+
+  // Runs `fn` (which returns a Status or Result), turning what oneDNN, the allocator or anything
+  // else throws into an error that names the operation, the layer and the batch: no exception
+  // leaves the backend.
+  template <typename F>
+  auto Guard(std::string_view what, F&& fn) -> decltype(fn()) {
+    try {
+      return fn();
+    } catch (const dnnl::error& e) {
+      const std::string where = Where(what);
+      net.running = -1;
+      if (e.status == dnnl_out_of_memory) {
+        return ResourceExhaustedError(fmt::format("cpu backend: {}: out of memory (batch {}): {}", where,
+                                                  net.opt.batch, e.what()));
+      }
+      return InternalError(fmt::format("cpu backend: {}: oneDNN: {} (status {})", where, e.what(),
+                                       static_cast<int>(e.status)));
+    } catch (const std::bad_alloc&) {
+      const std::string where = Where(what);
+      net.running = -1;
+      return ResourceExhaustedError(
+          fmt::format("cpu backend: {}: out of memory (batch {}; lower data.batch_size)", where, net.opt.batch));
+    } catch (const std::exception& e) {
+      const std::string where = Where(what);
+      net.running = -1;
+      return InternalError(fmt::format("cpu backend: {}: {}", where, e.what()));
+    }
+  }
 };
 
 CpuNetwork::CpuNetwork(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -754,10 +818,39 @@ CpuNetwork::~CpuNetwork() = default;
 
 const NetworkOptions& CpuNetwork::options() const { return impl_->net.opt; }
 
+namespace {
+
+// Bytes of memory available to a new allocation without swapping (MemAvailable), or the physical
+// memory when the kernel does not say; 0 when unknown.
+double AvailableMemoryBytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  double kib = 0;
+  std::string unit;
+  while (in >> key >> kib >> unit) {
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<double>(pages) * static_cast<double>(page) : 0;
+}
+
+// A floor on what the network's activations and their gradients take: every output once, and again
+// for its gradient where the backward pass needs one.
+double ActivationBytes(const NetworkOptions& o, const std::vector<Shape>& shapes, const std::vector<bool>& needs) {
+  double floats = 3.0 * o.image_size * o.height();
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    floats += static_cast<double>(shapes[i].size()) * (needs[i] ? 2 : 1);
+  }
+  return floats * o.batch * sizeof(float);
+}
+
+}  // namespace
+
 Result<std::unique_ptr<CpuNetwork>> CpuNetwork::Create(NetworkOptions options) {
   if (options.batch < 1) return InvalidArgumentError(fmt::format("batch must be >= 1, got {}", options.batch));
-  if (options.image_size < 1) {
-    return InvalidArgumentError(fmt::format("image size must be >= 1, got {}", options.image_size));
+  if (options.image_size < 1 || options.image_height < 0) {
+    return InvalidArgumentError(
+        fmt::format("image size must be >= 1, got {}x{}", options.image_size, options.height()));
   }
   if (!(options.label_smoothing >= 0 && options.label_smoothing < 1)) {
     return InvalidArgumentError(fmt::format("label smoothing must be in [0, 1), got {}", options.label_smoothing));
@@ -765,17 +858,27 @@ Result<std::unique_ptr<CpuNetwork>> CpuNetwork::Create(NetworkOptions options) {
   if (options.normalize.dtype != augment::DType::kFloat32 || options.precision != Precision::kFloat32) {
     return InvalidArgumentError("the CPU backend trains in float32; set the input dtype to float32");
   }
-  const Shape input{3, options.image_size, options.image_size};
+  const Shape input{3, options.height(), options.image_size};
   STOKE_ASSIGN_OR_RETURN(auto shapes, ResolveModel(options.model, input));
+  std::vector<bool> needs = LayersNeedingGradient(options.model);
+  const double need_bytes = ActivationBytes(options, shapes, needs), have_bytes = AvailableMemoryBytes();
+  if (have_bytes > 0 && need_bytes > have_bytes) {
+    return ResourceExhaustedError(fmt::format(
+        "cpu backend: batch {} at {}x{} needs at least {:.1f} GiB for activations and gradients; {:.1f} GiB of "
+        "memory is available (lower data.batch_size)",
+        options.batch, options.image_size, options.height(), need_bytes / (1 << 30), have_bytes / (1 << 30)));
+  }
   if (options.threads > 0) omp_set_num_threads(options.threads);
 
   auto impl = std::make_unique<Impl>();
   Net& net = impl->net;
   net.opt = std::move(options);
   net.shapes = std::move(shapes);
+  net.needs_grad = std::move(needs);
+  net.phase = "build";
   const ModelSpec& model = net.opt.model;
   const int n = net.opt.batch;
-  try {
+  Status built = impl->Guard("building the model", [&]() -> Status {
     const Tag input_tag = net.opt.normalize.layout == augment::Layout::kNHWC ? Tag::nhwc : Tag::nchw;
     net.input = memory(memory::desc({n, 3, input.h, input.w}, kF32, input_tag), net.eng);
     std::map<std::string, int> index{{"input", -1}};
@@ -789,6 +892,7 @@ Result<std::unique_ptr<CpuNetwork>> CpuNetwork::Create(NetworkOptions options) {
     for (size_t i = 0; i < model.layers.size(); ++i) {
       const LayerSpec& l = model.layers[i];
       const int self = static_cast<int>(i);
+      net.running = self;
       const int in = index[l.inputs[0]];
       const uint64_t seed = MixSeed(net.opt.seed, 0x6c61796572ull, i);
       std::unique_ptr<Layer> layer;
@@ -820,14 +924,14 @@ Result<std::unique_ptr<CpuNetwork>> CpuNetwork::Create(NetworkOptions options) {
       }
       net.layers.push_back(std::move(layer));
     }
+    net.running = -1;
     const memory::desc plain({n, model.classes}, kF32, Tag::nc);
     net.logits_conv.Init(net.nodes.back().out.get_desc(), plain, net.eng);
     net.loss_diff = memory(plain, net.eng);
     net.loss_diff_conv.Init(plain, net.nodes.back().out.get_desc(), net.eng);
-  } catch (const dnnl::error& e) {
-    return InternalError(fmt::format("oneDNN could not build the model: {} (status {})", e.what(),
-                                     static_cast<int>(e.status)));
-  }
+    return OkStatus();
+  });
+  STOKE_RETURN_IF_ERROR(built);
   if (!net.reference_kernels.empty()) {
     STOKE_LOG(WARN, "oneDNN uses slow reference kernels for {} primitive(s): {}", net.reference_kernels.size(),
               fmt::join(net.reference_kernels, "; "));
@@ -837,56 +941,67 @@ Result<std::unique_ptr<CpuNetwork>> CpuNetwork::Create(NetworkOptions options) {
 
 Result<BatchStats> CpuNetwork::TrainStep(const prefetch::Batch& batch, float lr, const SgdOptions& sgd, int64_t step) {
   STOKE_RETURN_IF_ERROR(CheckBatch(impl_->net.opt, batch, true));
-  STOKE_RETURN_IF_ERROR(impl_->Normalise(batch));
-  BatchStats stats = impl_->ForwardBackward(batch.labels, step);
-  if (!std::isfinite(stats.loss_sum)) {
-    return InvalidArgumentError(fmt::format("the loss is not finite at step {} (learning rate {} too high?)", step, lr));
-  }
-  impl_->Update(lr, sgd);
-  return stats;
+  return impl_->Guard(fmt::format("training step {}", step), [&]() -> Result<BatchStats> {
+    STOKE_RETURN_IF_ERROR(impl_->Normalise(batch));
+    BatchStats stats = impl_->ForwardBackward(batch.labels, step);
+    if (!std::isfinite(stats.loss_sum)) {
+      return InvalidArgumentError(
+          fmt::format("the loss is not finite at step {} (learning rate {} too high?)", step, lr));
+    }
+    impl_->Update(lr, sgd);
+    return stats;
+  });
 }
 
 Result<BatchStats> CpuNetwork::Evaluate(const prefetch::Batch& batch) {
   STOKE_RETURN_IF_ERROR(CheckBatch(impl_->net.opt, batch, false));
-  STOKE_RETURN_IF_ERROR(impl_->Normalise(batch));
-  impl_->Forward(false, 0);
-  return SoftmaxCrossEntropy(impl_->Logits(), impl_->net.opt.model.classes, batch.labels, batch.size,
-                             impl_->net.opt.label_smoothing, nullptr, 1);
+  return impl_->Guard("evaluation", [&]() -> Result<BatchStats> {
+    STOKE_RETURN_IF_ERROR(impl_->Normalise(batch));
+    impl_->Forward(false, 0);
+    return SoftmaxCrossEntropy(impl_->Logits(), impl_->net.opt.model.classes, batch.labels, batch.size,
+                               impl_->net.opt.label_smoothing, nullptr, 1);
+  });
 }
 
 Result<BatchStats> CpuNetwork::ForwardBackward(std::span<const float> input, std::span<const int32_t> labels,
                                                int64_t step) {
   Net& net = impl_->net;
-  const int n = net.opt.batch, size = net.opt.image_size;
-  if (input.size() != static_cast<size_t>(n) * 3 * size * size || labels.size() != static_cast<size_t>(n)) {
+  const int n = net.opt.batch, w = net.opt.image_size, h = net.opt.height();
+  if (input.size() != static_cast<size_t>(n) * 3 * h * w || labels.size() != static_cast<size_t>(n)) {
     return InvalidArgumentError("ForwardBackward: input or labels do not match the batch shape");
   }
-  std::vector<float> values(input.begin(), input.end());
-  net.FromPlain(values, {n, 3, size, size}, Tag::nchw, net.input);
-  return impl_->ForwardBackward(labels, step);
+  return impl_->Guard("forward and backward", [&]() -> Result<BatchStats> {
+    std::vector<float> values(input.begin(), input.end());
+    net.FromPlain(values, {n, 3, h, w}, Tag::nchw, net.input);
+    return impl_->ForwardBackward(labels, step);
+  });
 }
 
 const std::vector<std::string>& CpuNetwork::ReferenceKernels() const { return impl_->net.reference_kernels; }
 
-std::vector<NamedTensor> CpuNetwork::Gradients() const {
+Result<std::vector<NamedTensor>> CpuNetwork::Gradients() const {
   Net& net = impl_->net;
-  std::vector<NamedTensor> out;
-  for (const auto& p : net.params) out.push_back({p->name, p->dims, net.ToPlain(p->grad, p->dims, p->plain)});
-  return out;
+  return impl_->Guard("reading the gradients", [&]() -> Result<std::vector<NamedTensor>> {
+    std::vector<NamedTensor> out;
+    for (const auto& p : net.params) out.push_back({p->name, p->dims, net.ToPlain(p->grad, p->dims, p->plain)});
+    return out;
+  });
 }
 
-std::vector<NamedTensor> CpuNetwork::State() const {
+Result<std::vector<NamedTensor>> CpuNetwork::State() const {
   Net& net = impl_->net;
-  std::vector<NamedTensor> out;
-  for (const auto& p : net.params) out.push_back({p->name, p->dims, net.ToPlain(p->value, p->dims, p->plain)});
-  for (const auto& b : net.buffers) {
-    const int64_t size = static_cast<int64_t>(Floats(b.value));
-    out.push_back({b.name, {size}, std::vector<float>(Data(b.value), Data(b.value) + size)});
-  }
-  for (const auto& p : net.params) {
-    out.push_back({p->name + ".momentum", p->dims, net.ToPlain(p->momentum, p->dims, p->plain)});
-  }
-  return out;
+  return impl_->Guard("reading the state", [&]() -> Result<std::vector<NamedTensor>> {
+    std::vector<NamedTensor> out;
+    for (const auto& p : net.params) out.push_back({p->name, p->dims, net.ToPlain(p->value, p->dims, p->plain)});
+    for (const auto& b : net.buffers) {
+      const int64_t size = static_cast<int64_t>(Floats(b.value));
+      out.push_back({b.name, {size}, std::vector<float>(Data(b.value), Data(b.value) + size)});
+    }
+    for (const auto& p : net.params) {
+      out.push_back({p->name + ".momentum", p->dims, net.ToPlain(p->momentum, p->dims, p->plain)});
+    }
+    return out;
+  });
 }
 
 Status CpuNetwork::LoadState(const std::vector<NamedTensor>& state) {
@@ -899,14 +1014,16 @@ Status CpuNetwork::LoadState(const std::vector<NamedTensor>& state) {
   }
   for (const auto& b : net.buffers) wanted.emplace_back(b.name, std::vector<int64_t>{static_cast<int64_t>(Floats(b.value))});
   STOKE_ASSIGN_OR_RETURN(auto found, FindState(state, wanted));
-  size_t k = 0;
-  for (auto& p : net.params) net.FromPlain(found[k++]->values, p->dims, p->plain, p->value);
-  for (auto& p : net.params) net.FromPlain(found[k++]->values, p->dims, p->plain, p->momentum);
-  for (auto& b : net.buffers) {
-    const auto& v = found[k++]->values;
-    std::copy(v.begin(), v.end(), Data(b.value));
-  }
-  return OkStatus();
+  return impl_->Guard("loading the state", [&]() -> Status {
+    size_t k = 0;
+    for (auto& p : net.params) net.FromPlain(found[k++]->values, p->dims, p->plain, p->value);
+    for (auto& p : net.params) net.FromPlain(found[k++]->values, p->dims, p->plain, p->momentum);
+    for (auto& b : net.buffers) {
+      const auto& v = found[k++]->values;
+      std::copy(v.begin(), v.end(), Data(b.value));
+    }
+    return OkStatus();
+  });
 }
 
 std::vector<float> CpuNetwork::LastLogits() const {

@@ -16,7 +16,10 @@ class CpuNetwork final : public Network {
  public:
   // Resolves the model, creates every primitive and initialises the parameters from the seed
   // (Kaiming-normal convolutions, PyTorch-style uniform linear layers, BN scale 1 / shift 0).
-  // kInvalidArgument for a bad model or options (naming them), kInternal if oneDNN refuses a layer.
+  // kInvalidArgument for a bad model or options (naming them), kInternal if oneDNN refuses a layer
+  // (naming it), kResourceExhausted when the batch does not fit in memory (naming the batch size).
+  // No method throws: what oneDNN or the allocator throws comes back as an error naming the
+  // operation and the layer.
   static Result<std::unique_ptr<CpuNetwork>> Create(NetworkOptions options);
   ~CpuNetwork() override;
 
@@ -25,7 +28,7 @@ class CpuNetwork final : public Network {
   Result<BatchStats> TrainStep(const prefetch::Batch& batch, float lr, const SgdOptions& sgd,
                                int64_t step) override;
   Result<BatchStats> Evaluate(const prefetch::Batch& batch) override;
-  std::vector<NamedTensor> State() const override;
+  Result<std::vector<NamedTensor>> State() const override;
   Status LoadState(const std::vector<NamedTensor>& state) override;
   std::vector<float> LastLogits() const override;
 
@@ -34,7 +37,7 @@ class CpuNetwork final : public Network {
   Result<BatchStats> ForwardBackward(std::span<const float> input, std::span<const int32_t> labels,
                                      int64_t step);
   // The gradients of the last ForwardBackward/TrainStep, named like the parameters.
-  std::vector<NamedTensor> Gradients() const;
+  Result<std::vector<NamedTensor>> Gradients() const;
   // Layers where oneDNN fell back to a reference (unoptimised) kernel: "layer: kind impl". Empty
   // for every preset on AVX2/AVX-512; Create() logs a warning when it is not.
   const std::vector<std::string>& ReferenceKernels() const;

@@ -29,7 +29,8 @@ class CudaNetwork final : public Network {
   // Resolves the model, builds every cuDNN plan (cached per shape), allocates the activations and
   // initialises the parameters exactly as the CPU backend does for the same seed.
   // kInvalidArgument for a bad model or options, kUnavailable without a GPU, kInternal when CUDA,
-  // cuDNN or cuBLAS fail (naming the layer).
+  // cuDNN or cuBLAS fail (naming the layer), kResourceExhausted when memory runs out. No method
+  // throws: what a library throws comes back as an error.
   static Result<std::unique_ptr<CudaNetwork>> Create(NetworkOptions options);
   ~CudaNetwork() override;
 
@@ -38,7 +39,7 @@ class CudaNetwork final : public Network {
   Result<BatchStats> TrainStep(const prefetch::Batch& batch, float lr, const SgdOptions& sgd,
                                int64_t step) override;
   Result<BatchStats> Evaluate(const prefetch::Batch& batch) override;
-  std::vector<NamedTensor> State() const override;
+  Result<std::vector<NamedTensor>> State() const override;
   Status LoadState(const std::vector<NamedTensor>& state) override;
   void* stream() const override;
   double LastInputWaitSeconds() const override;
@@ -48,7 +49,7 @@ class CudaNetwork final : public Network {
   // NCHW, cast to the compute precision) in training mode; parameters unchanged.
   Result<BatchStats> ForwardBackward(std::span<const float> input, std::span<const int32_t> labels, int64_t step);
   // Gradients of the last ForwardBackward/TrainStep, plain layout, named like the parameters.
-  std::vector<NamedTensor> Gradients() const;
+  Result<std::vector<NamedTensor>> Gradients() const;
   // "layer: operation" for each step running on stoke's own kernel because cuDNN had no engine.
   const std::vector<std::string>& FallbackKernels() const;
   // Float16: the current loss scale and the updates skipped for overflowing gradients.
@@ -59,6 +60,7 @@ class CudaNetwork final : public Network {
 
  private:
   explicit CudaNetwork(std::unique_ptr<Impl> impl);
+  static Result<std::unique_ptr<CudaNetwork>> CreateUnguarded(NetworkOptions options);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -174,7 +174,10 @@ Result<std::vector<LayerSpec>> ExpandPreset(std::string_view preset, int classes
 
 Result<std::vector<Shape>> ResolveModel(ModelSpec& model, Shape input) {
   if (model.layers.empty()) return InvalidArgumentError("the model has no layers");
-  if (model.classes < 1) return InvalidArgumentError(fmt::format("classes must be >= 1, got {}", model.classes));
+  if (model.classes < 2) {
+    // With one class the loss is always zero: there would be nothing to learn.
+    return InvalidArgumentError(fmt::format("the model needs classes >= 2, got {}", model.classes));
+  }
   std::map<std::string, int> index;  // layer name -> position; "input" -> -1
   index["input"] = -1;
   std::vector<Shape> shapes;
@@ -246,6 +249,29 @@ Result<std::vector<Shape>> ResolveModel(ModelSpec& model, Shape input) {
     index[l.name] = static_cast<int>(i);
     shapes.push_back(y);
   }
+  // Every layer but the last must feed a later one: an unused output is almost always a
+  // misspelt `inputs` entry, and its parameters would never learn.
+  std::vector<bool> used(model.layers.size(), false);
+  bool learnable = false;
+  for (const LayerSpec& l : model.layers) {
+    for (const std::string& name : l.inputs) {
+      if (const int k = index.at(name); k >= 0) used[static_cast<size_t>(k)] = true;
+    }
+    learnable = learnable || HasParameters(l.type);
+  }
+  for (size_t i = 0; i + 1 < model.layers.size(); ++i) {
+    if (!used[i]) {
+      const LayerSpec& l = model.layers[i];
+      return InvalidArgumentError(fmt::format(
+          "layer {} ('{}', {}): its output is not an input of any later layer; only the last layer may "
+          "end the network (check the `inputs` of the layers after it)",
+          i, l.name, LayerTypeName(l.type)));
+    }
+  }
+  if (!learnable) {
+    return InvalidArgumentError(
+        "the model has no learnable parameters: add a conv, linear or batchnorm layer (there is nothing to train)");
+  }
   const Shape last = shapes.back();
   if (!last.vector || last.c != model.classes) {
     return InvalidArgumentError(fmt::format(
@@ -255,6 +281,26 @@ Result<std::vector<Shape>> ResolveModel(ModelSpec& model, Shape input) {
         model.classes));
   }
   return shapes;
+}
+
+bool HasParameters(LayerType type) {
+  return type == LayerType::kConv || type == LayerType::kLinear || type == LayerType::kBatchNorm;
+}
+
+std::vector<bool> LayersNeedingGradient(const ModelSpec& model) {
+  std::map<std::string, size_t> index;
+  std::vector<bool> needs(model.layers.size(), false);
+  for (size_t i = 0; i < model.layers.size(); ++i) {
+    const LayerSpec& l = model.layers[i];
+    bool n = HasParameters(l.type);
+    for (const std::string& name : l.inputs) {
+      auto it = index.find(name);
+      if (it != index.end()) n = n || needs[it->second];
+    }
+    needs[i] = n;
+    index[l.name] = i;
+  }
+  return needs;
 }
 
 int64_t CountParameters(const ModelSpec& model, const std::vector<Shape>& shapes, Shape input) {

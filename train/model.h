@@ -62,9 +62,18 @@ std::vector<std::string> PresetNames();
 Result<std::vector<LayerSpec>> ExpandPreset(std::string_view preset, int classes);
 
 // Names unnamed layers, checks every input refers to an earlier layer, every option is in range,
-// and infers every layer's output shape for `input` (3 x size x size). The last layer must give
-// `classes` logits. Errors name the layer (index and name) and what was expected.
+// and infers every layer's output shape for `input` (3 x height x width). The last layer must give
+// `classes` logits, every other layer must feed a later one, and some layer must have learnable
+// parameters. Errors name the layer (index and name) and what was expected.
 Result<std::vector<Shape>> ResolveModel(ModelSpec& model, Shape input);
+
+// Whether a layer type has learnable parameters (conv, linear, batchnorm).
+bool HasParameters(LayerType type);
+
+// For a resolved model: whether each layer's output needs a gradient in the backward pass, that is
+// whether the layer or any layer upstream of it has learnable parameters. Backends skip the
+// backward work of the others, and never compute a gradient for the network input.
+std::vector<bool> LayersNeedingGradient(const ModelSpec& model);
 
 // A convolution's or linear layer's starting parameters, plain layout (`weight_dims`: O x I x KH x KW
 // for convolutions, O x I or O x C x H x W for linear layers): Kaiming-normal (fan-out, ReLU gain)

@@ -19,10 +19,9 @@ std::string_view PrecisionName(Precision p) {
 }
 
 Status CheckBatch(const NetworkOptions& opt, const prefetch::Batch& b, bool full) {
-  const int size = opt.image_size;
-  if (b.width != size || b.height != size) {
+  if (b.width != opt.image_size || b.height != opt.height()) {
     return InvalidArgumentError(fmt::format("batch images are {}x{}, the network was built for {}x{}", b.width,
-                                            b.height, size, size));
+                                            b.height, opt.image_size, opt.height()));
   }
   if (b.size < 1 || b.size > opt.batch || (full && b.size != opt.batch)) {
     return InvalidArgumentError(fmt::format("batch of {} samples; the network takes {}{}", b.size,

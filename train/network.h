@@ -24,7 +24,9 @@ std::string_view PrecisionName(Precision p);
 
 struct NetworkOptions {
   ModelSpec model;  // resolved against `input` (ResolveModel) by Create
-  int image_size = 32;  // input is 3 x image_size x image_size
+  int image_size = 32;    // input width, and height unless image_height is set
+  int image_height = 0;   // input height when it differs from the width; 0: square
+  int height() const { return image_height > 0 ? image_height : image_size; }
   int batch = 64;       // samples per step (training batches must be full)
   augment::NormalizeOptions normalize;  // the backend's first step: mean/std, dtype, layout
   double label_smoothing = 0;           // [0, 1)
@@ -83,8 +85,9 @@ class Network {
   // Forward in evaluation mode (running BN statistics, no dropout) on up to `batch` samples.
   virtual Result<BatchStats> Evaluate(const prefetch::Batch& batch) = 0;
 
-  // Every parameter, running statistic and momentum buffer, plain layout.
-  virtual std::vector<NamedTensor> State() const = 0;
+  // Every parameter, running statistic and momentum buffer, plain layout. Fails only when the
+  // backend cannot read them back (out of memory, a device error).
+  virtual Result<std::vector<NamedTensor>> State() const = 0;
   // Loads a State(); kInvalidArgument naming the first missing or mis-shaped tensor.
   virtual Status LoadState(const std::vector<NamedTensor>& state) = 0;
 

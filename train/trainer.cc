@@ -109,9 +109,7 @@ class Progress {
   bool enabled_, tty_, open_ = false;
 };
 
-}  // namespace
-
-Result<TrainSummary> Train(const TrainConfig& config, const TrainRunOptions& run) {
+Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOptions& run) {
   const std::filesystem::path run_dir = config.run_dir;
   std::error_code ec;
   std::filesystem::create_directories(run_dir, ec);
@@ -220,8 +218,9 @@ Result<TrainSummary> Train(const TrainConfig& config, const TrainRunOptions& run
   };
   int64_t saved_step = -1;
   auto save = [&]() -> Status {
+    STOKE_ASSIGN_OR_RETURN(auto tensors, net->State());
     Checkpoint ck{.step = step, .steps_per_epoch = steps_per_epoch, .seed = config.seed,
-                  .backend = summary.backend, .config_yaml = config_yaml, .tensors = net->State()};
+                  .backend = summary.backend, .config_yaml = config_yaml, .tensors = std::move(tensors)};
     const auto path = CheckpointPath(run_dir, step);
     STOKE_RETURN_IF_ERROR(SaveCheckpoint(path, ck));
     PruneCheckpoints(run_dir, config.checkpoint.keep);
@@ -348,6 +347,12 @@ Result<TrainSummary> Train(const TrainConfig& config, const TrainRunOptions& run
     }
   }
   return summary;
+}
+
+}  // namespace
+
+Result<TrainSummary> Train(const TrainConfig& config, const TrainRunOptions& run) {
+  return CatchExceptions("train", [&] { return TrainUnguarded(config, run); });
 }
 
 std::string FormatSummary(const TrainSummary& s) {

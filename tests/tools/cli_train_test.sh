@@ -24,6 +24,16 @@ check train_bad_value 1 "bad.yaml:[0-9]+: optimizer.momentum: 1.5 is out of rang
 printf 'data: {train: x}\nmodel: {preset: lenet, classes: 3}\nepochs: 1\nepoch: 2\n' >"$work/typo.yaml"
 check train_unknown_key 1 "typo.yaml:4: epoch: unknown key; expected one of: .*epochs" -- \
   "$stoke" train --config "$work/typo.yaml"
+# Models whose first layer has no parameters train (the input needs no gradient).
+for first in relu "maxpool, kernel: 2" "avgpool, kernel: 2" batchnorm; do
+  name=${first%%,*}
+  printf 'data: {train: %s, batch_size: 8, threads: 2, image_size: 16}\nmodel:\n  classes: 10\n  layers:\n    - {type: %s}\n    - {type: conv, out: 4, kernel: 3}\n    - {type: global_avgpool}\n    - {type: linear, out: 10}\nepochs: 1\nbackend: cpu\nrun_dir: %s\n' \
+    "$work/demo/train.lmdb" "$first" "$work/first_$name" >"$work/first_$name.yaml"
+  check "train_${name}_first" 0 "checkpoint: " -- "$stoke" train --config "$work/first_$name.yaml" --max-steps 3 -q
+done
+sed "s/batch_size: 8/batch_size: 300/; s/image_size: 16/image_size: 4096/" "$work/first_relu.yaml" >"$work/huge.yaml"
+check train_oversized_batch 1 "resource exhausted: cpu backend: batch 300 at 4096x4096 needs at least .* GiB.*data.batch_size" -- \
+  "$stoke" train --config "$work/huge.yaml" -q
 check train_missing_config 1 "no-such.yaml" -- "$stoke" train --config "$work/no-such.yaml"
 sed 's/backend: auto/backend: cuda/' "$cfg" >"$work/cuda.yaml"
 if nvidia-smi >/dev/null 2>&1; then

@@ -108,7 +108,8 @@ TEST_P(CudaParity, EveryLayerForwardAndBackwardMatchesTheCpu) {
     for (const auto& f : gpu->FallbackKernels()) std::printf("[%s] own kernel: %s\n", c.name.c_str(), f.c_str());
 
     // The same seed gives the same starting parameters on both backends.
-    const auto cpu_state = cpu->State(), gpu_state = gpu->State();
+    ASSERT_OK_AND_ASSIGN(const auto cpu_state, cpu->State());
+    ASSERT_OK_AND_ASSIGN(const auto gpu_state, gpu->State());
     ASSERT_EQ(cpu_state.size(), gpu_state.size());
     for (size_t i = 0; i < cpu_state.size(); ++i) {
       EXPECT_EQ(cpu_state[i].name, gpu_state[i].name);
@@ -126,7 +127,8 @@ TEST_P(CudaParity, EveryLayerForwardAndBackwardMatchesTheCpu) {
     ASSERT_OK_AND_ASSIGN(BatchStats got, gpu->ForwardBackward(input, labels, 3));
     EXPECT_NEAR(got.loss(), want.loss(), tol.loss * std::max(1.0, want.loss()));
     EXPECT_LE(RelativeError(gpu->LastLogits(), cpu->LastLogits()), tol.logits);
-    const auto cpu_grads = cpu->Gradients(), gpu_grads = gpu->Gradients();
+    ASSERT_OK_AND_ASSIGN(const auto cpu_grads, cpu->Gradients());
+    ASSERT_OK_AND_ASSIGN(const auto gpu_grads, gpu->Gradients());
     ASSERT_EQ(cpu_grads.size(), gpu_grads.size());
     for (size_t i = 0; i < cpu_grads.size(); ++i) {
       ASSERT_EQ(cpu_grads[i].name, gpu_grads[i].name);
@@ -211,15 +213,57 @@ INSTANTIATE_TEST_SUITE_P(Precisions, CudaParity,
                          ::testing::Values(Precision::kFloat32, Precision::kBFloat16, Precision::kFloat16),
                          [](const auto& info) { return std::string(PrecisionName(info.param)); });
 
+// The CPU property test's random models (train/random_models_test.cc) on the GPU: every model the
+// resolver accepts builds on both backends and gives the same loss, logits and gradients in float32.
+TEST(CudaRandomModels, MatchTheCpu) {
+  SKIP_WITHOUT_GPU();
+  const Tolerance tol = For(Precision::kFloat32);
+  int compared = 0;
+  for (uint64_t seed = 1000; seed < 1400; ++seed) {
+    RandomModel r = MakeRandomModel(seed);
+    ModelSpec resolved = r.model;
+    if (!ResolveModel(resolved, {3, r.height, r.width}).ok()) continue;
+    SCOPED_TRACE(fmt::format("seed {}: {}", seed, r.Describe()));
+    NetworkOptions o;
+    o.model = r.model;
+    o.image_size = r.width;
+    o.image_height = r.height;
+    o.batch = 3;
+    o.seed = seed;
+    o.threads = 2;
+    ASSERT_OK_AND_ASSIGN(auto cpu, CpuNetwork::Create(o));
+    ASSERT_OK_AND_ASSIGN(auto gpu, CudaNetwork::Create(o));
+    std::mt19937 rng(static_cast<uint32_t>(seed));
+    std::normal_distribution<float> normal;
+    std::vector<float> input(static_cast<size_t>(o.batch) * 3 * r.width * r.height);
+    for (auto& v : input) v = normal(rng);
+    std::vector<int32_t> labels(static_cast<size_t>(o.batch));
+    for (auto& y : labels) y = static_cast<int32_t>(rng() % static_cast<uint32_t>(r.model.classes));
+    ASSERT_OK_AND_ASSIGN(BatchStats want, cpu->ForwardBackward(input, labels, 1));
+    ASSERT_OK_AND_ASSIGN(BatchStats got, gpu->ForwardBackward(input, labels, 1));
+    EXPECT_NEAR(got.loss(), want.loss(), tol.loss * std::max(1.0, want.loss()));
+    EXPECT_LE(RelativeError(gpu->LastLogits(), cpu->LastLogits()), tol.logits);
+    ASSERT_OK_AND_ASSIGN(const auto cpu_grads, cpu->Gradients());
+    ASSERT_OK_AND_ASSIGN(const auto gpu_grads, gpu->Gradients());
+    ASSERT_EQ(cpu_grads.size(), gpu_grads.size());
+    for (size_t i = 0; i < cpu_grads.size(); ++i) {
+      EXPECT_LE(RelativeError(gpu_grads[i].values, cpu_grads[i].values), tol.grads) << cpu_grads[i].name;
+    }
+    ++compared;
+  }
+  std::printf("%d random models compared\n", compared);
+  EXPECT_GT(compared, 100);
+}
+
 TEST(CudaNetwork, StateRoundTripsAndBadStateIsRefused) {
   SKIP_WITHOUT_GPU();
   ASSERT_OK_AND_ASSIGN(auto gpu, CudaNetwork::Create(Options(Cases()[3].layers, Precision::kBFloat16)));
-  auto state = gpu->State();
+  ASSERT_OK_AND_ASSIGN(auto state, gpu->State());
   for (auto& t : state) {
     for (auto& v : t.values) v += 0.25f;
   }
   ASSERT_OK(gpu->LoadState(state));
-  const auto back = gpu->State();
+  ASSERT_OK_AND_ASSIGN(const auto back, gpu->State());
   for (size_t i = 0; i < state.size(); ++i) EXPECT_EQ(back[i].values, state[i].values) << state[i].name;
   state[0].dims.push_back(1);
   Status bad = gpu->LoadState(state);
@@ -231,7 +275,7 @@ TEST(CudaNetwork, Float16OverflowSkipsTheUpdateAndHalvesTheLossScale) {
   SKIP_WITHOUT_GPU();
   ASSERT_OK_AND_ASSIGN(auto gpu, CudaNetwork::Create(Options(Cases()[0].layers, Precision::kFloat16)));
   // Weights large enough that float16 activations overflow.
-  auto state = gpu->State();
+  ASSERT_OK_AND_ASSIGN(auto state, gpu->State());
   for (auto& t : state) {
     if (t.name == "conv0.weight" || t.name.ends_with("weight")) {
       for (auto& v : t.values) v *= 3000.f;
@@ -244,7 +288,7 @@ TEST(CudaNetwork, Float16OverflowSkipsTheUpdateAndHalvesTheLossScale) {
   ASSERT_OK(gpu->TrainStep(task.Get(0, 8, 16), 0.1f, sgd, 0).status());
   EXPECT_EQ(gpu->skipped_steps(), 1);
   EXPECT_EQ(gpu->loss_scale(), scale / 2);
-  const auto after = gpu->State();
+  ASSERT_OK_AND_ASSIGN(const auto after, gpu->State());
   for (size_t i = 0; i < state.size(); ++i) EXPECT_EQ(after[i].values, state[i].values) << state[i].name;
 }
 

@@ -13,71 +13,6 @@
 namespace stoke::train {
 namespace {
 
-struct Fixture {
-  std::unique_ptr<CpuNetwork> net;
-  std::vector<float> input;
-  std::vector<int32_t> labels;
-};
-
-Fixture Build(std::vector<LayerSpec> layers, int classes, int size, int batch, double smoothing = 0,
-              uint64_t seed = 1) {
-  NetworkOptions o;
-  o.model.layers = std::move(layers);
-  o.model.classes = classes;
-  o.image_size = size;
-  o.batch = batch;
-  o.label_smoothing = smoothing;
-  o.seed = seed;
-  o.threads = 2;
-  auto net = CpuNetwork::Create(o);
-  EXPECT_TRUE(net.ok()) << net.status().ToString();
-  Fixture f;
-  if (!net.ok()) return f;
-  f.net = std::move(*net);
-  std::mt19937 rng(static_cast<uint32_t>(seed));
-  std::normal_distribution<float> normal(0.f, 1.f);
-  f.input.resize(static_cast<size_t>(batch) * 3 * size * size);
-  for (float& v : f.input) v = normal(rng);
-  for (int i = 0; i < batch; ++i) f.labels.push_back(static_cast<int32_t>(rng() % static_cast<uint32_t>(classes)));
-  return f;
-}
-
-// Compares every parameter's analytic gradient with central differences of the loss, on up to
-// `per_tensor` entries of each tensor.
-void CheckGradients(Fixture& f, int64_t step = 7, int per_tensor = 12, double rel_tol = 3e-2, float eps = 1e-3f) {
-  ASSERT_TRUE(f.net);
-  ASSERT_OK_AND_ASSIGN(BatchStats base, f.net->ForwardBackward(f.input, f.labels, step));
-  ASSERT_TRUE(std::isfinite(base.loss()));
-  const std::vector<NamedTensor> grads = f.net->Gradients();
-  const std::vector<NamedTensor> state = f.net->State();
-  std::map<std::string, size_t> where;
-  for (size_t i = 0; i < state.size(); ++i) where[state[i].name] = i;
-  std::mt19937 rng(3);
-  int checked = 0;
-  for (const NamedTensor& g : grads) {
-    const size_t si = where.at(g.name);
-    const size_t n = g.values.size();
-    for (int t = 0; t < per_tensor && t < static_cast<int>(n); ++t) {
-      const size_t k = n <= static_cast<size_t>(per_tensor) ? static_cast<size_t>(t) : rng() % n;
-      auto loss_at = [&](float delta) {
-        std::vector<NamedTensor> s = state;
-        s[si].values[k] += delta;
-        EXPECT_OK(f.net->LoadState(s));
-        auto r = f.net->ForwardBackward(f.input, f.labels, step);
-        EXPECT_TRUE(r.ok());
-        return r.ok() ? r->loss() : 0.0;
-      };
-      const double numeric = (loss_at(eps) - loss_at(-eps)) / (2 * eps);
-      const double analytic = g.values[k];
-      EXPECT_NEAR(numeric, analytic, 2e-3 + rel_tol * std::abs(analytic))
-          << g.name << "[" << k << "]: numeric " << numeric << ", analytic " << analytic;
-      ++checked;
-    }
-  }
-  EXPECT_OK(f.net->LoadState(state));
-  EXPECT_GT(checked, 0);
-}
-
 TEST(GradientCheck, ConvolutionWithBiasStrideAndPadding) {
   LayerSpec conv = Conv(4, 3, 2, 1);
   conv.bias = true;
@@ -206,7 +141,7 @@ TEST(Model, PresetsHaveTheKnownParameterCounts) {
 TEST(Network, StateRoundTripAndShapeErrors) {
   Fixture f = Build({Conv(4, 3, 1, 1, "c"), L(LayerType::kBatchNorm, "bn"), L(LayerType::kGlobalAvgPool), Linear(3, "fc")},
                     3, 6, 2);
-  std::vector<NamedTensor> s = f.net->State();
+  ASSERT_OK_AND_ASSIGN(std::vector<NamedTensor> s, f.net->State());
   std::vector<std::string> names;
   for (const auto& t : s) names.push_back(t.name);
   EXPECT_EQ(names, (std::vector<std::string>{"c.weight", "c.bias", "bn.weight", "bn.bias", "fc.weight", "fc.bias",
@@ -217,7 +152,7 @@ TEST(Network, StateRoundTripAndShapeErrors) {
     for (size_t i = 0; i < t.values.size(); ++i) t.values[i] = 0.01f * static_cast<float>(i % 17);
   }
   ASSERT_OK(f.net->LoadState(s));
-  const auto back = f.net->State();
+  ASSERT_OK_AND_ASSIGN(const auto back, f.net->State());
   for (size_t i = 0; i < s.size(); ++i) EXPECT_EQ(back[i].values, s[i].values) << s[i].name;
 
   s[0].dims = {4, 3, 3, 2};

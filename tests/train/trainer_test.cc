@@ -89,6 +89,12 @@ TEST(Config, ErrorsNameFileLineKeyAndExpectation) {
                                     "    - {type: conv, out: 4, kernel: 3}\n");
   EXPECT_NE(shape.find("run.yaml:2: model: the last layer ('conv0') gives an image of 4x30x30"), std::string::npos)
       << shape << "\n";
+  // A key of another layer type (a pool's kernel on a relu) is refused, not ignored.
+  EXPECT_EQ(ErrorOf("data: {train: t, image_size: 32}\nmodel:\n  classes: 3\n  layers:\n    - {type: relu, kernel: 2}\n"
+                    "    - {type: linear, out: 3}\n"),
+            "run.yaml:5: model.layers[0].kernel: does not apply to a relu layer; its keys are: name, type, inputs");
+  EXPECT_EQ(ErrorOf("data: {train: t}\nmodel: {preset: lenet, classes: 1}\n"),
+            "run.yaml:2: model.classes: 1 is out of range; expected an integer in [2, 16777216]");
   EXPECT_NE(ErrorOf("data: [1, 2]\n").find("run.yaml:1: data: expected a mapping"), std::string::npos);
   EXPECT_NE(ErrorOf("data: {train: t\n").find("run.yaml:2: not valid YAML"), std::string::npos) << ErrorOf("data: {train: t\n");
   EXPECT_EQ(ErrorOf(base + "data2: 1\n").find("(parsed)"), std::string::npos);

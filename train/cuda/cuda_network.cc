@@ -147,6 +147,7 @@ class Net {
  public:
   NetworkOptions opt;
   std::vector<Shape> shapes;
+  std::vector<bool> needs_grad;  // per layer: its output's gradient is used (LayersNeedingGradient)
   DType t = DType::kF32;
   cudnnDataType_t ct = CUDNN_DATA_FLOAT;  // t, for cuDNN
   cudaStream_t stream = nullptr;
@@ -186,11 +187,13 @@ class Net {
   }
 
   const std::string& Name(int layer) const { return opt.model.layers[static_cast<size_t>(layer)].name; }
+  // Whether the backward pass needs node `i`'s gradient (LayersNeedingGradient); never the input's.
+  bool NeedsGrad(int i) const { return i >= 0 && needs_grad[static_cast<size_t>(i)]; }
   Node& node(int i) { return nodes[static_cast<size_t>(i)]; }
   const void* In(int i) const { return i < 0 ? input.get() : nodes[static_cast<size_t>(i)].out.get(); }
   // Dims of a node (or of the input, -1).
   std::array<int64_t, 4> Dims(int i) const {
-    if (i < 0) return {opt.batch, 3, opt.image_size, opt.image_size};
+    if (i < 0) return {opt.batch, 3, opt.height(), opt.image_size};
     const Node& n = nodes[static_cast<size_t>(i)];
     return {n.n, n.c, n.h, n.w};
   }
@@ -202,6 +205,7 @@ class Net {
     n.w = w;
     n.vector = vector;
     STOKE_RETURN_IF_ERROR(n.out.Alloc(static_cast<size_t>(n.count()) * cuda::SizeOf(t)));
+    if (!NeedsGrad(self)) return OkStatus();
     return n.diff.Alloc(static_cast<size_t>(n.count()) * cuda::SizeOf(t));
   }
 
@@ -231,7 +235,7 @@ class Net {
 
   // Backward order: the first consumer to deliver writes the gradient, later ones add to it.
   bool Claim(int i) {
-    if (i < 0) return false;
+    if (!NeedsGrad(i)) return false;
     Node& n = node(i);
     const bool first = !n.claimed;
     n.claimed = true;
@@ -241,7 +245,7 @@ class Net {
     return direct ? nodes[static_cast<size_t>(i)].diff.get() : scratch.get();
   }
   void Deliver(int i, bool direct) {
-    if (i < 0 || direct) return;
+    if (!NeedsGrad(i) || direct) return;
     Node& n = node(i);
     cuda::Accumulate(n.diff.get(), scratch.get(), t, n.count(), stream);
   }
@@ -343,7 +347,7 @@ class ConvLayer final : public OneInputLayer {
                         static_cast<float*>(net.Grad(bias_)), net.partials.as<float>(), net.stream);
     }
     STOKE_RETURN_IF_ERROR(net.Run(wgrad_));
-    if (in_ >= 0) {
+    if (net.NeedsGrad(in_)) {
       STOKE_RETURN_IF_ERROR(net.Run(dgrad_));
       net.Deliver(in_, direct_);
     }
@@ -354,7 +358,7 @@ class ConvLayer final : public OneInputLayer {
     const Node& y = net.node(self_);
     STOKE_RETURN_IF_ERROR(net.Bind(fwd_, {x, net.Copy(weight_), y.out.get()}));
     STOKE_RETURN_IF_ERROR(net.Bind(wgrad_, {x, y.diff.get(), net.Grad(weight_)}));
-    if (in_ >= 0) STOKE_RETURN_IF_ERROR(net.Bind(dgrad_, {y.diff.get(), net.Copy(weight_), net.DiffTarget(in_, direct_)}));
+    if (net.NeedsGrad(in_)) STOKE_RETURN_IF_ERROR(net.Bind(dgrad_, {y.diff.get(), net.Copy(weight_), net.DiffTarget(in_, direct_)}));
     return OkStatus();
   }
 
@@ -385,7 +389,7 @@ class ConvLayer final : public OneInputLayer {
     auto wg = net.Plan(std::move(g.backward_filter));
     if (!wg.ok()) return fail(wg.status(), "backward filter");
     wgrad_ = std::move(*wg);
-    if (in_ >= 0) {
+    if (net.NeedsGrad(in_)) {
       auto dg = net.Plan(std::move(g.backward_data));
       if (!dg.ok()) return fail(dg.status(), "backward data");
       dgrad_ = std::move(*dg);
@@ -461,7 +465,7 @@ class LinearLayer final : public OneInputLayer {
                                  type, out_, &zero, net.Grad(weight_), CUDA_R_32F, in, CUBLAS_COMPUTE_32F,
                                  CUBLAS_GEMM_DEFAULT),
                     fmt::format("layer '{}' weight gradient", net.Name(self_)));
-    if (in_ < 0) return OkStatus();
+    if (!net.NeedsGrad(in_)) return OkStatus();
     // dX[N x I] = dY W: column-major dX^T (I x N) = W^T(I x O) dY^T(O x N).
     void* dx = flatten_ ? flat_diff_.get() : net.DiffTarget(in_, direct_);
     STOKE_CUBLAS_OK(cublasGemmEx(net.blas, CUBLAS_OP_N, CUBLAS_OP_N, in, n, out_, &one, net.Copy(weight_), type, in,
@@ -538,7 +542,7 @@ class BatchNormLayer final : public OneInputLayer {
   }
   Status Backward(Net& net) override {
     const Node& y = net.node(self_);
-    void* dx = in_ >= 0 ? net.DiffTarget(in_, direct_) : net.scratch.get();
+    void* dx = net.NeedsGrad(in_) ? net.DiffTarget(in_, direct_) : net.scratch.get();
     if (!bwd_.ok()) {
       cuda::BatchNormBackward(net.In(in_), y.diff.get(), dx, net.t, rows_, static_cast<int>(c_), net.Master(scale_),
                               save_mean_.as<float>(), save_inv_std_.as<float>(), static_cast<float*>(net.Grad(scale_)),
@@ -556,7 +560,7 @@ class BatchNormLayer final : public OneInputLayer {
     STOKE_RETURN_IF_ERROR(net.Bind(fwd_, {x, net.Master(scale_), net.Master(shift_), &eps_, &factor_,
                                           RunningMean(net), RunningVar(net), next_mean_.get(), next_var_.get(),
                                           save_mean_.get(), save_inv_std_.get(), y.out.get()}));
-    void* dx = in_ >= 0 ? net.DiffTarget(in_, direct_) : net.scratch.get();
+    void* dx = net.NeedsGrad(in_) ? net.DiffTarget(in_, direct_) : net.scratch.get();
     return net.Bind(bwd_, {x, y.diff.get(), net.Master(scale_), save_mean_.get(), save_inv_std_.get(),
                            net.Grad(scale_), net.Grad(shift_), dx});
   }
@@ -590,7 +594,7 @@ class ReluLayer final : public OneInputLayer {
     return OkStatus();
   }
   Status Backward(Net& net) override {
-    if (in_ < 0) return OkStatus();
+    if (!net.NeedsGrad(in_)) return OkStatus();
     if (bwd_.ok()) {
       STOKE_RETURN_IF_ERROR(net.Run(bwd_));
     } else {
@@ -605,7 +609,7 @@ class ReluLayer final : public OneInputLayer {
     void* x = const_cast<void*>(net.In(in_));
     const Node& y = net.node(self_);
     STOKE_RETURN_IF_ERROR(net.Bind(fwd_, {x, y.out.get()}));
-    if (in_ < 0) return OkStatus();
+    if (!net.NeedsGrad(in_)) return OkStatus();
     return net.Bind(bwd_, {x, y.diff.get(), net.DiffTarget(in_, direct_)});
   }
 
@@ -648,7 +652,7 @@ class PoolLayer final : public OneInputLayer {
     return OkStatus();
   }
   Status Backward(Net& net) override {
-    if (in_ < 0) return OkStatus();
+    if (!net.NeedsGrad(in_)) return OkStatus();
     if (bwd_.ok()) {
       STOKE_RETURN_IF_ERROR(net.Run(bwd_));
     } else {
@@ -662,7 +666,7 @@ class PoolLayer final : public OneInputLayer {
     if (!fwd_.ok()) return OkStatus();
     void* x = const_cast<void*>(net.In(in_));
     const Node& y = net.node(self_);
-    std::vector<void*> f{x, y.out.get()}, b{y.diff.get(), in_ >= 0 ? net.DiffTarget(in_, direct_) : net.scratch.get()};
+    std::vector<void*> f{x, y.out.get()}, b{y.diff.get(), net.NeedsGrad(in_) ? net.DiffTarget(in_, direct_) : net.scratch.get()};
     if (shape_.max) {
       f.push_back(index_.get());
       b.push_back(index_.get());
@@ -702,7 +706,7 @@ class AddLayer final : public Layer {
   Status Backward(Net& net) override {
     const Node& y = net.node(self_);
     for (auto [in, direct] : {std::pair{a_, direct_a_}, std::pair{b_, direct_b_}}) {
-      if (in < 0) continue;
+      if (!net.NeedsGrad(in)) continue;
       if (direct) {
         STOKE_CUDA_OK(cudaMemcpyAsync(net.node(in).diff.get(), y.diff.get(), y.diff.bytes(), cudaMemcpyDeviceToDevice,
                                       net.stream));
@@ -741,7 +745,7 @@ class FlattenLayer final : public OneInputLayer {
     return OkStatus();
   }
   Status Backward(Net& net) override {
-    if (in_ < 0) return OkStatus();
+    if (!net.NeedsGrad(in_)) return OkStatus();
     const auto x = net.Dims(in_);
     cuda::Flatten(net.node(self_).diff.get(), net.DiffTarget(in_, direct_), net.t, static_cast<int>(x[0]),
                   static_cast<int>(x[2]), static_cast<int>(x[3]), static_cast<int>(x[1]), true, net.stream);
@@ -770,7 +774,7 @@ class DropoutLayer final : public OneInputLayer {
     return OkStatus();
   }
   Status Backward(Net& net) override {
-    if (in_ < 0) return OkStatus();
+    if (!net.NeedsGrad(in_)) return OkStatus();
     const Node& y = net.node(self_);
     void* dx = net.DiffTarget(in_, direct_);
     if (p_ == 0) {
@@ -833,17 +837,15 @@ Result<std::unique_ptr<Layer>> MakeLayer(Net& net, const LayerSpec& l, int self,
   return InternalError("unknown layer type");
 }
 
-std::vector<float> Download(const void* p, DType t, int64_t n, cudaStream_t s) {
+Result<std::vector<float>> Download(const void* p, DType t, int64_t n, cudaStream_t s) {
   std::vector<float> out(static_cast<size_t>(n));
   if (n == 0) return out;
   DeviceBuffer tmp;
-  if (Status st = tmp.Alloc(static_cast<size_t>(n) * sizeof(float)); !st.ok()) {
-    STOKE_LOG(ERROR, "reading a tensor back from the GPU failed: {}", st.ToString());
-    return {};
-  }
+  STOKE_RETURN_IF_ERROR(tmp.Alloc(static_cast<size_t>(n) * sizeof(float)));
   cuda::CastToFloat(p, t, tmp.as<float>(), n, s);
-  cudaMemcpyAsync(out.data(), tmp.get(), out.size() * sizeof(float), cudaMemcpyDeviceToHost, s);
-  cudaStreamSynchronize(s);
+  STOKE_CUDA_OK(cudaMemcpyAsync(out.data(), tmp.get(), out.size() * sizeof(float), cudaMemcpyDeviceToHost, s));
+  STOKE_CUDA_OK(cudaStreamSynchronize(s));
+  STOKE_RETURN_IF_ERROR(LastLaunch("reading a tensor back"));
   return out;
 }
 
@@ -908,8 +910,9 @@ struct CudaNetwork::Impl {
     STOKE_CUDA_OK(cudaStreamSynchronize(net.stream));
     return OkStatus();
   }
-  std::vector<float> DownloadParam(const ParamInfo& p, const void* base, DType t, float divide = 1) const {
-    std::vector<float> v = Download(Offset(const_cast<void*>(base), p.offset, t), t, p.count, net.stream);
+  Result<std::vector<float>> DownloadParam(const ParamInfo& p, const void* base, DType t, float divide = 1) const {
+    STOKE_ASSIGN_OR_RETURN(std::vector<float> v,
+                           Download(Offset(const_cast<void*>(base), p.offset, t), t, p.count, net.stream));
     if (divide != 1) {
       for (auto& x : v) x /= divide;
     }
@@ -924,8 +927,7 @@ struct CudaNetwork::Impl {
 
   // The batch's pixels and labels on the device; waits (on the stream) for the ring's copy.
   Result<std::pair<const uint8_t*, const int32_t*>> Input(const prefetch::Batch& b) {
-    const int size = net.opt.image_size;
-    const size_t bytes = static_cast<size_t>(b.size) * size * size * 3;
+    const size_t bytes = static_cast<size_t>(b.size) * net.opt.image_size * net.opt.height() * 3;
     if (b.device_images != nullptr) {
       if (b.copied_event != nullptr) {
         STOKE_CUDA_OK(cudaStreamWaitEvent(net.stream, static_cast<cudaEvent_t>(b.copied_event), 0));
@@ -944,7 +946,7 @@ struct CudaNetwork::Impl {
       a.scale[c] = 1.f / (255.f * net.opt.normalize.std[c]);
       a.shift[c] = -net.opt.normalize.mean[c] / net.opt.normalize.std[c];
     }
-    const int64_t pixels_per_image = int64_t{net.opt.image_size} * net.opt.image_size;
+    const int64_t pixels_per_image = int64_t{net.opt.image_size} * net.opt.height();
     cuda::NormalizeInput(pixels, valid, net.opt.batch, pixels_per_image, a, net.input.get(), net.t, net.stream);
   }
 
@@ -954,6 +956,7 @@ struct CudaNetwork::Impl {
   }
   Status Backward() {
     for (size_t i = net.layers.size(); i-- > 0;) {
+      if (!net.needs_grad[i]) continue;  // nothing upstream of it learns
       Node& n = net.nodes[i];
       if (n.zero_diff) STOKE_CUDA_OK(cudaMemsetAsync(n.diff.get(), 0, n.diff.bytes(), net.stream));
       STOKE_RETURN_IF_ERROR(net.layers[i]->Backward(net));
@@ -999,14 +1002,20 @@ CudaNetwork::~CudaNetwork() = default;
 const NetworkOptions& CudaNetwork::options() const { return impl_->net.opt; }
 
 Result<std::unique_ptr<CudaNetwork>> CudaNetwork::Create(NetworkOptions options) {
+  return CatchExceptions(fmt::format("cuda backend: building the model (batch {})", options.batch),
+                         [&] { return CreateUnguarded(std::move(options)); });
+}
+
+Result<std::unique_ptr<CudaNetwork>> CudaNetwork::CreateUnguarded(NetworkOptions options) {
   if (options.batch < 1) return InvalidArgumentError(fmt::format("batch must be >= 1, got {}", options.batch));
-  if (options.image_size < 1) {
-    return InvalidArgumentError(fmt::format("image size must be >= 1, got {}", options.image_size));
+  if (options.image_size < 1 || options.image_height < 0) {
+    return InvalidArgumentError(
+        fmt::format("image size must be >= 1, got {}x{}", options.image_size, options.height()));
   }
   if (!(options.label_smoothing >= 0 && options.label_smoothing < 1)) {
     return InvalidArgumentError(fmt::format("label smoothing must be in [0, 1), got {}", options.label_smoothing));
   }
-  const Shape input{3, options.image_size, options.image_size};
+  const Shape input{3, options.height(), options.image_size};
   STOKE_ASSIGN_OR_RETURN(auto shapes, ResolveModel(options.model, input));
   STOKE_RETURN_IF_ERROR(CudaAvailable());
 
@@ -1014,6 +1023,7 @@ Result<std::unique_ptr<CudaNetwork>> CudaNetwork::Create(NetworkOptions options)
   Net& net = impl->net;
   net.opt = std::move(options);
   net.shapes = std::move(shapes);
+  net.needs_grad = LayersNeedingGradient(net.opt.model);
   net.t = net.opt.precision == Precision::kFloat32   ? DType::kF32
           : net.opt.precision == Precision::kBFloat16 ? DType::kBF16
                                                       : DType::kF16;
@@ -1032,8 +1042,8 @@ Result<std::unique_ptr<CudaNetwork>> CudaNetwork::Create(NetworkOptions options)
   STOKE_CUDA_OK(cudaEventCreate(&net.ready));
   STOKE_CUDA_OK(cudaMallocHost(&net.host_stats, sizeof(cuda::StepStats)));
 
-  const int n = net.opt.batch, size = net.opt.image_size;
-  const size_t pixels = static_cast<size_t>(n) * size * size * 3;
+  const int n = net.opt.batch;
+  const size_t pixels = static_cast<size_t>(n) * net.opt.image_size * net.opt.height() * 3;
   STOKE_RETURN_IF_ERROR(net.input.Alloc(pixels * cuda::SizeOf(net.t)));
   STOKE_RETURN_IF_ERROR(net.staging.Alloc(pixels));
   STOKE_RETURN_IF_ERROR(net.labels.Alloc(static_cast<size_t>(n) * sizeof(int32_t)));
@@ -1073,139 +1083,154 @@ Result<std::unique_ptr<CudaNetwork>> CudaNetwork::Create(NetworkOptions options)
 
 Result<BatchStats> CudaNetwork::TrainStep(const prefetch::Batch& batch, float lr, const SgdOptions& sgd,
                                           int64_t step) {
-  Net& net = impl_->net;
-  STOKE_RETURN_IF_ERROR(CheckBatch(net.opt, batch, true));
-  STOKE_ASSIGN_OR_RETURN(auto in, impl_->Input(batch));
-  STOKE_CUDA_OK(cudaEventRecord(net.ready, net.stream));
-  impl_->Normalise(in.first, batch.size);
-  STOKE_RETURN_IF_ERROR(impl_->ForwardBackward(in.second, step, net.loss_scale));
-  cuda::SgdArgs args{.lr = lr, .momentum = static_cast<float>(sgd.momentum),
-                     .weight_decay = static_cast<float>(sgd.weight_decay), .inv_loss_scale = 1.f / net.loss_scale,
-                     .nesterov = sgd.nesterov};
-  for (const Group& g : net.groups) {
-    const int64_t decay_end = sgd.decay_bn_and_bias ? g.size : g.decay_end;
-    cuda::SgdUpdate(g.master.as<float>(), g.momentum.as<float>(), g.grad.get(), g.grad_type,
-                    net.t == DType::kF32 ? nullptr : g.copy.get(), net.t, g.size, decay_end, g.copy_end, args,
-                    net.stats.as<cuda::StepStats>(), net.stream);
-  }
-  STOKE_RETURN_IF_ERROR(impl_->Finish());
-  // The device's idle time before this batch was ready: from the end of the previous step.
-  const auto prev = net.done[static_cast<size_t>(1 - net.cur)];
-  float ms = 0;
-  net.last_wait = net.have_prev && cudaEventElapsedTime(&ms, prev, net.ready) == cudaSuccess ? ms / 1000.0 : -1;
-  net.have_prev = true;
-  net.cur = 1 - net.cur;
-
-  BatchStats stats = impl_->Stats(batch.size);
-  const bool overflow = net.host_stats->non_finite != 0 || !std::isfinite(stats.loss_sum);
-  if (net.opt.precision == Precision::kFloat16) {
-    // Dynamic loss scaling: halve and skip on overflow, double after 2000 clean steps.
-    if (overflow) {
-      if (net.loss_scale <= 1.f) {
-        return InvalidArgumentError(fmt::format(
-            "the gradients are not finite at step {} even with loss scale 1 (learning rate {} too high?)", step, lr));
-      }
-      net.loss_scale = std::max(1.f, net.loss_scale / 2);
-      net.good_steps = 0;
-      ++net.skipped;
-    } else if (++net.good_steps == 2000) {
-      net.loss_scale = std::min(net.loss_scale * 2, 16777216.f);
-      net.good_steps = 0;
+  return CatchExceptions("cuda backend: training step", [&]() -> Result<BatchStats> {
+    Net& net = impl_->net;
+    STOKE_RETURN_IF_ERROR(CheckBatch(net.opt, batch, true));
+    STOKE_ASSIGN_OR_RETURN(auto in, impl_->Input(batch));
+    STOKE_CUDA_OK(cudaEventRecord(net.ready, net.stream));
+    impl_->Normalise(in.first, batch.size);
+    STOKE_RETURN_IF_ERROR(impl_->ForwardBackward(in.second, step, net.loss_scale));
+    cuda::SgdArgs args{.lr = lr, .momentum = static_cast<float>(sgd.momentum),
+                       .weight_decay = static_cast<float>(sgd.weight_decay), .inv_loss_scale = 1.f / net.loss_scale,
+                       .nesterov = sgd.nesterov};
+    for (const Group& g : net.groups) {
+      const int64_t decay_end = sgd.decay_bn_and_bias ? g.size : g.decay_end;
+      cuda::SgdUpdate(g.master.as<float>(), g.momentum.as<float>(), g.grad.get(), g.grad_type,
+                      net.t == DType::kF32 ? nullptr : g.copy.get(), net.t, g.size, decay_end, g.copy_end, args,
+                      net.stats.as<cuda::StepStats>(), net.stream);
     }
-  } else if (overflow) {
-    return InvalidArgumentError(fmt::format("the loss is not finite at step {} (learning rate {} too high?)", step, lr));
-  }
-  return stats;
+    STOKE_RETURN_IF_ERROR(impl_->Finish());
+    // The device's idle time before this batch was ready: from the end of the previous step.
+    const auto prev = net.done[static_cast<size_t>(1 - net.cur)];
+    float ms = 0;
+    net.last_wait = net.have_prev && cudaEventElapsedTime(&ms, prev, net.ready) == cudaSuccess ? ms / 1000.0 : -1;
+    net.have_prev = true;
+    net.cur = 1 - net.cur;
+
+    BatchStats stats = impl_->Stats(batch.size);
+    const bool overflow = net.host_stats->non_finite != 0 || !std::isfinite(stats.loss_sum);
+    if (net.opt.precision == Precision::kFloat16) {
+      // Dynamic loss scaling: halve and skip on overflow, double after 2000 clean steps.
+      if (overflow) {
+        if (net.loss_scale <= 1.f) {
+          return InvalidArgumentError(fmt::format(
+              "the gradients are not finite at step {} even with loss scale 1 (learning rate {} too high?)", step, lr));
+        }
+        net.loss_scale = std::max(1.f, net.loss_scale / 2);
+        net.good_steps = 0;
+        ++net.skipped;
+      } else if (++net.good_steps == 2000) {
+        net.loss_scale = std::min(net.loss_scale * 2, 16777216.f);
+        net.good_steps = 0;
+      }
+    } else if (overflow) {
+      return InvalidArgumentError(fmt::format("the loss is not finite at step {} (learning rate {} too high?)", step, lr));
+    }
+    return stats;
+  });
 }
 
 Result<BatchStats> CudaNetwork::Evaluate(const prefetch::Batch& batch) {
-  Net& net = impl_->net;
-  STOKE_RETURN_IF_ERROR(CheckBatch(net.opt, batch, false));
-  STOKE_ASSIGN_OR_RETURN(auto in, impl_->Input(batch));
-  impl_->Normalise(in.first, batch.size);
-  STOKE_CUDA_OK(cudaMemsetAsync(net.stats.get(), 0, sizeof(cuda::StepStats), net.stream));
-  STOKE_RETURN_IF_ERROR(impl_->Forward(false, 0));
-  cuda::SoftmaxCrossEntropy(net.nodes.back().out.get(), net.t, in.second, batch.size, net.opt.model.classes,
-                            static_cast<float>(net.opt.label_smoothing), nullptr, 1.f,
-                            net.stats.as<cuda::StepStats>(), net.stream);
-  STOKE_RETURN_IF_ERROR(impl_->Finish());
-  net.have_prev = false;  // the next step's wait is not measured across an evaluation
-  return impl_->Stats(batch.size);
+  return CatchExceptions("cuda backend: evaluation", [&]() -> Result<BatchStats> {
+    Net& net = impl_->net;
+    STOKE_RETURN_IF_ERROR(CheckBatch(net.opt, batch, false));
+    STOKE_ASSIGN_OR_RETURN(auto in, impl_->Input(batch));
+    impl_->Normalise(in.first, batch.size);
+    STOKE_CUDA_OK(cudaMemsetAsync(net.stats.get(), 0, sizeof(cuda::StepStats), net.stream));
+    STOKE_RETURN_IF_ERROR(impl_->Forward(false, 0));
+    cuda::SoftmaxCrossEntropy(net.nodes.back().out.get(), net.t, in.second, batch.size, net.opt.model.classes,
+                              static_cast<float>(net.opt.label_smoothing), nullptr, 1.f,
+                              net.stats.as<cuda::StepStats>(), net.stream);
+    STOKE_RETURN_IF_ERROR(impl_->Finish());
+    net.have_prev = false;  // the next step's wait is not measured across an evaluation
+    return impl_->Stats(batch.size);
+  });
 }
 
 Result<BatchStats> CudaNetwork::ForwardBackward(std::span<const float> input, std::span<const int32_t> labels,
                                                 int64_t step) {
-  Net& net = impl_->net;
-  const int n = net.opt.batch, size = net.opt.image_size;
-  if (input.size() != static_cast<size_t>(n) * 3 * size * size || labels.size() != static_cast<size_t>(n)) {
-    return InvalidArgumentError("ForwardBackward: input or labels do not match the batch shape");
-  }
-  std::vector<float> nhwc(input.size());
-  const size_t plane = static_cast<size_t>(size) * size;
-  for (size_t s = 0; s < static_cast<size_t>(n); ++s)
-    for (size_t c = 0; c < 3; ++c)
-      for (size_t p = 0; p < plane; ++p) nhwc[(s * plane + p) * 3 + c] = input[(s * 3 + c) * plane + p];
-  DeviceBuffer tmp;
-  STOKE_RETURN_IF_ERROR(tmp.Alloc(nhwc.size() * sizeof(float)));
-  STOKE_CUDA_OK(cudaMemcpyAsync(tmp.get(), nhwc.data(), nhwc.size() * sizeof(float), cudaMemcpyHostToDevice,
-                                net.stream));
-  cuda::CastFromFloat(tmp.as<float>(), net.input.get(), net.t, static_cast<int64_t>(nhwc.size()), net.stream);
-  STOKE_CUDA_OK(cudaMemcpyAsync(net.labels.get(), labels.data(), labels.size() * sizeof(int32_t),
-                                cudaMemcpyHostToDevice, net.stream));
-  STOKE_RETURN_IF_ERROR(impl_->ForwardBackward(net.labels.as<int32_t>(), step, 1.f));
-  STOKE_RETURN_IF_ERROR(impl_->Finish());
-  net.have_prev = false;
-  return impl_->Stats(n);
+  return CatchExceptions("cuda backend: forward and backward", [&]() -> Result<BatchStats> {
+    Net& net = impl_->net;
+    const int n = net.opt.batch;
+    const size_t plane = static_cast<size_t>(net.opt.image_size) * net.opt.height();
+    if (input.size() != static_cast<size_t>(n) * 3 * plane || labels.size() != static_cast<size_t>(n)) {
+      return InvalidArgumentError("ForwardBackward: input or labels do not match the batch shape");
+    }
+    std::vector<float> nhwc(input.size());
+    for (size_t s = 0; s < static_cast<size_t>(n); ++s)
+      for (size_t c = 0; c < 3; ++c)
+        for (size_t p = 0; p < plane; ++p) nhwc[(s * plane + p) * 3 + c] = input[(s * 3 + c) * plane + p];
+    DeviceBuffer tmp;
+    STOKE_RETURN_IF_ERROR(tmp.Alloc(nhwc.size() * sizeof(float)));
+    STOKE_CUDA_OK(cudaMemcpyAsync(tmp.get(), nhwc.data(), nhwc.size() * sizeof(float), cudaMemcpyHostToDevice,
+                                  net.stream));
+    cuda::CastFromFloat(tmp.as<float>(), net.input.get(), net.t, static_cast<int64_t>(nhwc.size()), net.stream);
+    STOKE_CUDA_OK(cudaMemcpyAsync(net.labels.get(), labels.data(), labels.size() * sizeof(int32_t),
+                                  cudaMemcpyHostToDevice, net.stream));
+    STOKE_RETURN_IF_ERROR(impl_->ForwardBackward(net.labels.as<int32_t>(), step, 1.f));
+    STOKE_RETURN_IF_ERROR(impl_->Finish());
+    net.have_prev = false;
+    return impl_->Stats(n);
+  });
 }
 
-std::vector<NamedTensor> CudaNetwork::Gradients() const {
-  const Net& net = impl_->net;
-  std::vector<NamedTensor> out;
-  for (const auto& p : net.params) {
-    const Group& g = net.groups[p.group];
-    out.push_back({p.name, p.dims, impl_->DownloadParam(p, g.grad.get(), g.grad_type, net.last_grad_scale)});
-  }
-  return out;
+Result<std::vector<NamedTensor>> CudaNetwork::Gradients() const {
+  return CatchExceptions("cuda backend: reading the gradients", [&]() -> Result<std::vector<NamedTensor>> {
+    const Net& net = impl_->net;
+    std::vector<NamedTensor> out;
+    for (const auto& p : net.params) {
+      const Group& g = net.groups[p.group];
+      STOKE_ASSIGN_OR_RETURN(auto v, impl_->DownloadParam(p, g.grad.get(), g.grad_type, net.last_grad_scale));
+      out.push_back({p.name, p.dims, std::move(v)});
+    }
+    return out;
+  });
 }
 
-std::vector<NamedTensor> CudaNetwork::State() const {
-  const Net& net = impl_->net;
-  std::vector<NamedTensor> out;
-  for (const auto& p : net.params) {
-    out.push_back({p.name, p.dims, impl_->DownloadParam(p, net.groups[p.group].master.get(), DType::kF32)});
-  }
-  for (const auto& r : net.running) {
-    out.push_back({r->name, {r->c}, Download(r->value.get(), DType::kF32, r->c, net.stream)});
-  }
-  for (const auto& p : net.params) {
-    out.push_back({p.name + ".momentum", p.dims,
-                   impl_->DownloadParam(p, net.groups[p.group].momentum.get(), DType::kF32)});
-  }
-  return out;
+Result<std::vector<NamedTensor>> CudaNetwork::State() const {
+  return CatchExceptions("cuda backend: reading the state", [&]() -> Result<std::vector<NamedTensor>> {
+    const Net& net = impl_->net;
+    std::vector<NamedTensor> out;
+    for (const auto& p : net.params) {
+      STOKE_ASSIGN_OR_RETURN(auto v, impl_->DownloadParam(p, net.groups[p.group].master.get(), DType::kF32));
+      out.push_back({p.name, p.dims, std::move(v)});
+    }
+    for (const auto& r : net.running) {
+      STOKE_ASSIGN_OR_RETURN(auto v, Download(r->value.get(), DType::kF32, r->c, net.stream));
+      out.push_back({r->name, {r->c}, std::move(v)});
+    }
+    for (const auto& p : net.params) {
+      STOKE_ASSIGN_OR_RETURN(auto v, impl_->DownloadParam(p, net.groups[p.group].momentum.get(), DType::kF32));
+      out.push_back({p.name + ".momentum", p.dims, std::move(v)});
+    }
+    return out;
+  });
 }
 
 Status CudaNetwork::LoadState(const std::vector<NamedTensor>& state) {
-  Net& net = impl_->net;
-  std::vector<std::pair<std::string, std::vector<int64_t>>> wanted;
-  for (const auto& p : net.params) wanted.emplace_back(p.name, p.dims);
-  for (const auto& p : net.params) wanted.emplace_back(p.name + ".momentum", p.dims);
-  for (const auto& r : net.running) wanted.emplace_back(r->name, std::vector<int64_t>{r->c});
-  STOKE_ASSIGN_OR_RETURN(auto found, FindState(state, wanted));
-  size_t k = 0;
-  for (const auto& p : net.params) {
-    STOKE_RETURN_IF_ERROR(impl_->Upload(p, found[k++]->values, net.groups[p.group].master.as<float>()));
-  }
-  for (const auto& p : net.params) {
-    STOKE_RETURN_IF_ERROR(impl_->Upload(p, found[k++]->values, net.groups[p.group].momentum.as<float>()));
-  }
-  for (const auto& r : net.running) {
-    const auto& v = found[k++]->values;
-    STOKE_CUDA_OK(cudaMemcpyAsync(r->value.get(), v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice,
-                                  net.stream));
-  }
-  impl_->RefreshCopies();
-  STOKE_CUDA_OK(cudaStreamSynchronize(net.stream));
-  return LastLaunch("load state");
+  return CatchExceptions("cuda backend: loading the state", [&]() -> Status {
+    Net& net = impl_->net;
+    std::vector<std::pair<std::string, std::vector<int64_t>>> wanted;
+    for (const auto& p : net.params) wanted.emplace_back(p.name, p.dims);
+    for (const auto& p : net.params) wanted.emplace_back(p.name + ".momentum", p.dims);
+    for (const auto& r : net.running) wanted.emplace_back(r->name, std::vector<int64_t>{r->c});
+    STOKE_ASSIGN_OR_RETURN(auto found, FindState(state, wanted));
+    size_t k = 0;
+    for (const auto& p : net.params) {
+      STOKE_RETURN_IF_ERROR(impl_->Upload(p, found[k++]->values, net.groups[p.group].master.as<float>()));
+    }
+    for (const auto& p : net.params) {
+      STOKE_RETURN_IF_ERROR(impl_->Upload(p, found[k++]->values, net.groups[p.group].momentum.as<float>()));
+    }
+    for (const auto& r : net.running) {
+      const auto& v = found[k++]->values;
+      STOKE_CUDA_OK(cudaMemcpyAsync(r->value.get(), v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice,
+                                    net.stream));
+    }
+    impl_->RefreshCopies();
+    STOKE_CUDA_OK(cudaStreamSynchronize(net.stream));
+    return LastLaunch("load state");
+  });
 }
 
 void* CudaNetwork::stream() const { return impl_->net.stream; }
@@ -1217,7 +1242,12 @@ int64_t CudaNetwork::skipped_steps() const { return impl_->net.skipped; }
 std::vector<float> CudaNetwork::LastLogits() const {
   const Net& net = impl_->net;
   const Node& last = net.nodes.back();
-  return Download(last.out.get(), net.t, last.count(), net.stream);
+  auto logits = Download(last.out.get(), net.t, last.count(), net.stream);
+  if (!logits.ok()) {
+    STOKE_LOG(ERROR, "cuda backend: reading the logits back failed: {}", logits.status().ToString());
+    return {};
+  }
+  return *std::move(logits);
 }
 
 }  // namespace stoke::train
