@@ -118,6 +118,9 @@ int Run(int argc, char** argv) {
     cmd->add_option("--threads", bench.threads, "Threads for the N-thread runs (0 = all cores)");
     cmd->add_option("--repeats", bench.repeats, "Timed runs per figure (median reported)")
         ->check(CLI::PositiveNumber);
+    cmd->add_option("--seconds", bench.seconds,
+                    "Duration of each timed run (default: pack 1, read 0.5, decode 0.5, pipeline 2)")
+        ->check(CLI::PositiveNumber);
     cmd->add_option("--work-dir", bench.work_dir, "Scratch directory for packed datasets");
     cmd->add_option("--json", bench.json_out, "Also write the results as JSON here");
   };
@@ -135,7 +138,8 @@ int Run(int argc, char** argv) {
       "pipeline", "The loader end to end on N threads, beside TurboJPEG full decode");
   bench_pipeline->add_option("DB", bench_db, "Packed dataset (default: pack --data first)");
   bench_pipeline->add_option("--batch", pipeline.batch, "Samples per batch")->check(CLI::PositiveNumber);
-  bench_pipeline->add_option("--epochs", pipeline.epochs, "Epochs per loader run (first untimed)")
+  bench_pipeline->add_option("--epochs", pipeline.epochs,
+                             "Epochs per loader run, the first untimed (default: runs sized by --seconds)")
       ->check(CLI::Range(2, 1000000));
   bench_pipeline->add_option("--ring", pipeline.ring, "Batch buffers in the ring")->check(CLI::Range(2, 1024));
   add_common(bench_pipeline);
@@ -145,7 +149,10 @@ int Run(int argc, char** argv) {
   auto* bench_train = bench_cmd->add_subcommand(
       "train", "Training throughput of a config's model: compute alone and fed by the loader");
   bench_train->add_option("--config", train_bench_config, "Run config (YAML)")->required();
-  bench_train->add_option("--steps", train_bench.steps, "Timed steps per run")->check(CLI::PositiveNumber);
+  bench_train->add_option("--steps", train_bench.steps, "Timed steps per run (default: as many as fit in --seconds)")
+      ->check(CLI::PositiveNumber);
+  bench_train->add_option("--seconds", bench.seconds, "Duration of each timed run when --steps is not given (default 2)")
+      ->check(CLI::PositiveNumber);
   bench_train->add_option("--warmup", train_bench.warmup, "Untimed steps before each run")->check(CLI::NonNegativeNumber);
   std::string model_json;
   bench_train->add_option("--model-json", model_json, "Write the resolved model as JSON (for the PyTorch peer)");

@@ -9,6 +9,7 @@
 #include <ctime>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <thread>
 #include <vector>
 
@@ -145,11 +146,13 @@ Result<std::vector<std::span<const std::byte>>> JpegViews(const dataset::Dataset
   return jpegs;
 }
 
+// Packs `o.data` (or the inputs of `list`, a list file) into `out`; returns images/s.
 Result<double> PackOnce(const BenchOptions& o, const fs::path& out, int threads,
-                        pack::ValidateMode validate = pack::ValidateMode::kCoefficients) {
+                        pack::ValidateMode validate = pack::ValidateMode::kCoefficients, const fs::path& list = {}) {
   pack::PackOptions p;
   p.validate = validate;
   p.source = o.data;
+  p.list_file = list;
   p.output = out;
   p.threads = threads;
   p.progress = false;
@@ -172,52 +175,99 @@ Result<fs::path> DatasetOrPack(const BenchOptions& o, const fs::path& dataset, c
   return scratch;
 }
 
+// The per-run duration: --seconds, or the subcommand's default.
+double SecondsOr(const BenchOptions& o, double fallback) { return o.seconds > 0 ? o.seconds : fallback; }
+
+// A list file of `count` of `files` spread evenly over them (so every class is represented),
+// labelled by their folder; for packing a time-sized share of the data.
+Result<fs::path> WriteSubsetList(const std::vector<fs::path>& files, int64_t count, const fs::path& path) {
+  std::map<fs::path, int> labels;
+  for (const auto& f : files) labels.emplace(f.parent_path(), 0);
+  int next = 0;
+  for (auto& [dir, label] : labels) label = next++;
+  std::string text;
+  const auto n = static_cast<int64_t>(files.size());
+  for (int64_t k = 0; k < count; ++k) {
+    const fs::path& f = files[static_cast<size_t>(k * n / count)];
+    text += fmt::format("{} {}\n", fs::absolute(f).string(), labels.at(f.parent_path()));
+  }
+  STOKE_RETURN_IF_ERROR(WriteFileAtomic(path, text));
+  return path;
+}
+
 }  // namespace
 
 Result<std::string> BenchPack(const BenchOptions& o) {
   STOKE_RETURN_IF_ERROR(CheckData(o));
   const int n = o.threads > 0 ? o.threads : tbb::info::default_concurrency();
+  const double seconds = SecondsOr(o, 1.0);
   STOKE_ASSIGN_OR_RETURN(auto scratch, MakeScratch(o));
+  BenchProgress progress("bench pack", 5 * o.repeats);
 
   // Yardstick: TurboJPEG full decode to RGB, one core, JPEGs already in memory.
+  progress.Note("reading the images");
   std::vector<std::vector<std::byte>> jpegs;
+  std::vector<fs::path> files;  // the packable inputs, for the time-sized subsets
   int64_t input_bytes = 0;
   for (const auto& f : ListFiles(o.data)) {
+    if (f.string().find('\n') != std::string::npos) continue;  // cannot go in a list file
     STOKE_ASSIGN_OR_RETURN(auto bytes, ReadFileBytes(f));
     input_bytes += static_cast<int64_t>(bytes.size());
+    files.push_back(f);
     if (decode::LooksLikeJpeg(bytes)) jpegs.push_back(std::move(bytes));
   }
   if (jpegs.empty()) return InvalidArgumentError("bench: " + o.data.string() + ": no JPEGs");
   TjHandle tj(tjInitDecompress());
   std::vector<unsigned char> rgb;
   int failures = 0;
-  auto decode_all = [&] {
-    for (const auto& j : jpegs) {
-      if (!TurboJpegFullDecode(tj.get(), j, rgb)) ++failures;
+  auto decode_n = [&](int64_t count) {
+    for (int64_t i = 0; i < count; ++i) {
+      if (!TurboJpegFullDecode(tj.get(), jpegs[static_cast<size_t>(i) % jpegs.size()], rgb)) ++failures;
     }
   };
-  decode_all();  // warm-up
-  std::vector<double> tj_rates;
+  const auto all = static_cast<int64_t>(jpegs.size());
+  progress.Run("TurboJPEG full decode, 1 core", 0, o.repeats);
+  const int64_t warm = std::min<int64_t>(all, 32);
+  const int64_t tj_count = ItemsForSeconds(static_cast<double>(warm) / Time([&] { decode_n(warm); }), seconds, 20);
+  failures = 0;
 
   // stoke pack with each validation mode, 1 and N threads, interleaved so that drift on a shared
-  // machine hits every figure alike. The first run warms the page cache.
+  // machine hits every figure alike. Each row packs an evenly spread share of the images sized
+  // from its own warm-up pack, so that a run takes about `seconds`.
   const fs::path out = scratch->dir / "bench_pack.lmdb";
-  STOKE_RETURN_IF_ERROR(PackOnce(o, out, n).status());
   using pack::ValidateMode;
   struct Row {
     const char* name;
     ValidateMode mode;
     int threads;
+    fs::path list;
+    int64_t images = 0;
     std::vector<double> rates;
+    std::string Label() const {
+      return fmt::format("pack --validate {}, {} thread{}", name, threads, threads > 1 ? "s" : "");
+    }
   };
   std::vector<Row> rows = {{"coefficients", ValidateMode::kCoefficients, 1, {}},
                            {"coefficients", ValidateMode::kCoefficients, n, {}},
                            {"pixels", ValidateMode::kPixels, 1, {}},
                            {"pixels", ValidateMode::kPixels, n, {}}};
-  for (int r = 0; r < o.repeats; ++r) {
-    tj_rates.push_back(static_cast<double>(jpegs.size()) / Time(decode_all));
+  const int64_t total_files = static_cast<int64_t>(files.size());
+  const int64_t warm_files = std::min<int64_t>(total_files, 16 * n);
+  STOKE_ASSIGN_OR_RETURN(const fs::path warm_list, WriteSubsetList(files, warm_files, scratch->dir / "warm.list"));
+  for (size_t k = 0; k < rows.size(); ++k) {
+    Row& row = rows[k];
+    progress.Run(row.Label(), 0, o.repeats);
+    STOKE_ASSIGN_OR_RETURN(double rate, PackOnce(o, out, row.threads, row.mode, warm_list));
+    row.images = ItemsForSeconds(rate, seconds, std::min<int64_t>(total_files, 8 * row.threads), total_files);
+    STOKE_ASSIGN_OR_RETURN(row.list, WriteSubsetList(files, row.images, scratch->dir / fmt::format("row{}.list", k)));
+  }
+  std::vector<double> tj_rates;
+  for (int r = 1; r <= o.repeats; ++r) {
+    progress.Run("TurboJPEG full decode, 1 core", r, o.repeats);
+    tj_rates.push_back(static_cast<double>(tj_count) / Time([&] { decode_n(tj_count); }));
     for (auto& row : rows) {
-      STOKE_ASSIGN_OR_RETURN(double rate, PackOnce(o, out, row.threads, row.mode));
+      progress.Run(row.Label(), r, o.repeats);
+      STOKE_ASSIGN_OR_RETURN(double rate, PackOnce(o, out, row.threads, row.mode, row.list));
       row.rates.push_back(rate);
     }
   }
@@ -229,25 +279,24 @@ Result<std::string> BenchPack(const BenchOptions& o) {
                       {"images", jpegs.size()},
                       {"input_bytes", input_bytes},
                       {"repeats", o.repeats},
+                      {"seconds_per_run", seconds},
                       {"turbojpeg_decode_1core_img_s", tj_rate},
                       {"target_img_s", target}};
   std::string t;
-  t += fmt::format("stoke bench pack: {} ({} JPEGs, {}), N = {} threads, median of {} runs\n",
-                   o.data.string(), jpegs.size(), HumanBytes(static_cast<double>(input_bytes)), n,
-                   o.repeats);
-  t += fmt::format("machine: {}, {} cores, {}\n", CpuModel(), std::thread::hardware_concurrency(),
-                   Today());
-  t += fmt::format("  TurboJPEG full decode, 1 core                {:8.1f} img/s{}\n", tj_rate,
-                   failures ? fmt::format(" ({} failed)", failures / (o.repeats + 1)) : "");
+  t += fmt::format("stoke bench pack: {} ({} JPEGs, {}), N = {} threads, median of {} runs of ~{:g} s\n",
+                   o.data.string(), jpegs.size(), HumanBytes(static_cast<double>(input_bytes)), n, o.repeats,
+                   seconds);
+  t += fmt::format("machine: {}, {} cores, {}\n", CpuModel(), std::thread::hardware_concurrency(), Today());
+  t += fmt::format("  TurboJPEG full decode, 1 core                {:8.1f} img/s  ({} images per run){}\n", tj_rate,
+                   tj_count, failures ? fmt::format(" ({} failed)", failures / o.repeats) : "");
   t += fmt::format("  target for N threads: 0.9 x N x TurboJPEG   {:8.1f} img/s\n", target);
   for (const auto& row : rows) {
     const double rate = Median(row.rates);
     const double ratio = rate / (row.threads * tj_rate);
-    const std::string name =
-        fmt::format("pack --validate {}, {} thread{}", row.name, row.threads, row.threads > 1 ? "s" : "");
-    t += fmt::format("  {:<44} {:8.1f} img/s  {:.2f} x {} x TurboJPEG{}\n", name, rate, ratio,
-                     row.threads, row.threads == n ? (rate >= target ? "  (target met)" : "  (target NOT met)") : "");
-    j["results"][name] = {{"img_s", rate}, {"ratio_vs_threads_x_turbojpeg", ratio}};
+    t += fmt::format("  {:<44} {:8.1f} img/s  {:.2f} x {} x TurboJPEG  ({} images per run){}\n", row.Label(), rate,
+                     ratio, row.threads, row.images,
+                     row.threads == n ? (rate >= target ? "  (target met)" : "  (target NOT met)") : "");
+    j["results"][row.Label()] = {{"img_s", rate}, {"ratio_vs_threads_x_turbojpeg", ratio}, {"images_per_run", row.images}};
   }
   STOKE_RETURN_IF_ERROR(MaybeWriteJson(o, j));
   return t;
@@ -256,32 +305,41 @@ Result<std::string> BenchPack(const BenchOptions& o) {
 Result<std::string> BenchRead(const BenchOptions& o) {
   STOKE_RETURN_IF_ERROR(CheckData(o));
   const int n = o.threads > 0 ? o.threads : tbb::info::default_concurrency();
+  const double seconds = SecondsOr(o, 0.5);
   STOKE_ASSIGN_OR_RETURN(auto scratch, MakeScratch(o));
   const fs::path out = scratch->dir / "bench_read.lmdb";
+  const int figures = 4 * (n > 1 ? 2 : 1);
+  BenchProgress progress("bench read", figures * o.repeats);
+  progress.Note("packing the images");
   STOKE_RETURN_IF_ERROR(PackOnce(o, out, n).status());
   STOKE_ASSIGN_OR_RETURN(dataset::Dataset ds, dataset::Dataset::Open(out));
   const int64_t records = ds.size();
   if (records == 0) return InvalidArgumentError("bench: no records packed");
   const double bytes_per_pass = static_cast<double>(ds.manifest().payload_bytes);
 
-  // Random order: enough lookups for ~0.3 s on one core even for small datasets.
-  const int64_t lookups = std::max<int64_t>(records, 2'000'000);
-  std::vector<int64_t> order(static_cast<size_t>(lookups));
+  // Random order: a fixed sequence each thread walks from its own offset, as long as the run lasts.
+  std::vector<int64_t> order(static_cast<size_t>(std::max<int64_t>(records, 1 << 16)));
   SplitMix64 rng(42);
   for (auto& i : order) i = static_cast<int64_t>(rng.Below(static_cast<uint64_t>(records)));
+  // Scan's callback stops a pass early with this marker when the run's time is up.
+  const Status time_up = UnavailableError("bench read: the run's time is up");
+  constexpr int64_t kCheckEvery = 64;   // items between clock reads
+  constexpr int64_t kMinPerThread = 256;
 
-  // One measurement: `threads` threads each running `body(reader, thread)`; returns records/s.
   struct Figure {
     double rec_s;
     double mb_s;
   };
-  auto measure = [&](int threads, bool crc, bool random) -> Result<Figure> {
+  // One figure: median over the runs of `threads` threads reading until the run's time is up.
+  auto measure = [&](const std::string& name, int threads, bool crc, bool random) -> Result<Figure> {
     std::vector<double> rates, mbs;
-    for (int r = 0; r <= o.repeats; ++r) {  // r == 0 is the warm-up
+    for (int r = 0; r <= o.repeats; ++r) {  // r == 0 is a short warm-up
+      progress.Run(name, r, o.repeats);
       std::vector<std::thread> pool;
       std::vector<Status> status(static_cast<size_t>(threads));
       std::vector<int64_t> done(static_cast<size_t>(threads), 0);
       std::vector<double> touched(static_cast<size_t>(threads), 0);
+      const Deadline deadline(r == 0 ? seconds / 4 : seconds);
       double secs = Time([&] {
         for (int t = 0; t < threads; ++t) {
           pool.emplace_back([&, t] {
@@ -292,31 +350,36 @@ Result<std::string> BenchRead(const BenchOptions& o) {
             }
             uint64_t sink = 0;
             double bytes = 0;
+            int64_t count = 0;
+            auto time_to_stop = [&] { return count % kCheckEvery == 0 && count >= kMinPerThread && deadline.Passed(); };
             if (random) {
-              const int64_t per = lookups / threads;
-              for (int64_t k = per * t; k < per * (t + 1); ++k) {
-                auto rec = reader->Get(order[static_cast<size_t>(k)]);
+              size_t k = order.size() * static_cast<size_t>(t) / static_cast<size_t>(threads);
+              while (!time_to_stop()) {
+                auto rec = reader->Get(order[k]);
                 if (!rec.ok()) {
                   status[t] = rec.status();
                   return;
                 }
                 sink += static_cast<uint8_t>(rec->payload[0]);
                 bytes += static_cast<double>(rec->payload.size());
+                ++count;
+                if (++k == order.size()) k = 0;
               }
-              done[t] = per;
             } else {
-              // Enough passes over this thread's contiguous share for a measurable run.
+              // Passes over this thread's contiguous share until the time is up.
               const int64_t begin = records * t / threads, end = records * (t + 1) / threads;
-              const int64_t passes = std::max<int64_t>(1, lookups / records);
-              for (int64_t pass = 0; pass < passes && status[t].ok(); ++pass) {
-                status[t] = reader->Scan(begin, end, [&](const dataset::RecordView& rec) {
+              while (status[t].ok() && begin < end) {
+                Status s = reader->Scan(begin, end, [&](const dataset::RecordView& rec) {
                   sink += static_cast<uint8_t>(rec.payload[0]);
                   bytes += static_cast<double>(rec.payload.size());
-                  return OkStatus();
+                  ++count;
+                  return time_to_stop() ? time_up : OkStatus();
                 });
+                if (s == time_up) break;
+                status[t] = s;
               }
-              done[t] = (end - begin) * passes;
             }
+            done[t] = count;
             touched[t] = bytes + static_cast<double>(sink & 1);
           });
         }
@@ -341,27 +404,26 @@ Result<std::string> BenchRead(const BenchOptions& o) {
                       {"data", o.data.string()},
                       {"records", records},
                       {"payload_bytes", bytes_per_pass},
-                      {"repeats", o.repeats}};
+                      {"repeats", o.repeats},
+                      {"seconds_per_run", seconds}};
   std::string t = fmt::format(
-      "stoke bench read: {} records ({}) from {}, median of {} runs\n"
+      "stoke bench read: {} records ({}) from {}, median of {} runs of ~{:g} s, records cached in memory\n"
       "machine: {}, {} cores, {}\n"
-      "  {:<34} {:>14} {:>12}\n"
-      "  (view: the record located and its header parsed, payload not read; +CRC: every byte "
-      "checked)\n",
-      records, HumanBytes(bytes_per_pass), o.data.string(), o.repeats, CpuModel(),
+      "  view: the record found by key, its header parsed and one byte of each of its 4 KiB pages touched\n"
+      "        (the fault guard); the payload is handed out as a zero-copy view into the map, not read\n"
+      "        (MB/s counts the payload bytes handed out)\n"
+      "  +CRC: the same, and every payload byte read and checked against the record's CRC-32C\n"
+      "  {:<34} {:>14} {:>12}\n",
+      records, HumanBytes(bytes_per_pass), o.data.string(), o.repeats, seconds, CpuModel(),
       std::thread::hardware_concurrency(), Today(), "access", "records/s", "MB/s");
   for (bool random : {false, true}) {
     for (bool crc : {false, true}) {
-      for (int threads : {1, n}) {
-        if (threads == n && n == 1) continue;
-        STOKE_ASSIGN_OR_RETURN(Figure f, measure(threads, crc, random));
-        std::string name = fmt::format("{} {}, {} thread{}", random ? "random" : "sequential",
-                                       crc ? "+CRC" : "view", threads, threads > 1 ? "s" : "");
-        // A view read touches one byte of the payload: only CRC reads move every byte.
-        t += crc ? fmt::format("  {:<34} {:>14.0f} {:>12.1f}\n", name, f.rec_s, f.mb_s)
-                 : fmt::format("  {:<34} {:>14.0f} {:>12}\n", name, f.rec_s, "-");
-        j["results"][name] = {{"records_s", f.rec_s}};
-        if (crc) j["results"][name]["mb_s"] = f.mb_s;
+      for (int threads : n > 1 ? std::vector<int>{1, n} : std::vector<int>{1}) {
+        const std::string name = fmt::format("{} {}, {} thread{}", random ? "random" : "sequential",
+                                             crc ? "+CRC" : "view", threads, threads > 1 ? "s" : "");
+        STOKE_ASSIGN_OR_RETURN(Figure f, measure(name, threads, crc, random));
+        t += fmt::format("  {:<34} {:>14.0f} {:>12.1f}\n", name, f.rec_s, f.mb_s);
+        j["results"][name] = {{"records_s", f.rec_s}, {"mb_s", f.mb_s}};
       }
     }
   }
@@ -435,22 +497,34 @@ Result<std::string> BenchDecode(const BenchOptions& o, const fs::path& dataset_p
          note(augment::ApplyPlan(view, {where->x, where->y, where->width, where->height}, p->plan, slot));
        }, {}},
   };
-  for (int r = 0; r <= o.repeats; ++r) {  // r == 0 is the warm-up
+  // Every stage runs over the same images, as many as a full decode gets through in `seconds`
+  // (cycling through the dataset when it is smaller; each pass is another epoch of crops).
+  const double seconds = SecondsOr(o, 0.5);
+  const auto all = static_cast<int64_t>(jpegs.size());
+  BenchProgress progress("bench decode", static_cast<int>(stages.size()) * o.repeats);
+  auto run_stage = [&](Stage& stage, int64_t count, int64_t run) {
+    for (int64_t k = 0; k < count; ++k) stage.run(static_cast<size_t>(k % all), run * 1000 + k / all);
+  };
+  progress.Run(stages[0].name, 0, o.repeats);
+  const int64_t warm = std::min<int64_t>(all, 32);
+  const int64_t images =
+      ItemsForSeconds(static_cast<double>(warm) / Time([&] { run_stage(stages[0], warm, 0); }), seconds, 20);
+  for (int r = 0; r <= o.repeats; ++r) {  // r == 0 is a short warm-up
     for (auto& stage : stages) {
-      const double secs = Time([&] {
-        for (size_t i = 0; i < jpegs.size(); ++i) stage.run(i, r);
-      });
-      if (r > 0) stage.rates.push_back(static_cast<double>(jpegs.size()) / secs);
+      progress.Run(stage.name, r, o.repeats);
+      const int64_t count = r == 0 ? std::max<int64_t>(1, images / 4) : images;
+      const double secs = Time([&] { run_stage(stage, count, r); });
+      if (r > 0) stage.rates.push_back(static_cast<double>(count) / secs);
     }
     STOKE_RETURN_IF_ERROR(failure);
   }
   const double full = Median(stages[0].rates);
-  nlohmann::json j = {{"machine", MachineJson(1)}, {"dataset", db.string()},
-                      {"images", jpegs.size()}, {"repeats", o.repeats}};
+  nlohmann::json j = {{"machine", MachineJson(1)}, {"dataset", db.string()}, {"images", jpegs.size()},
+                      {"images_per_run", images}, {"repeats", o.repeats}, {"seconds_per_run", seconds}};
   std::string t = fmt::format(
-      "stoke bench decode: {} JPEG records of {}, 1 thread, median of {} runs\n"
+      "stoke bench decode: {} JPEG records of {}, 1 thread, median of {} runs of {} images (~{:g} s of full decode)\n"
       "machine: {}, {} cores, {}\n",
-      jpegs.size(), dataset_path.empty() ? o.data.string() : db.string(), o.repeats, CpuModel(),
+      jpegs.size(), dataset_path.empty() ? o.data.string() : db.string(), o.repeats, images, seconds, CpuModel(),
       std::thread::hardware_concurrency(), Today());
   for (const auto& stage : stages) {
     const double rate = Median(stage.rates);
@@ -480,80 +554,104 @@ double PeakRssMiB() {
 }
 
 struct LoaderRun {
-  double img_s = 0;           // over the timed epochs
-  double wait_fraction = 0;   // consumer wait / elapsed, timed epochs
-  std::vector<double> epoch_img_s;
-  std::vector<double> epoch_rss_mib;
+  double img_s = 0;           // over the timed part
+  double wait_fraction = 0;   // consumer wait / elapsed, timed part
+  std::vector<double> rss_mib;  // at the start of the timed part, then at each epoch end or quarter
   prefetch::LoaderStats stats;
 };
 
-Result<LoaderRun> RunLoader(const dataset::Dataset& ds, int threads, const PipelineBenchOptions& p,
-                            int epochs) {
+// One loader run over `ds` on `threads` threads. With `epochs` > 1: that many epochs, the first
+// untimed, RSS read at each epoch's end. With `epochs` 0: sized by time, a warm-up of
+// seconds / 2 (at least one batch) and a timed part of `seconds`, RSS read at each quarter.
+Result<LoaderRun> RunLoader(const dataset::Dataset& ds, int threads, const PipelineBenchOptions& p, int epochs,
+                            double seconds) {
   prefetch::LoaderOptions o;
   o.sampler.seed = 1;
   o.batch_size = p.batch;
   o.ring_size = p.ring;
   o.threads = threads;
-  o.epochs = epochs;
+  o.epochs = epochs;  // 0: endless, stopped below
   o.device = prefetch::DeviceMode::kHost;
   STOKE_ASSIGN_OR_RETURN(auto loader, prefetch::Loader::Create(ds, o));
   LoaderRun run;
-  // Rates are batches received over the time between receipts: with a consumer that takes no
-  // time, consecutive receipts are one production period apart. The warm-up epoch ends at the
-  // receipt of its last batch; each epoch's span runs from the previous epoch's last receipt.
+  // Rates are samples received over the time between receipts: with a consumer that takes no
+  // time, consecutive receipts are one production period apart. The timed part starts at the
+  // receipt that ends the warm-up.
   using Clock = std::chrono::steady_clock;
   auto secs_between = [](Clock::time_point a, Clock::time_point b) {
     return std::chrono::duration<double>(b - a).count();
   };
-  Clock::time_point epoch_mark = Clock::now(), last_receipt = epoch_mark, timed_from{};
+  const Clock::time_point begin = Clock::now();
+  Clock::time_point timed_from{}, last_receipt = begin;
+  bool timing = false;
   double wait_at_timed = 0;
-  int64_t epoch_samples = 0, timed_samples = 0, epoch = 0;
+  int64_t timed_samples = 0, epoch = 0;
+  int quarter = 0;
+  auto start_timing = [&] {
+    timing = true;
+    timed_from = last_receipt;
+    wait_at_timed = loader->stats().consumer_wait_s;
+    run.rss_mib.push_back(RssMiB());
+  };
   for (;;) {
     STOKE_ASSIGN_OR_RETURN(prefetch::BatchLease lease, loader->Next());
     const auto now = Clock::now();
-    if (!lease || lease->epoch != epoch) {  // `epoch` ended with the previous receipt
-      run.epoch_img_s.push_back(static_cast<double>(epoch_samples) / secs_between(epoch_mark, last_receipt));
-      run.epoch_rss_mib.push_back(RssMiB());
-      if (epoch == 0) {
-        timed_from = last_receipt;
-        wait_at_timed = loader->stats().consumer_wait_s;
+    if (epochs > 0) {
+      if (!lease || lease->epoch != epoch) {  // `epoch` ended with the previous receipt
+        if (timing) run.rss_mib.push_back(RssMiB());
+        if (!timing) start_timing();
+        if (!lease) break;
+        epoch = lease->epoch;
       }
-      epoch_mark = last_receipt;
-      epoch_samples = 0;
+    } else {
       if (!lease) break;
-      epoch = lease->epoch;
+      if (!timing && secs_between(begin, now) >= seconds / 2 && last_receipt != begin) start_timing();
+      if (timing) {
+        const double t = secs_between(timed_from, now);
+        if (t >= seconds * (quarter + 1) / 4) {
+          ++quarter;
+          run.rss_mib.push_back(RssMiB());
+        }
+        if (quarter >= 4) {
+          timed_samples += lease->size;
+          last_receipt = now;
+          break;
+        }
+      }
     }
-    epoch_samples += lease->size;
-    if (epoch > 0) timed_samples += lease->size;
+    if (timing) timed_samples += lease->size;
     last_receipt = now;
   }
+  loader->Stop();
   run.stats = loader->stats();
   const double secs = secs_between(timed_from, last_receipt);
-  if (epochs > 1 && secs > 0) {
+  if (timing && secs > 0) {
     run.img_s = static_cast<double>(timed_samples) / secs;
     run.wait_fraction = std::min(1.0, (run.stats.consumer_wait_s - wait_at_timed) / secs);
   } else {
-    run.img_s = run.epoch_img_s.front();
-    run.wait_fraction = run.stats.consumer_wait_s / run.stats.elapsed_s;
+    run.img_s = run.stats.images_per_s;
+    run.wait_fraction = run.stats.elapsed_s > 0 ? run.stats.consumer_wait_s / run.stats.elapsed_s : 0;
   }
   return run;
 }
 
-// Plain TurboJPEG full decode of every JPEG on `threads` threads, each decoding its share.
-double TurboJpegRate(const std::vector<std::span<const std::byte>>& jpegs, int threads) {
+// Plain TurboJPEG full decode of `count` JPEGs (cycling through them) on `threads` threads; img/s.
+double TurboJpegRate(const std::vector<std::span<const std::byte>>& jpegs, int threads, int64_t count) {
   std::vector<std::thread> pool;
-  std::atomic<size_t> next{0};
+  std::atomic<int64_t> next{0};
   const double secs = Time([&] {
     for (int t = 0; t < threads; ++t) {
       pool.emplace_back([&] {
         TjHandle tj(tjInitDecompress());
         std::vector<unsigned char> rgb;
-        for (size_t i; (i = next.fetch_add(1)) < jpegs.size();) TurboJpegFullDecode(tj.get(), jpegs[i], rgb);
+        for (int64_t i; (i = next.fetch_add(1)) < count;) {
+          TurboJpegFullDecode(tj.get(), jpegs[static_cast<size_t>(i) % jpegs.size()], rgb);
+        }
       });
     }
     for (auto& th : pool) th.join();
   });
-  return static_cast<double>(jpegs.size()) / secs;
+  return static_cast<double>(count) / secs;
 }
 
 }  // namespace
@@ -561,40 +659,58 @@ double TurboJpegRate(const std::vector<std::span<const std::byte>>& jpegs, int t
 Result<std::string> BenchPipeline(const BenchOptions& o, const fs::path& dataset_path,
                                   const PipelineBenchOptions& p) {
   if (o.repeats < 1) return InvalidArgumentError("bench: --repeats must be >= 1");
-  if (p.epochs < 2) return InvalidArgumentError("bench pipeline: --epochs must be >= 2 (the first is a warm-up)");
+  if (p.epochs == 1 || p.epochs < 0) {
+    return InvalidArgumentError("bench pipeline: --epochs must be 0 (sized by --seconds) or >= 2 (the first is a warm-up)");
+  }
   if (p.batch < 1) return InvalidArgumentError("bench pipeline: --batch must be >= 1");
   const int n = o.threads > 0 ? o.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const double seconds = SecondsOr(o, 2.0);
   STOKE_ASSIGN_OR_RETURN(auto scratch, MakeScratch(o));
+  BenchProgress progress("bench pipeline", (n > 1 ? 3 : 2) * o.repeats);
+  if (dataset_path.empty()) progress.Note("packing the images");
   STOKE_ASSIGN_OR_RETURN(const fs::path db, DatasetOrPack(o, dataset_path, scratch->dir / "bench_pipeline.lmdb"));
   STOKE_ASSIGN_OR_RETURN(dataset::Dataset ds, dataset::Dataset::Open(db));
   STOKE_ASSIGN_OR_RETURN(auto reader, ds.NewReader({.verify_crc = false}));
   STOKE_ASSIGN_OR_RETURN(auto jpegs, JpegViews(ds, reader));  // for the TurboJPEG runs
 
+  // The TurboJPEG yardstick decodes as many images as it gets through in `seconds`, from a short
+  // warm-up's rate (which also pulls the records into the page cache).
+  const std::string tj_name = fmt::format("TurboJPEG full decode, {} threads", n);
+  progress.Run(tj_name, 0, o.repeats);
+  const auto all = static_cast<int64_t>(jpegs.size());
+  const double warm_rate = TurboJpegRate(jpegs, n, std::min<int64_t>(all, 64 * n));
+  const int64_t tj_count = ItemsForSeconds(warm_rate, seconds, 8 * n);
   // Interleaved repeats, so that the machine's drift hits every figure alike.
   std::vector<double> tj_n, loader_n, loader_1, wait_n;
   LoaderRun last_n;
-  TurboJpegRate(jpegs, n);  // warm-up: page cache and allocator
-  for (int r = 0; r < o.repeats; ++r) {
-    tj_n.push_back(TurboJpegRate(jpegs, n));
-    STOKE_ASSIGN_OR_RETURN(LoaderRun run, RunLoader(ds, n, p, p.epochs));
+  const std::string loader_name = fmt::format("loader, {} threads", n);
+  for (int r = 1; r <= o.repeats; ++r) {
+    progress.Run(tj_name, r, o.repeats);
+    tj_n.push_back(TurboJpegRate(jpegs, n, tj_count));
+    progress.Run(loader_name, r, o.repeats);
+    STOKE_ASSIGN_OR_RETURN(LoaderRun run, RunLoader(ds, n, p, p.epochs, seconds));
     loader_n.push_back(run.img_s);
     wait_n.push_back(run.wait_fraction);
     last_n = run;
     if (n > 1) {
-      STOKE_ASSIGN_OR_RETURN(LoaderRun one, RunLoader(ds, 1, p, std::min(p.epochs, 3)));
+      progress.Run("loader, 1 thread", r, o.repeats);
+      STOKE_ASSIGN_OR_RETURN(LoaderRun one, RunLoader(ds, 1, p, p.epochs > 0 ? std::min(p.epochs, 3) : 0, seconds));
       loader_1.push_back(one.img_s);
     }
   }
   const double tj = Median(tj_n), ld = Median(loader_n);
   const double ld1 = n > 1 ? Median(loader_1) : ld;
   const double efficiency = ld / (n * ld1);
-  // RSS over the timed epochs of the last N-thread run, relative to the first timed epoch.
-  const auto& rss = last_n.epoch_rss_mib;
+  // RSS over the timed part of the last N-thread run, relative to its start.
+  const auto& rss = last_n.rss_mib;
   double drift = 0;
-  for (size_t e = 2; e < rss.size(); ++e) drift = std::max(drift, std::abs(rss[e] / rss[1] - 1));
+  for (size_t e = 1; e < rss.size(); ++e) drift = std::max(drift, std::abs(rss[e] / rss[0] - 1));
+  const std::string sizing = p.epochs > 0 ? fmt::format("{} epochs per run (first untimed)", p.epochs)
+                                          : fmt::format("runs of ~{:g} s after a warm-up of ~{:g} s", seconds, seconds / 2);
 
   nlohmann::json j = {{"machine", MachineJson(n)}, {"dataset", db.string()}, {"images", jpegs.size()},
-                      {"batch", p.batch}, {"epochs", p.epochs}, {"ring", p.ring}, {"repeats", o.repeats}};
+                      {"batch", p.batch}, {"epochs", p.epochs}, {"seconds_per_run", seconds}, {"ring", p.ring},
+                      {"repeats", o.repeats}};
   j["results"] = {{"loader_img_s", ld},
                   {"loader_img_s_per_thread", ld / n},
                   {"loader_1_thread_img_s", ld1},
@@ -602,21 +718,20 @@ Result<std::string> BenchPipeline(const BenchOptions& o, const fs::path& dataset
                   {"turbojpeg_full_decode_img_s", tj},
                   {"vs_turbojpeg", ld / tj},
                   {"consumer_wait_fraction", Median(wait_n)},
-                  {"rss_mib_per_epoch", rss},
+                  {"rss_mib", rss},
                   {"rss_max_drift", drift},
                   {"peak_rss_mib", PeakRssMiB()},
                   {"stage_s", {{"read", last_n.stats.read_s}, {"decode", last_n.stats.decode_s},
                                {"augment", last_n.stats.augment_s}}}};
   std::string t = fmt::format(
-      "stoke bench pipeline: {} JPEG records of {}, batch {}, ring {}, {} epochs per run (first "
-      "untimed), median of {} runs\n"
+      "stoke bench pipeline: {} JPEG records of {}, batch {}, ring {}, {}, median of {} runs\n"
       "machine: {}, {} cores, {}\n"
       "  RandomResizedCrop 224 + flip -> uint8 HWC batches, {} threads\n",
-      jpegs.size(), db.string(), p.batch, p.ring, p.epochs, o.repeats, CpuModel(),
-      std::thread::hardware_concurrency(), Today(), n);
-  t += fmt::format("  {:<44} {:9.1f} img/s  ({:.1f} per thread)\n", fmt::format("loader, {} threads", n), ld, ld / n);
+      jpegs.size(), db.string(), p.batch, p.ring, sizing, o.repeats, CpuModel(), std::thread::hardware_concurrency(),
+      Today(), n);
+  t += fmt::format("  {:<44} {:9.1f} img/s  ({:.1f} per thread)\n", loader_name, ld, ld / n);
   if (n > 1) t += fmt::format("  {:<44} {:9.1f} img/s\n", "loader, 1 thread", ld1);
-  t += fmt::format("  {:<44} {:9.1f} img/s\n", fmt::format("TurboJPEG full decode, {} threads", n), tj);
+  t += fmt::format("  {:<44} {:9.1f} img/s  ({} images per run)\n", tj_name, tj, tj_count);
   t += fmt::format("  loader / TurboJPEG full decode: {:.2f}x (target >= 1.15x: {})\n", ld / tj,
                    ld / tj >= 1.15 ? "met" : "NOT met");
   if (n > 1) {
@@ -631,9 +746,9 @@ Result<std::string> BenchPipeline(const BenchOptions& o, const fs::path& dataset
                      100 * last_n.stats.read_s / busy, 100 * last_n.stats.decode_s / busy,
                      100 * last_n.stats.augment_s / busy);
   }
-  t += "  RSS per epoch (MiB):";
+  t += fmt::format("  RSS over the timed part ({}, MiB):", p.epochs > 0 ? "each epoch's end" : "each quarter");
   for (double r : rss) t += fmt::format(" {:.1f}", r);
-  t += fmt::format("\n  RSS drift over the timed epochs: {:.2f}% (target <= 2%: {}); peak RSS {:.1f} MiB\n",
+  t += fmt::format("\n  RSS drift over the timed part: {:.2f}% (target <= 2%: {}); peak RSS {:.1f} MiB\n",
                    100 * drift, drift <= 0.02 ? "met" : "NOT met", PeakRssMiB());
   STOKE_RETURN_IF_ERROR(MaybeWriteJson(o, j));
   return t;

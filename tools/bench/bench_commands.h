@@ -1,5 +1,8 @@
-// `stoke bench pack` and `stoke bench read`: stage throughput on a real image folder, measured
-// side by side with a reference in the same run (medians of repeats, after a warm-up).
+// `stoke bench pack|read|decode|pipeline|train`: stage throughput on a real image folder, measured
+// side by side with a reference in the same run (medians of repeats, after a warm-up). Every timed
+// run is sized by time (BenchOptions::seconds, with a minimum count of items), never by a fixed
+// count, so a command takes about repeats x figures x seconds whatever the data; a live line on
+// a terminal says which figure and run is going.
 #pragma once
 
 #include <filesystem>
@@ -13,6 +16,7 @@ struct BenchOptions {
   std::filesystem::path data = "../shared/data/imagenet_like";  // image folder tree
   int threads = 0;        // N for the N-thread runs; 0 = all cores
   int repeats = 5;        // timed runs per figure
+  double seconds = 0;     // target duration of each timed run; 0: the subcommand's default
   std::filesystem::path work_dir;   // scratch for packed datasets; default: a temp directory
   std::filesystem::path json_out;   // optional JSON copy of the results
 };
@@ -32,7 +36,7 @@ Result<std::string> BenchDecode(const BenchOptions& options, const std::filesyst
 
 struct PipelineBenchOptions {
   int batch = 256;   // samples per batch
-  int epochs = 5;    // per loader run; the first is the warm-up and is not timed
+  int epochs = 0;    // per loader run, the first untimed; 0: runs sized by BenchOptions::seconds
   int ring = 4;      // batch buffers
 };
 
@@ -49,8 +53,8 @@ namespace stoke::bench {
 
 struct TrainBenchOptions {
   std::filesystem::path config;      // the run config (YAML) whose data, model, batch and threads are measured
-  int steps = 20;                    // timed steps per run
-  int warmup = 5;                    // untimed steps before each run
+  int steps = 0;                     // timed steps per run; 0: as many as fit in BenchOptions::seconds
+  int warmup = 2;                    // untimed steps before each run
   std::filesystem::path model_json;  // optional: the resolved model as JSON (for the PyTorch peer)
   // Also run the same model, batch, loss, optimizer and threads in PyTorch (on the GPU, with
   // autocast to the config's dtype, when the backend is CUDA)

@@ -107,23 +107,40 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
 
   std::vector<double> compute_rates, e2e_rates, waits, torch_nchw, torch_cl;
   PeerRun peer_info;
-  for (int r = 0; r < o.repeats; ++r) {
+  const double seconds = o.seconds > 0 ? o.seconds : 2.0;
+  int steps = t.steps;  // 0 until the first warm-up has timed a step
+  BenchProgress progress("bench train", (t.peer ? 4 : 2) * o.repeats);
+  for (int r = 1; r <= o.repeats; ++r) {
     {
       // Compute alone: one batch held out of the ring (on the device for a device backend) and
       // used for every step.
+      progress.Run("compute only", r, o.repeats);
       STOKE_ASSIGN_OR_RETURN(auto held, loader->Next());
       if (!held) return InternalError("bench train: the loader gave no batch");
       const prefetch::Batch& fixed = *held;
-      for (int i = 0; i < t.warmup; ++i) STOKE_RETURN_IF_ERROR(net->TrainStep(fixed, lr, c.optimizer.sgd, step++).status());
+      double last_warm_s = 0;
+      for (int i = 0; i < std::max(1, t.warmup); ++i) {
+        const auto warm = Clock::now();
+        STOKE_RETURN_IF_ERROR(net->TrainStep(fixed, lr, c.optimizer.sgd, step++).status());
+        last_warm_s = Since(warm);
+      }
+      if (steps == 0) {
+        // As many steps as fit in `seconds` at the pace of the last warm-up step (the first ones
+        // build kernels), at least 3.
+        steps = static_cast<int>(std::min<int64_t>(ItemsForSeconds(1 / last_warm_s, seconds, 3), 1 << 20));
+      }
       const auto start = Clock::now();
-      for (int i = 0; i < t.steps; ++i) STOKE_RETURN_IF_ERROR(net->TrainStep(fixed, lr, c.optimizer.sgd, step++).status());
-      compute_rates.push_back(t.steps * c.data.batch_size / Since(start));
+      for (int i = 0; i < steps; ++i) STOKE_RETURN_IF_ERROR(net->TrainStep(fixed, lr, c.optimizer.sgd, step++).status());
+      compute_rates.push_back(steps * c.data.batch_size / Since(start));
       held.Release(net->stream());
     }
+    peer_opts.steps = steps;
     if (t.peer) {
+      progress.Run("PyTorch, NCHW", r, o.repeats);
       const int threads = c.compute_threads > 0 ? c.compute_threads : static_cast<int>(std::thread::hardware_concurrency());
       STOKE_ASSIGN_OR_RETURN(peer_info, RunPeer(peer_opts, peer_model, threads, false));
       torch_nchw.push_back(peer_info.img_s);
+      progress.Run("PyTorch, channels-last", r, o.repeats);
       STOKE_ASSIGN_OR_RETURN(PeerRun cl, RunPeer(peer_opts, peer_model, threads, true));
       torch_cl.push_back(cl.img_s);
     }
@@ -142,12 +159,13 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
       }
       return OkStatus();
     };
+    progress.Run("end to end", r, o.repeats);
     STOKE_RETURN_IF_ERROR(run_steps(t.warmup, nullptr));
     double wait = 0;
     const auto e2e = Clock::now();
-    STOKE_RETURN_IF_ERROR(run_steps(t.steps, &wait));
+    STOKE_RETURN_IF_ERROR(run_steps(steps, &wait));
     const double secs = Since(e2e);
-    e2e_rates.push_back(t.steps * c.data.batch_size / secs);
+    e2e_rates.push_back(steps * c.data.batch_size / secs);
     waits.push_back(wait / secs);
   }
   loader->Stop();
@@ -159,7 +177,7 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
       "  compute only (one batch repeated)  {:8.1f} img/s  {:6.2f} steps/s   runs: {}\n"
       "  end to end (loader -> backend)     {:8.1f} img/s  {:6.2f} steps/s   data-wait {:.1f}% of step time\n",
       model, c.model.classes, c.data.image_size, c.data.image_size, c.data.batch_size, net->backend(),
-      c.compute_threads, c.data.threads, t.steps, t.warmup, o.repeats, compute, compute / c.data.batch_size,
+      c.compute_threads, c.data.threads, steps, t.warmup, o.repeats, compute, compute / c.data.batch_size,
       fmt::format("{:.0f}", fmt::join(compute_rates, ", ")), end_to_end, end_to_end / c.data.batch_size, 100 * wait);
   double ratio = 0;
   if (t.peer) {

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Smoke test of every `stoke bench` subcommand on a tiny synthetic set with short runs: each must
+# finish and print its figures. Not a timed assertion; ctest's TIMEOUT catches one that grows slow
+# again (a fixed work count that does not scale with the data once kept `bench read` busy for
+# minutes).
+# Usage: cli_bench_test.sh path/to/stoke
+set -u
+stoke=$1
+source "$(dirname "$0")/cli_lib.sh"
+
+"$stoke" synth "$work/src" --classes 3 --per-class 8 >/dev/null
+"$stoke" pack "$work/src" "$work/ds.lmdb" -q >/dev/null
+quick=(--seconds 0.05 --repeats 2 --threads 2 --work-dir "$work/scratch")
+check bench_pack 0 "pack --validate pixels, 2 threads .* img/s" -- \
+  "$stoke" bench pack --data "$work/src" "${quick[@]}"
+check bench_read 0 "random \+CRC, 2 threads +[0-9]+ +[0-9.]+" -- \
+  "$stoke" bench read --data "$work/src" "${quick[@]}" --json "$work/read.json"
+check bench_read_json 0 '"mb_s"' -- cat "$work/read.json"
+check bench_decode 0 "whole sample .* img/s" -- "$stoke" bench decode "$work/ds.lmdb" "${quick[@]}"
+check bench_pipeline 0 "loader, 2 threads .* img/s" -- \
+  "$stoke" bench pipeline "$work/ds.lmdb" --batch 4 "${quick[@]}"
+check bench_pipeline_epochs 0 "3 epochs per run" -- \
+  "$stoke" bench pipeline "$work/ds.lmdb" --batch 4 --epochs 3 --repeats 1 --threads 2
+cat >"$work/train.yaml" <<YAML
+data: {train: $work/ds.lmdb, batch_size: 4, threads: 2, image_size: 16}
+model:
+  classes: 3
+  layers: [{type: conv, out: 4, kernel: 3}, {type: global_avgpool}, {type: linear, out: 3}]
+backend: cpu
+compute_threads: 2
+YAML
+check bench_train 0 "compute only .* img/s" -- "$stoke" bench train --config "$work/train.yaml" --seconds 0.05 --repeats 2
+check bench_seconds_positive 105 "seconds" -- "$stoke" bench read --data "$work/src" --seconds 0
+finish
