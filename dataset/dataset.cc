@@ -1,7 +1,13 @@
 #include "dataset/dataset.h"
 
+#include <sys/mman.h>
+
+#include <algorithm>
 #include <array>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <system_error>
 
 #include <fmt/format.h>
@@ -32,15 +38,33 @@ struct GuardedRead {
   MDB_cursor_op op = MDB_SET_KEY;
   MDB_val* key = nullptr;
   MDB_val* value = nullptr;
+  bool touch_value = true;  // false: only the table's own pages are read
   int rc = MDB_SUCCESS;
   void operator()() {
     rc = cursor != nullptr ? mdb_cursor_get(cursor, key, value, op) : mdb_get(txn, dbi, key, value);
-    if (rc != MDB_SUCCESS) return;
+    if (rc != MDB_SUCCESS || !touch_value) return;
     const volatile char* p = static_cast<const char*>(value->mv_data);
     for (size_t i = 0; i < value->mv_size; i += 4096) (void)p[i];
     if (value->mv_size > 0) (void)p[value->mv_size - 1];
   }
 };
+
+// Where the data file's first byte is mapped, found from an address inside the map (LMDB keeps
+// the map's address to itself: mdb_env_info reports the fixed-map hint, not the map). From
+// /proc/self/maps: the mapping holding `inside`, less its file offset. nullptr if not found.
+const std::byte* MapStart(const void* inside) {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  const auto p = reinterpret_cast<uintptr_t>(inside);
+  while (std::getline(maps, line)) {
+    // "start-end perms offset dev inode path", numbers in hex.
+    unsigned long long start = 0, end = 0, offset = 0;
+    char perms[8] = {};
+    if (std::sscanf(line.c_str(), "%llx-%llx %7s %llx", &start, &end, perms, &offset) != 4) continue;
+    if (p >= start && p < end) return reinterpret_cast<const std::byte*>(start - offset);
+  }
+  return nullptr;
+}
 
 Status MapFault(const std::filesystem::path& path, const std::string& what) {
   return CorruptError(fmt::format(
@@ -109,6 +133,7 @@ Result<Dataset> Dataset::Open(const std::filesystem::path& path) {
     return CorruptError(where + ": no manifest");
   }
   if (rc != MDB_SUCCESS) return MdbStatus(rc, where + ": read manifest");
+  const std::byte* map_start = MapStart(v.mv_data);
   auto manifest = Manifest::Parse(
       std::string_view(static_cast<const char*>(v.mv_data), v.mv_size));
   if (!manifest.ok()) return manifest.status().Prepend(where);
@@ -129,6 +154,10 @@ Result<Dataset> Dataset::Open(const std::filesystem::path& path) {
   }
   rc = mdb_dbi_open(txn.get(), kPathsDb, 0, &d.paths_dbi_);
   d.has_paths_dbi_ = rc == MDB_SUCCESS;
+  d.data_file_ = data_file;
+  if (map_start != nullptr) {
+    d.map_ = std::span<const std::byte>(map_start, static_cast<size_t>(std::min<uint64_t>(file_bytes, info.me_mapsize)));
+  }
   // Committing (not aborting) keeps the table handles open for later transactions.
   STOKE_RETURN_IF_ERROR(CommitTxn(txn, where));
   return d;
@@ -140,20 +169,63 @@ Result<Reader> Dataset::NewReader(ReaderOptions options) const {
   return Reader(this, std::move(txn), options);
 }
 
-Result<RecordView> Reader::Check(const MDB_val& value, int64_t index) const {
-  auto record = ParseRecord(Bytes(value), index);
-  if (!record.ok()) return record.status().Prepend("dataset: " + dataset_->path_.string());
-  if (options_.verify_crc) {
+Result<RecordView> Dataset::CheckRecord(std::span<const std::byte> value, int64_t index, bool verify_crc) const {
+  auto record = ParseRecord(value, index);
+  if (!record.ok()) return record.status().Prepend("dataset: " + path_.string());
+  if (verify_crc) {
     Status s = CheckCrc(*record);
-    if (!s.ok()) return s.Prepend("dataset: " + dataset_->path_.string());
+    if (!s.ok()) return s.Prepend("dataset: " + path_.string());
   }
   const int32_t label = record->header.label;
-  if (label < 0 || static_cast<size_t>(label) >= dataset_->manifest_.classes.size()) {
-    return CorruptError(fmt::format("dataset: {}: record {}: label {} not in [0, {})",
-                                    dataset_->path_.string(), index, label,
-                                    dataset_->manifest_.classes.size()));
+  if (label < 0 || static_cast<size_t>(label) >= manifest_.classes.size()) {
+    return CorruptError(fmt::format("dataset: {}: record {}: label {} not in [0, {})", path_.string(), index, label,
+                                    manifest_.classes.size()));
   }
   return record;
+}
+
+Result<RecordView> Reader::Check(const MDB_val& value, int64_t index) const {
+  return dataset_->CheckRecord(Bytes(value), index, options_.verify_crc);
+}
+
+Result<std::vector<RecordExtent>> Dataset::RecordExtents() const {
+  const std::string where = "dataset: " + path_.string();
+  std::vector<RecordExtent> extents(static_cast<size_t>(size()));
+  if (extents.empty()) return extents;
+  if (map_.empty()) return UnavailableError(where + ": the map's address is unknown (no /proc/self/maps?)");
+  STOKE_ASSIGN_OR_RETURN(MdbTxn txn, BeginTxn(env_.get(), MDB_RDONLY, where));
+  MDB_cursor* raw = nullptr;
+  int rc = mdb_cursor_open(txn.get(), records_dbi_, &raw);
+  if (rc != MDB_SUCCESS) return MdbStatus(rc, where + ": open cursor");
+  MdbCursor cursor(raw);
+  MDB_val k, v;
+  // Only the leaf pages are read: LMDB hands out a large value's address without touching it.
+  GuardedRead read{.cursor = raw, .op = MDB_FIRST, .key = &k, .value = &v, .touch_value = false};
+  const auto* base = map_.data();
+  const uint64_t file_bytes = map_.size();
+  // The leaf pages lie scattered through the file between the records: without this each cold
+  // one would make the kernel read around it (up to read_ahead_kb, often megabytes), and the
+  // walk would read most of the file.
+  ::madvise(const_cast<std::byte*>(base), map_.size(), MADV_RANDOM);
+  struct RestoreAdvice {
+    const std::byte* base;
+    size_t size;
+    ~RestoreAdvice() { ::madvise(const_cast<std::byte*>(base), size, MADV_NORMAL); }
+  } restore{base, map_.size()};
+  for (;;) {
+    if (!RunGuarded(read)) return MapFault(path_, "records table");
+    if (read.rc == MDB_NOTFOUND) break;
+    if (read.rc != MDB_SUCCESS) return MdbStatus(read.rc, where + ": walk records table");
+    read.op = MDB_NEXT;
+    if (k.mv_size != 8) continue;
+    const uint64_t index = DecodeKey(std::span<const std::byte, 8>(static_cast<const std::byte*>(k.mv_data), 8));
+    const auto* at = static_cast<const std::byte*>(v.mv_data);
+    if (index >= extents.size() || at < base || v.mv_size > UINT32_MAX) continue;
+    const auto offset = static_cast<uint64_t>(at - base);
+    if (offset > file_bytes || v.mv_size > file_bytes - offset) continue;  // damaged: a Reader reports it
+    extents[index] = {offset, static_cast<uint32_t>(v.mv_size)};
+  }
+  return extents;
 }
 
 Result<RecordView> Reader::Get(int64_t index) {

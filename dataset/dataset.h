@@ -4,7 +4,9 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "common/c_handles.h"
 #include "common/status.h"
@@ -19,6 +21,12 @@ struct ReaderOptions {
   // Check each payload's CRC-32C in Get()/Scan(). Costs about 14 us per 110 KB record (a few
   // percent of a JPEG decode); turn off only where the decoder or a prior --verify covers it.
   bool verify_crc = true;
+};
+
+// Where a record's stored value (its 32-byte header and payload) lies in the data file.
+struct RecordExtent {
+  uint64_t offset = 0;  // bytes from the start of Dataset::data_file()
+  uint32_t size = 0;    // value bytes; 0: no extent could be taken (a Reader says why)
 };
 
 // An open dataset: the LMDB environment mapped read-only (MDB_RDONLY | MDB_NOTLS | MDB_NOLOCK:
@@ -42,9 +50,24 @@ class Dataset {
   // while readers exist (they point at it).
   Result<Reader> NewReader(ReaderOptions options = {}) const;
 
+  // For readers that fetch records with their own I/O (prefetch's storage stage):
+  // The LMDB data file, and the whole of it as mapped read-only (valid while the Dataset lives;
+  // touching a page that is not in the page cache reads it from storage).
+  const std::filesystem::path& data_file() const { return data_file_; }
+  std::span<const std::byte> map() const { return map_; }
+  // The extent of every record in the data file, from one pass over the records table's leaf
+  // pages (the payloads are not read: about 1% of the file). A record whose extent is missing,
+  // out of sequence or outside the file gets size 0. kCorrupt when the table cannot be walked.
+  Result<std::vector<RecordExtent>> RecordExtents() const;
+  // Checks a stored value read by other means exactly as Reader::Get does: parse, CRC (when
+  // `verify_crc`) and label range. The view points into `value`.
+  Result<RecordView> CheckRecord(std::span<const std::byte> value, int64_t index, bool verify_crc) const;
+
  private:
   Dataset() = default;
   std::filesystem::path path_;
+  std::filesystem::path data_file_;
+  std::span<const std::byte> map_;
   MdbEnv env_;
   MDB_dbi records_dbi_ = 0;
   MDB_dbi paths_dbi_ = 0;

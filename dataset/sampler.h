@@ -20,8 +20,8 @@ Result<ShuffleMode> ParseShuffleMode(std::string_view name);  // "sequential" | 
 struct SamplerOptions {
   ShuffleMode mode = ShuffleMode::kFull;
   uint64_t seed = 0;
-  int64_t block_size = 256;   // kBlock: records per contiguous block; > 0
-  int64_t window_blocks = 16; // kBlock: blocks whose samples are mixed together; > 0
+  int64_t block_size = 64;    // kBlock: records per contiguous block; > 0
+  int64_t window_blocks = 8;  // kBlock: blocks whose samples are mixed together; > 0
   int rank = 0;               // this process's shard; 0 <= rank < world_size
   int world_size = 1;         // number of shards; > 0
   // When the record count is not a multiple of world_size: false pads the epoch with its first

@@ -101,6 +101,7 @@ struct LoaderState {
   int64_t max_bad = 0;
 
   std::unique_ptr<BatchMemory> memory;
+  std::unique_ptr<StorageStage> storage;  // null when off
   std::vector<std::unique_ptr<Slot>> slots;
   // concurrent_bounded_queue for both ends of the ring: the input stage blocks on `free` when
   // every buffer is in use, the consumer blocks on `ready` until a batch is published. Neither
@@ -153,10 +154,13 @@ struct LoaderState {
     return augment::PlanCenterCrop(width, height, o.augment.resize, o.augment.crop);
   }
 
-  // Produces the sample of record `index` into dst; the record's label into *label.
-  Status MakeSample(Worker& w, int64_t index, uint64_t seed, int64_t ep, uint8_t* dst, int32_t* label) {
+  // Produces the sample of record `index` into dst; the record's label into *label. `value` is the
+  // record's stored bytes when the storage stage fetched them, else empty (read through the map).
+  Status MakeSample(Worker& w, int64_t index, std::span<const std::byte> value, uint64_t seed, int64_t ep,
+                    uint8_t* dst, int32_t* label) {
     const auto t0 = Clock::now();
-    STOKE_ASSIGN_OR_RETURN(dataset::RecordView r, w.reader->Get(index));
+    STOKE_ASSIGN_OR_RETURN(dataset::RecordView r,
+                           value.empty() ? w.reader->Get(index) : dataset->CheckRecord(value, index, o.verify_crc));
     const auto t1 = Clock::now();
     read_ns.fetch_add(Nanos(t0, t1), std::memory_order_relaxed);
     const dataset::RecordHeader& h = r.header;
@@ -233,10 +237,27 @@ struct LoaderState {
     const int64_t n = static_cast<int64_t>(order.size());
     const int64_t pos = slot.batch.number * o.batch_size + s;
     uint8_t* dst = slot.images + static_cast<size_t>(s) * sample_bytes;
+    // The storage stage holds this position's record until the sample is made (or given up).
+    struct Released {
+      StorageStage* storage;
+      int64_t epoch, pos;
+      ~Released() {
+        if (storage) storage->Release(epoch, pos);
+      }
+    } released{storage.get(), slot.batch.epoch, pos};
     for (int64_t k = 0; k < n; ++k) {
       const int64_t index = order[static_cast<size_t>((pos + k) % n)];
       const uint64_t seed = k == 0 ? o.sampler.seed : MixSeed(o.sampler.seed, static_cast<uint64_t>(k));
-      Status st = MakeSample(w, index, seed, slot.batch.epoch, dst, &slot.labels[s]);
+      std::span<const std::byte> value;
+      if (k == 0 && storage) {
+        const auto t0 = Clock::now();
+        auto fetched = storage->Acquire(slot.batch.epoch, pos, index);
+        read_ns.fetch_add(Nanos(t0, Clock::now()), std::memory_order_relaxed);
+        if (!fetched.ok() && fetched.status().code() == StatusCode::kUnavailable) return fetched.status();  // stopped
+        if (fetched.ok()) value = *fetched;
+        // Otherwise (a page of the map that cannot be read) the reader's own read reports it.
+      }
+      Status st = MakeSample(w, index, value, seed, slot.batch.epoch, dst, &slot.labels[s]);
       if (st.ok()) {
         slot.indices[s] = index;
         if (k > 0) slot.replaced.fetch_add(1, std::memory_order_relaxed);
@@ -340,7 +361,7 @@ struct LoaderState {
     if (!st.ok()) {
       output_failed = true;
       failing = true;
-      ready.push(Ready{Ready::kError, -1, st});
+      if (!stop.load()) ready.push(Ready{Ready::kError, -1, st});  // a stop is not an error
     }
   }
 
@@ -396,9 +417,13 @@ struct LoaderState {
   }
 
   void RequestStop() {
-    if (stop.exchange(true)) return;
-    free.push(-1);
-    ready.push(Ready{Ready::kEnd, -1, {}});
+    if (!stop.exchange(true)) {
+      free.push(-1);
+      ready.push(Ready{Ready::kEnd, -1, {}});
+    }
+    // After the end marker: decoders waiting for reads give up, and what they report comes after
+    // the end the consumer already sees.
+    if (storage) storage->Stop();
   }
 };
 
@@ -488,6 +513,24 @@ Result<std::unique_ptr<Loader>> Loader::Create(const dataset::Dataset& ds, Loade
   const size_t indices_offset = detail::AlignUp(images_bytes + sizeof(int32_t) * static_cast<size_t>(o.batch_size));
   const size_t slot_bytes = indices_offset + sizeof(int64_t) * static_cast<size_t>(o.batch_size);
   st->max_bad = static_cast<int64_t>(std::floor(o.max_skip_fraction * static_cast<double>(st->per_epoch)));
+  if (o.storage.enabled) {
+    StoragePlan plan;
+    plan.start_epoch = o.start_epoch;
+    plan.start_position = o.start_batch * o.batch_size;
+    plan.epochs = o.epochs;
+    plan.positions_per_epoch = std::min(st->per_epoch, st->batches_per_epoch * o.batch_size);
+    plan.decode_threads = st->threads;
+    plan.batch_size = o.batch_size;
+    plan.ring_batches = o.ring_size;
+    auto storage = StorageStage::Create(ds, *st->sampler, o.sampler, plan, o.storage);
+    if (storage.ok()) {
+      st->storage = std::move(*storage);
+    } else if (storage.status().code() == StatusCode::kUnavailable) {
+      STOKE_LOG(WARN, "loader: no read-ahead ({}); records are read through the map", storage.status().message());
+    } else {
+      return storage.status();
+    }
+  }
   st->decoder_options.strict = o.strict_decode;
 
   int device = -1;
@@ -533,6 +576,7 @@ Result<std::unique_ptr<Loader>> Loader::Create(const dataset::Dataset& ds, Loade
 Loader::~Loader() {
   state_->RequestStop();
   if (state_->driver.joinable()) state_->driver.join();
+  state_->storage.reset();  // joins its threads and frees its buffers; leases do not use them
   // Readers hold read transactions on the dataset; end them now, not when the last lease goes.
   state_->workers.clear();
 }
@@ -594,6 +638,8 @@ LoaderStats Loader::stats() const {
   s.ready_depth_max = st.depth_max.load();
   s.threads = st.threads;
   s.pinned = st.memory->pinned();
+  s.storage_stage = st.storage != nullptr;
+  if (st.storage) s.storage = st.storage->stats();
   return s;
 }
 

@@ -24,6 +24,7 @@
 #include "common/status.h"
 #include "dataset/dataset.h"
 #include "dataset/sampler.h"
+#include "prefetch/storage.h"
 
 namespace stoke::prefetch {
 
@@ -73,6 +74,9 @@ struct LoaderOptions {
   int64_t epochs = 1;
   DeviceMode device = DeviceMode::kAuto;
   int device_id = 0;
+  // The storage stage: records read ahead in sampler order within a memory budget (see
+  // prefetch/storage.h); off, decoders read each record through the map.
+  StorageOptions storage;
 };
 
 // One batch, in sampler order. Host pixels are `size` consecutive HWC uint8 RGB images of
@@ -108,6 +112,8 @@ struct LoaderStats {
   int ready_depth_max = 0;
   int threads = 0;
   bool pinned = false;          // batch buffers are pinned and copied to a GPU
+  bool storage_stage = false;   // records come through the storage stage
+  StorageStats storage;         // its figures (read_s above includes its waits)
 };
 
 struct BadRecord {

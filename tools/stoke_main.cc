@@ -139,9 +139,23 @@ int Run(int argc, char** argv) {
   bench_pipeline->add_option("DB", bench_db, "Packed dataset (default: pack --data first)");
   bench_pipeline->add_option("--batch", pipeline.batch, "Samples per batch")->check(CLI::PositiveNumber);
   bench_pipeline->add_option("--epochs", pipeline.epochs,
-                             "Epochs per loader run, the first untimed (default: runs sized by --seconds)")
-      ->check(CLI::Range(2, 1000000));
+                             "Epochs per loader run, the first untimed (default: runs sized by --seconds); "
+                             "storage runs (--shuffle): epochs per run, all timed (default 1)")
+      ->check(CLI::Range(1, 1000000));
   bench_pipeline->add_option("--ring", pipeline.ring, "Batch buffers in the ring")->check(CLI::Range(2, 1024));
+  bench_pipeline->add_option("--shuffle", pipeline.shuffle,
+                             "Measure storage instead: the loader alone in this order, with bytes read per image")
+      ->check(CLI::IsMember({"full", "block", "sequential"}));
+  bench_pipeline->add_option("--memory-mb", pipeline.memory_mb,
+                             "Storage run: read-ahead budget in MB (0: no read-ahead; default: sized from the order)")
+      ->check(CLI::NonNegativeNumber);
+  bench_pipeline->add_option("--block-size", pipeline.block_size, "Storage run, block shuffle: records per block")
+      ->check(CLI::PositiveNumber);
+  bench_pipeline->add_option("--window-blocks", pipeline.window_blocks, "Storage run, block shuffle: blocks per window")
+      ->check(CLI::PositiveNumber);
+  bench_pipeline->add_option("--io-threads", pipeline.io_threads, "Storage run: reads in flight")
+      ->check(CLI::PositiveNumber);
+  bench_pipeline->add_flag("--cold", pipeline.cold, "Storage run: evict the dataset from the page cache before each run");
   add_common(bench_pipeline);
 
   stoke::bench::TrainBenchOptions train_bench;

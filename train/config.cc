@@ -160,6 +160,15 @@ Status ParseData(Section& top, DataConfig& d) {
   STOKE_RETURN_IF_ERROR(s.Number("threads", &d.threads, 0, 4096));
   STOKE_RETURN_IF_ERROR(s.Number("ring", &d.ring, 2, 1024));
   STOKE_RETURN_IF_ERROR(s.String("shuffle", &d.shuffle, {"full", "block", "sequential"}));
+  STOKE_RETURN_IF_ERROR(s.Number("block_size", &d.block_size, 1, 1 << 24));
+  STOKE_RETURN_IF_ERROR(s.Number("window_blocks", &d.window_blocks, 1, 1 << 20));
+  {
+    STOKE_ASSIGN_OR_RETURN(Section io, s.Sub("io"));
+    STOKE_RETURN_IF_ERROR(io.Bool("read_ahead", &d.io_read_ahead));
+    STOKE_RETURN_IF_ERROR(io.Number("memory_mb", &d.io_memory_mb, 0, 1 << 24));
+    STOKE_RETURN_IF_ERROR(io.Number("threads", &d.io_threads, 0, 1024));
+    STOKE_RETURN_IF_ERROR(io.Finish());
+  }
   STOKE_RETURN_IF_ERROR(s.String("on_error", &d.on_error, {"skip", "fail"}));
   STOKE_RETURN_IF_ERROR(s.Number("max_skip_fraction", &d.max_skip_fraction, 0, 1));
   STOKE_RETURN_IF_ERROR(s.Number("image_size", &d.image_size, 8, 4096));
@@ -417,6 +426,13 @@ std::string ConfigToYaml(const TrainConfig& c) {
   Put(e, "threads", d.threads);
   Put(e, "ring", d.ring);
   Put(e, "shuffle", d.shuffle);
+  Put(e, "block_size", d.block_size);
+  Put(e, "window_blocks", d.window_blocks);
+  Put(e, "io", YAML::BeginMap);
+  Put(e, "read_ahead", d.io_read_ahead);
+  Put(e, "memory_mb", d.io_memory_mb);
+  Put(e, "threads", d.io_threads);
+  e << YAML::EndMap;
   Put(e, "on_error", d.on_error);
   Put(e, "max_skip_fraction", d.max_skip_fraction);
   Put(e, "image_size", d.image_size);
@@ -558,6 +574,11 @@ prefetch::LoaderOptions TrainLoaderOptions(const TrainConfig& c) {
                    : d.shuffle == "block" ? dataset::ShuffleMode::kBlock
                                           : dataset::ShuffleMode::kFull;
   o.sampler.seed = c.seed;
+  o.sampler.block_size = d.block_size;
+  o.sampler.window_blocks = d.window_blocks;
+  o.storage.enabled = d.io_read_ahead;
+  o.storage.memory_bytes = int64_t{d.io_memory_mb} << 20;
+  o.storage.io_threads = d.io_threads;
   o.augment.mode = prefetch::CropMode::kRandomResized;
   o.augment.random.size = d.image_size;
   o.augment.random.scale_min = d.scale_min;

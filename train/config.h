@@ -23,6 +23,14 @@ struct DataConfig {
   int threads = 0;     // decoding threads; 0 = every core
   int ring = 4;        // batch buffers in the prefetch ring
   std::string shuffle = "full";  // full | block | sequential
+  // shuffle: block (datasets larger than memory): blocks of consecutive records are read whole,
+  // and samples are mixed within a window of blocks. See docs/LARGE_DATASETS.md.
+  int64_t block_size = 64;  // records per block; > 0
+  int window_blocks = 8;    // blocks per window; > 0
+  // The storage stage: records read ahead in sampler order (prefetch/storage.h).
+  bool io_read_ahead = true;  // false: decoders fault records in through the map
+  int io_memory_mb = 0;       // read-ahead budget; 0: two windows / segments
+  int io_threads = 0;         // reads in flight; 0: 32 for full shuffle, 4 otherwise
   std::string on_error = "skip";  // skip | fail
   double max_skip_fraction = 0.01;
   // Augmentation of training samples (RandomResizedCrop + flip + colour jitter).

@@ -1,12 +1,10 @@
 #include "train/cpu_network.h"
 
 #include <omp.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <fstream>
 #include <map>
 #include <numbers>
 #include <oneapi/dnnl/dnnl.hpp>
@@ -17,6 +15,7 @@
 
 #include "common/logging.h"
 #include "common/random.h"
+#include "common/sys_memory.h"
 
 namespace stoke::train {
 namespace {
@@ -820,20 +819,6 @@ const NetworkOptions& CpuNetwork::options() const { return impl_->net.opt; }
 
 namespace {
 
-// Bytes of memory available to a new allocation without swapping (MemAvailable), or the physical
-// memory when the kernel does not say; 0 when unknown.
-double AvailableMemoryBytes() {
-  std::ifstream in("/proc/meminfo");
-  std::string key;
-  double kib = 0;
-  std::string unit;
-  while (in >> key >> kib >> unit) {
-    if (key == "MemAvailable:") return kib * 1024;
-  }
-  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  return pages > 0 && page > 0 ? static_cast<double>(pages) * static_cast<double>(page) : 0;
-}
-
 // A floor on what the network's activations and their gradients take: every output once, and again
 // for its gradient where the backward pass needs one.
 double ActivationBytes(const NetworkOptions& o, const std::vector<Shape>& shapes, const std::vector<bool>& needs) {
@@ -861,7 +846,7 @@ Result<std::unique_ptr<CpuNetwork>> CpuNetwork::Create(NetworkOptions options) {
   const Shape input{3, options.height(), options.image_size};
   STOKE_ASSIGN_OR_RETURN(auto shapes, ResolveModel(options.model, input));
   std::vector<bool> needs = LayersNeedingGradient(options.model);
-  const double need_bytes = ActivationBytes(options, shapes, needs), have_bytes = AvailableMemoryBytes();
+  const double need_bytes = ActivationBytes(options, shapes, needs), have_bytes = static_cast<double>(AvailableMemoryBytes());
   if (have_bytes > 0 && need_bytes > have_bytes) {
     return ResourceExhaustedError(fmt::format(
         "cpu backend: batch {} at {}x{} needs at least {:.1f} GiB for activations and gradients; {:.1f} GiB of "

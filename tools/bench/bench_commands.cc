@@ -1,6 +1,7 @@
 #include "tools/bench/bench_commands.h"
 #include "tools/bench/bench_stats.h"
 
+#include <fcntl.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -656,9 +657,131 @@ double TurboJpegRate(const std::vector<std::span<const std::byte>>& jpegs, int t
 
 }  // namespace
 
+namespace {
+
+// Bytes this process has caused to be read from storage (page faults included), from /proc/self/io.
+int64_t StorageReadBytes() {
+  std::ifstream in("/proc/self/io");
+  std::string key;
+  int64_t value = 0;
+  while (in >> key >> value) {
+    if (key == "read_bytes:") return value;
+  }
+  return -1;
+}
+
+// Drops the data file's pages from the page cache (no root needed; mapped pages stay).
+void EvictFile(const fs::path& file) {
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return;
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  ::close(fd);
+}
+
+Result<std::string> BenchStorage(const BenchOptions& o, const fs::path& db, const PipelineBenchOptions& p) {
+  STOKE_ASSIGN_OR_RETURN(auto mode, dataset::ParseShuffleMode(p.shuffle));
+  const int n = o.threads > 0 ? o.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int epochs = p.epochs > 0 ? p.epochs : 1;
+  BenchProgress progress("bench pipeline (storage)", o.repeats);
+  std::vector<double> rates, bytes_per_image, waits;
+  prefetch::LoaderStats last;
+  int64_t records = 0;
+  double mean_record = 0;
+  for (int r = 1; r <= o.repeats; ++r) {
+    // Opened afresh each run: the records table's pages count as reads too.
+    STOKE_ASSIGN_OR_RETURN(dataset::Dataset ds, dataset::Dataset::Open(db));
+    records = ds.size();
+    mean_record = static_cast<double>(ds.manifest().payload_bytes) / static_cast<double>(std::max<int64_t>(1, records));
+    if (p.cold) EvictFile(ds.data_file());
+    progress.Run(fmt::format("{} shuffle", p.shuffle), r, o.repeats);
+    prefetch::LoaderOptions lo;
+    lo.sampler.mode = mode;
+    lo.sampler.seed = static_cast<uint64_t>(r);
+    if (p.block_size > 0) lo.sampler.block_size = p.block_size;
+    if (p.window_blocks > 0) lo.sampler.window_blocks = p.window_blocks;
+    lo.batch_size = p.batch;
+    lo.ring_size = p.ring;
+    lo.threads = n;
+    lo.epochs = epochs;
+    lo.device = prefetch::DeviceMode::kHost;
+    lo.storage.enabled = p.memory_mb != 0;
+    if (p.memory_mb > 0) lo.storage.memory_bytes = p.memory_mb << 20;
+    lo.storage.io_threads = p.io_threads;
+    const int64_t read0 = StorageReadBytes();
+    const auto t0 = std::chrono::steady_clock::now();
+    STOKE_ASSIGN_OR_RETURN(auto loader, prefetch::Loader::Create(ds, lo));
+    int64_t samples = 0;
+    const Deadline cap(o.seconds > 0 ? o.seconds : 1e12);
+    for (;;) {
+      STOKE_ASSIGN_OR_RETURN(prefetch::BatchLease lease, loader->Next());
+      if (!lease) break;
+      samples += lease->size;
+      if (cap.Passed()) break;  // --seconds caps a run that would take too long (a slow order)
+    }
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    last = loader->stats();
+    loader.reset();
+    const int64_t read = StorageReadBytes() - read0;
+    rates.push_back(static_cast<double>(samples) / secs);
+    bytes_per_image.push_back(static_cast<double>(read) / static_cast<double>(std::max<int64_t>(1, samples)));
+    waits.push_back(last.read_s / n / secs);
+  }
+  const double rate = Median(rates), per_image = Median(bytes_per_image), wait = Median(waits);
+  nlohmann::json j = {{"machine", MachineJson(n)}, {"dataset", db.string()},  {"records", records},
+                      {"shuffle", p.shuffle},      {"epochs", epochs},         {"batch", p.batch},
+                      {"memory_mb", p.memory_mb},  {"cold", p.cold},           {"repeats", o.repeats}};
+  j["results"] = {{"img_s", rate},
+                  {"img_s_runs", rates},
+                  {"storage_bytes_per_image", per_image},
+                  {"mean_record_bytes", mean_record},
+                  {"read_amplification", mean_record > 0 ? per_image / mean_record : 0},
+                  {"read_wait_fraction", wait},
+                  {"peak_rss_mib", PeakRssMiB()}};
+  std::string t = fmt::format(
+      "stoke bench pipeline (storage): {} ({} records, {:.0f} KB mean), {} shuffle, {} epoch{} per run timed from "
+      "the loader's creation{}{}, {} threads, median of {} runs\n"
+      "machine: {}, {} cores, {}\n",
+      db.string(), records, mean_record / 1024, p.shuffle, epochs, epochs > 1 ? "s" : "",
+      p.cold ? ", page cache evicted before each" : "",
+      o.seconds > 0 ? fmt::format(" (at most {:g} s)", o.seconds) : "", n, o.repeats, CpuModel(),
+      std::thread::hardware_concurrency(),
+      Today());
+  t += fmt::format("  loader                              {:9.1f} img/s   runs: {:.0f}\n", rate, fmt::join(rates, ", "));
+  t += fmt::format("  read from storage per image         {:9.1f} KB  ({:.2f}x the mean record)\n", per_image / 1024,
+                   mean_record > 0 ? per_image / mean_record : 0);
+  t += fmt::format("  decoders waiting for records        {:9.1f}% of the time\n", 100 * wait);
+  if (last.storage_stage) {
+    const auto& s = last.storage;
+    j["results"]["storage"] = {{"bytes_read", s.bytes_read},       {"read_calls", s.read_calls},
+                               {"records_buffered", s.records_buffered}, {"records_mapped", s.records_mapped},
+                               {"records_direct", s.records_direct},     {"peak_held_bytes", s.peak_held_bytes},
+                               {"budget_bytes", s.budget_bytes},         {"segment_positions", s.segment_positions},
+                               {"io_threads", s.io_threads},             {"drops_cache", s.drops_cache}};
+    t += fmt::format(
+        "  read-ahead (last run): {} records from its buffers, {} from the page cache, {} through the map; {} reads, "
+        "{:.1f} MB; segments of {} samples, {} I/O threads, peak {:.1f} of {:.1f} MB{}\n",
+        s.records_buffered, s.records_mapped, s.records_direct, s.read_calls, static_cast<double>(s.bytes_read) / 1e6,
+        s.segment_positions, s.io_threads, static_cast<double>(s.peak_held_bytes) / (1 << 20),
+        static_cast<double>(s.budget_bytes) / (1 << 20), s.drops_cache ? ", ranges dropped from the page cache" : "");
+  } else {
+    t += "  read-ahead: off (decoders read each record through the map)\n";
+  }
+  t += fmt::format("  peak RSS {:.1f} MiB\n", PeakRssMiB());
+  STOKE_RETURN_IF_ERROR(MaybeWriteJson(o, j));
+  return t;
+}
+
+}  // namespace
+
 Result<std::string> BenchPipeline(const BenchOptions& o, const fs::path& dataset_path,
                                   const PipelineBenchOptions& p) {
   if (o.repeats < 1) return InvalidArgumentError("bench: --repeats must be >= 1");
+  if (!p.shuffle.empty()) {
+    if (p.batch < 1) return InvalidArgumentError("bench pipeline: --batch must be >= 1");
+    STOKE_ASSIGN_OR_RETURN(auto scratch, MakeScratch(o));
+    STOKE_ASSIGN_OR_RETURN(const fs::path db, DatasetOrPack(o, dataset_path, scratch->dir / "bench_storage.lmdb"));
+    return BenchStorage(o, db, p);
+  }
   if (p.epochs == 1 || p.epochs < 0) {
     return InvalidArgumentError("bench pipeline: --epochs must be 0 (sized by --seconds) or >= 2 (the first is a warm-up)");
   }

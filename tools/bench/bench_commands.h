@@ -38,12 +38,24 @@ struct PipelineBenchOptions {
   int batch = 256;   // samples per batch
   int epochs = 0;    // per loader run, the first untimed; 0: runs sized by BenchOptions::seconds
   int ring = 4;      // batch buffers
+  // The storage run (when `shuffle` is set): the loader alone in that order, every epoch timed
+  // from its creation, with the bytes read from storage per image.
+  std::string shuffle;          // "" | full | block | sequential
+  int64_t memory_mb = -1;       // read-ahead budget; -1: the default; 0: no read-ahead (map only)
+  int64_t block_size = 0;       // 0: the sampler's default
+  int64_t window_blocks = 0;    // 0: the sampler's default
+  int io_threads = 0;           // 0: the storage stage's default
+  bool cold = false;            // evict the dataset from the page cache before each run
 };
 
 // The CPU stage end to end: the loader (RandomResizedCrop 224 + flip into uint8 batches) over
 // `dataset` (empty: pack options.data first) on N threads for several epochs, beside a plain
 // TurboJPEG full decode of the same images on the same N threads, and the loader on one thread
 // (parallel efficiency). Images/s, per thread, consumer wait, RSS per epoch and peak RSS.
+// With `pipeline.shuffle` set it measures storage instead: the loader alone over `dataset` in that
+// order for `epochs` epochs (default 1), timed from its creation (so a cold start counts), with
+// the bytes read from storage per image (from /proc/self/io), the storage stage's figures, the
+// decoders' wait for reads and peak RSS. `cold` evicts the data file's pages before each run.
 Result<std::string> BenchPipeline(const BenchOptions& options, const std::filesystem::path& dataset,
                                   const PipelineBenchOptions& pipeline);
 

@@ -1,0 +1,97 @@
+#include "common/sys_memory.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+namespace stoke {
+namespace {
+
+// The first number in `path`, or 0.
+uint64_t ReadNumber(const std::string& path) {
+  std::ifstream in(path);
+  std::string text;
+  if (!(in >> text) || text == "max") return 0;
+  try {
+    return std::stoull(text);
+  } catch (...) {
+    return 0;
+  }
+}
+
+// The cgroup directories of this process: v1 memory controller and v2 unified ("" if absent).
+void CgroupDirs(std::string* v1, std::string* v2) {
+  std::ifstream in("/proc/self/cgroup");
+  std::string line;
+  while (std::getline(in, line)) {
+    // "ID:CONTROLLERS:PATH"
+    const auto a = line.find(':'), b = line.find(':', a + 1);
+    if (a == std::string::npos || b == std::string::npos) continue;
+    const std::string controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
+    std::stringstream list(controllers);
+    std::string c;
+    while (std::getline(list, c, ',')) {
+      if (c == "memory") *v1 = "/sys/fs/cgroup/memory" + path;
+    }
+    if (controllers.empty()) *v2 = "/sys/fs/cgroup" + path;
+  }
+}
+
+// A v1 "unlimited" limit is a huge page-aligned number.
+constexpr uint64_t kUnlimited = uint64_t{1} << 60;
+
+}  // namespace
+
+uint64_t CgroupMemoryLimitBytes() {
+  std::string v1, v2;
+  CgroupDirs(&v1, &v2);
+  if (!v1.empty()) {
+    const uint64_t limit = ReadNumber(v1 + "/memory.limit_in_bytes");
+    if (limit > 0 && limit < kUnlimited) return limit;
+  }
+  if (!v2.empty()) {
+    const uint64_t limit = ReadNumber(v2 + "/memory.max");
+    if (limit > 0 && limit < kUnlimited) return limit;
+  }
+  return 0;
+}
+
+uint64_t AvailableMemoryBytes() {
+  uint64_t available = 0;
+  {
+    std::ifstream in("/proc/meminfo");
+    std::string key, unit;
+    uint64_t kib = 0;
+    while (in >> key >> kib >> unit) {
+      if (key == "MemAvailable:") {
+        available = kib * 1024;
+        break;
+      }
+    }
+  }
+  if (available == 0) {
+    const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+    if (pages > 0 && page > 0) available = static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
+  }
+  std::string v1, v2;
+  CgroupDirs(&v1, &v2);
+  uint64_t limit = 0, usage = 0;
+  if (!v1.empty()) {
+    limit = ReadNumber(v1 + "/memory.limit_in_bytes");
+    usage = ReadNumber(v1 + "/memory.usage_in_bytes");
+  }
+  if ((limit == 0 || limit >= kUnlimited) && !v2.empty()) {
+    limit = ReadNumber(v2 + "/memory.max");
+    usage = ReadNumber(v2 + "/memory.current");
+  }
+  if (limit > 0 && limit < kUnlimited) {
+    const uint64_t room = limit > usage ? limit - usage : 0;
+    available = available > 0 ? std::min(available, room) : room;
+  }
+  return available;
+}
+
+}  // namespace stoke

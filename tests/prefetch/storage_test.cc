@@ -1,0 +1,260 @@
+// Tests for the loader's storage stage (prefetch/storage.h): with records read ahead into
+// buffers the batches are exactly those of the map path in every order, resumed or sharded; the
+// budget holds; damaged records read through it are caught and skipped as before; records in the
+// page cache are served from the map; ranges read can be dropped from the page cache; a window
+// larger than the budget is refused; stopping anywhere with reads in flight neither hangs nor
+// leaks.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <random>
+
+#include <gtest/gtest.h>
+
+#include "prefetch/loader.h"
+#include "prefetch/storage.h"
+#include "tests/prefetch/loader_test_util.h"
+#include "tests/testing/test_util.h"
+
+namespace stoke::prefetch {
+namespace {
+
+// Drops the data file's pages from the page cache (they are clean once a pack has committed).
+void Evict(const dataset::Dataset& ds) {
+  const int fd = ::open(ds.data_file().c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  ::fdatasync(fd);
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  ::close(fd);
+}
+
+// Fraction of the data file's pages in the page cache.
+double ResidentFraction(const dataset::Dataset& ds) {
+  const auto map = ds.map();
+  const size_t pages = (map.size() + 4095) / 4096;
+  std::vector<unsigned char> vec(pages);
+  if (::mincore(const_cast<std::byte*>(map.data()), map.size(), vec.data()) != 0) return -1;
+  size_t in = 0;
+  for (unsigned char v : vec) in += v & 1;
+  return static_cast<double>(in) / static_cast<double>(pages);
+}
+
+// Every record through the read path, in small segments, so that a 40-record dataset spans
+// several segments and reads.
+StorageOptions ReadEverything(int64_t segment = 7) {
+  StorageOptions s;
+  s.use_map_when_resident = false;
+  s.segment_positions = segment;
+  s.io_threads = 3;
+  return s;
+}
+
+std::vector<Seen> RunLoader(const dataset::Dataset& ds, const LoaderOptions& o, StorageStats* stats = nullptr) {
+  auto loader = Loader::Create(ds, o);
+  EXPECT_TRUE(loader.ok()) << loader.status().ToString();
+  if (!loader.ok()) return {};
+  auto seen = Drain(**loader);
+  if (stats) *stats = (*loader)->stats().storage;
+  return seen;
+}
+
+TEST(Storage, BatchesMatchTheMapPathInEveryOrder) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.records = 45, .bad = {9}}));
+  ASSERT_OK(ds.status());
+  for (auto mode : {dataset::ShuffleMode::kFull, dataset::ShuffleMode::kBlock, dataset::ShuffleMode::kSequential}) {
+    for (int threads : {1, 3}) {
+      SCOPED_TRACE(fmt::format("mode {} threads {}", static_cast<int>(mode), threads));
+      LoaderOptions o = SmallOptions(threads);
+      o.sampler.mode = mode;
+      o.sampler.block_size = 4;
+      o.sampler.window_blocks = 3;
+      o.max_skip_fraction = 0.1;
+      o.storage.enabled = false;
+      const auto want = RunLoader(*ds, o);
+      ASSERT_EQ(want.size(), 16u);  // 2 epochs of ceil(45 / 6) batches
+      o.storage = ReadEverything(mode == dataset::ShuffleMode::kBlock ? 0 : 7);
+      StorageStats stats;
+      EXPECT_EQ(RunLoader(*ds, o, &stats), want);
+      EXPECT_GT(stats.records_buffered, 80);
+      EXPECT_EQ(stats.records_mapped, 0);
+      EXPECT_GT(stats.bytes_read, 0);
+      // The block window (3 blocks of 4) is the segment in block shuffle.
+      EXPECT_EQ(stats.segment_positions, mode == dataset::ShuffleMode::kBlock ? 12 : 7);
+    }
+  }
+}
+
+TEST(Storage, ResumedShardedAndDropLastRunsMatchTheMapPath) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.records = 50}));
+  ASSERT_OK(ds.status());
+  for (int rank : {0, 1}) {
+    for (bool drop_last : {false, true}) {
+      SCOPED_TRACE(fmt::format("rank {} drop_last {}", rank, drop_last));
+      LoaderOptions o = SmallOptions(2);
+      o.sampler.world_size = 2;
+      o.sampler.rank = rank;
+      o.drop_last_batch = drop_last;
+      o.start_epoch = 1;
+      o.start_batch = 2;
+      o.epochs = 2;
+      o.storage.enabled = false;
+      const auto want = RunLoader(*ds, o);
+      ASSERT_FALSE(want.empty());
+      EXPECT_EQ(want.front().epoch, 1);
+      EXPECT_EQ(want.front().number, 2);
+      o.storage = ReadEverything(5);
+      EXPECT_EQ(RunLoader(*ds, o), want);
+    }
+  }
+}
+
+TEST(Storage, ReadAheadStaysWithinTheBudget) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.records = 60}));
+  ASSERT_OK(ds.status());
+  const int64_t mean = ds->manifest().payload_bytes / ds->size();
+  LoaderOptions o = SmallOptions(2);
+  o.epochs = 3;
+  o.storage = ReadEverything(6);
+  o.storage.memory_bytes = 3 * 6 * mean;  // about three segments
+  StorageStats stats;
+  const auto seen = RunLoader(*ds, o, &stats);
+  EXPECT_EQ(seen.size(), 30u);
+  EXPECT_GT(stats.peak_held_bytes, 0);
+  // A segment a decoder already waits for may go over by itself: never more than one segment
+  // (six records; bounded generously by three times the mean size each).
+  EXPECT_LE(stats.peak_held_bytes, stats.budget_bytes + 6 * 3 * mean);
+  EXPECT_EQ(stats.held_bytes, 0) << "every buffer is freed at the end";
+}
+
+TEST(Storage, DamagedRecordsReadAheadAreCaughtAndSkipped) {
+  testing::TempDir dir;
+  const auto path = WriteDataset(dir.path() / "d", {.records = 30});
+  int64_t damaged = 0;
+  {
+    auto ds = dataset::Dataset::Open(path);
+    ASSERT_OK(ds.status());
+    ASSERT_OK_AND_ASSIGN(auto extents, ds->RecordExtents());
+    // Flip a payload byte of record 11 in the file: its CRC no longer matches.
+    damaged = 11;
+    const auto e = extents[static_cast<size_t>(damaged)];
+    ASSERT_GT(e.size, 100u);
+    const int fd = ::open(ds->data_file().c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    std::byte b{};
+    const off_t at = static_cast<off_t>(e.offset + e.size - 7);
+    ASSERT_EQ(::pread(fd, &b, 1, at), 1);
+    b ^= std::byte{0x40};
+    ASSERT_EQ(::pwrite(fd, &b, 1, at), 1);
+    ::close(fd);
+  }
+  auto ds = dataset::Dataset::Open(path);
+  ASSERT_OK(ds.status());
+  LoaderOptions o = SmallOptions(2);
+  o.epochs = 1;
+  o.max_skip_fraction = 0.1;
+  o.storage = ReadEverything(4);
+  auto loader = Loader::Create(*ds, o);
+  ASSERT_OK(loader.status());
+  const auto seen = Drain(**loader);
+  EXPECT_EQ(seen.size(), 5u);
+  const auto bad = (*loader)->bad_records();
+  ASSERT_EQ(bad.size(), 1u);
+  EXPECT_EQ(bad[0].index, damaged);
+  EXPECT_NE(bad[0].reason.find("CRC"), std::string::npos) << bad[0].reason;
+  EXPECT_GT((*loader)->stats().storage.records_buffered, 20);
+}
+
+TEST(Storage, ResidentRecordsComeFromTheMapWithoutReads) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.records = 40}));
+  ASSERT_OK(ds.status());
+  LoaderOptions o = SmallOptions(2);
+  o.storage.io_threads = 2;
+  // Read once to be sure every page is cached, then run again: nothing to read.
+  RunLoader(*ds, o);
+  StorageStats stats;
+  RunLoader(*ds, o, &stats);
+  EXPECT_EQ(stats.bytes_read, 0);
+  EXPECT_EQ(stats.records_buffered, 0);
+  EXPECT_EQ(stats.records_mapped, 2 * 40);
+}
+
+TEST(Storage, EvictedRecordsAreReadAndCanBeDroppedFromThePageCache) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.records = 120, .scale = 4}));
+  ASSERT_OK(ds.status());
+  LoaderOptions o = SmallOptions(2);
+  o.epochs = 1;
+  o.storage.segment_positions = 8;
+  for (auto cache : {StorageOptions::Cache::kKeep, StorageOptions::Cache::kDrop}) {
+    Evict(*ds);
+    if (ResidentFraction(*ds) > 0.2) GTEST_SKIP() << "this filesystem keeps the file cached (tmpfs?): " << ResidentFraction(*ds);
+    o.storage.cache = cache;
+    StorageStats stats;
+    RunLoader(*ds, o, &stats);
+    EXPECT_GT(stats.records_buffered, 100);
+    EXPECT_GE(stats.bytes_read, ds->manifest().payload_bytes);
+    const double resident = ResidentFraction(*ds);
+    if (cache == StorageOptions::Cache::kKeep) {
+      EXPECT_GT(resident, 0.5) << "ranges read stay cached for the next epoch";
+    } else {
+      EXPECT_LT(resident, 0.5) << "ranges read were dropped from the page cache; mapped " << stats.records_mapped << " buffered " << stats.records_buffered << " read " << stats.bytes_read << " file " << ds->map().size();
+      EXPECT_TRUE(stats.drops_cache);
+    }
+  }
+}
+
+TEST(Storage, AWindowLargerThanTheBudgetIsRefused) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.records = 40}));
+  ASSERT_OK(ds.status());
+  LoaderOptions o = SmallOptions(2);
+  o.sampler.mode = dataset::ShuffleMode::kBlock;
+  o.sampler.block_size = 8;
+  o.sampler.window_blocks = 4;
+  o.storage.memory_bytes = 1000;
+  auto loader = Loader::Create(*ds, o);
+  ASSERT_FALSE(loader.ok());
+  EXPECT_EQ(loader.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(loader.status().message().find("data.io.memory_mb"), std::string::npos) << loader.status().ToString();
+}
+
+TEST(Storage, StopsCleanlyWithReadsInFlight) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.records = 40}));
+  ASSERT_OK(ds.status());
+  std::mt19937 rng(9);
+  for (int round = 0; round < 200; ++round) {
+    LoaderOptions o = SmallOptions(1 + static_cast<int>(rng() % 3));
+    o.epochs = 0;
+    o.sampler.mode = rng() % 2 ? dataset::ShuffleMode::kFull : dataset::ShuffleMode::kBlock;
+    o.sampler.block_size = 3;
+    o.sampler.window_blocks = 2;
+    o.storage = ReadEverything(1 + static_cast<int64_t>(rng() % 9));
+    o.storage.memory_bytes = static_cast<int64_t>(rng() % 3) * 200000;
+    auto loader = Loader::Create(*ds, o);
+    ASSERT_OK(loader.status());
+    const int take = static_cast<int>(rng() % 5);
+    for (int i = 0; i < take; ++i) {
+      auto lease = (*loader)->Next();
+      ASSERT_OK(lease.status());
+    }
+    if (rng() % 2) {
+      std::thread stopper([&] { (*loader)->Stop(); });
+      for (;;) {
+        auto lease = (*loader)->Next();
+        ASSERT_OK(lease.status());
+        if (!*lease) break;
+      }
+      stopper.join();
+    }
+    loader->reset();
+  }
+}
+
+}  // namespace
+}  // namespace stoke::prefetch
