@@ -138,9 +138,9 @@ Result<Dataset> Dataset::Open(const std::filesystem::path& path) {
       std::string_view(static_cast<const char*>(v.mv_data), v.mv_size));
   if (!manifest.ok()) return manifest.status().Prepend(where);
   d.manifest_ = std::move(manifest).value();
-  if (d.manifest_.format_version != kFormatVersion) {
-    return InvalidArgumentError(fmt::format("{}: format v{}, this stoke reads v{} (re-pack it)",
-                                            where, d.manifest_.format_version, kFormatVersion));
+  if (!ReadableFormatVersion(d.manifest_.format_version)) {
+    return InvalidArgumentError(fmt::format("{}: format v{}, this stoke reads v{} to v{} (re-pack it)", where,
+                                            d.manifest_.format_version, kOldestFormatVersion, kFormatVersion));
   }
   rc = mdb_dbi_open(txn.get(), kRecordsDb, 0, &d.records_dbi_);
   if (rc == MDB_NOTFOUND) return CorruptError(where + ": no records table");

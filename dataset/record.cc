@@ -33,6 +33,7 @@ std::string_view EncodingName(PayloadEncoding e) {
   switch (e) {
     case PayloadEncoding::kJpeg: return "jpeg";
     case PayloadEncoding::kRaw: return "raw";
+    case PayloadEncoding::kJpegIndexed: return "jpeg+index";
   }
   return "unknown";
 }
@@ -65,16 +66,16 @@ Result<RecordView> ParseRecord(std::span<const std::byte> value, int64_t index) 
   r.index = index;
   RecordHeader& h = r.header;
   h.format_version = Load<uint16_t>(p + kOffVersion);
-  if (h.format_version != kFormatVersion) {
+  if (!ReadableFormatVersion(h.format_version)) {
     return InvalidArgumentError(
-        fmt::format("record {}: format v{}, this build reads v{} (re-pack with this stoke)", index,
-                    h.format_version, kFormatVersion));
+        fmt::format("record {}: format v{}, this build reads v{} to v{} (re-pack with this stoke)", index,
+                    h.format_version, kOldestFormatVersion, kFormatVersion));
   }
   auto enc = Load<uint8_t>(p + kOffEncoding);
-  if (enc != static_cast<uint8_t>(PayloadEncoding::kJpeg) &&
-      enc != static_cast<uint8_t>(PayloadEncoding::kRaw)) {
-    return err(fmt::format("unknown payload encoding {}", enc));
-  }
+  const bool known = enc == static_cast<uint8_t>(PayloadEncoding::kJpeg) ||
+                     enc == static_cast<uint8_t>(PayloadEncoding::kRaw) ||
+                     (enc == static_cast<uint8_t>(PayloadEncoding::kJpegIndexed) && h.format_version >= 2);
+  if (!known) return err(fmt::format("unknown payload encoding {} in a v{} record", enc, h.format_version));
   h.encoding = static_cast<PayloadEncoding>(enc);
   h.channels = Load<uint8_t>(p + kOffChannels);
   h.label = Load<int32_t>(p + kOffLabel);
@@ -94,7 +95,60 @@ Result<RecordView> ParseRecord(std::span<const std::byte> value, int64_t index) 
   }
   r.header_bytes = value.first(kRecordHeaderSize);
   r.payload = value.subspan(kRecordHeaderSize);
+  r.image = r.payload;
+  if (h.encoding == PayloadEncoding::kJpegIndexed) {
+    const size_t n = r.payload.size();
+    if (n < kJpegIndexTrailerSize) return err(fmt::format("indexed JPEG payload of {} bytes has no index", n));
+    const std::byte* t = r.payload.data() + n - kJpegIndexTrailerSize;
+    JpegIndexView& x = r.jpeg_index;
+    const auto jpeg_size = Load<uint32_t>(t);
+    x.intervals = Load<uint32_t>(t + 4);
+    x.restart_mcus = Load<uint16_t>(t + 8);
+    x.mcus_per_row = Load<uint16_t>(t + 10);
+    x.mcu_rows = Load<uint16_t>(t + 12);
+    x.entry_bytes = Load<uint8_t>(t + 14);
+    const auto magic = Load<uint32_t>(t + 16);
+    const uint64_t entries = x.entry_bytes == 4   ? 4ull * x.intervals
+                             : x.entry_bytes == 2 ? (x.intervals == 0 ? 0 : 4 + 2ull * (x.intervals - 1))
+                                                  : UINT64_MAX;
+    if (magic != kJpegIndexMagic || entries == UINT64_MAX || x.intervals == 0 || x.restart_mcus == 0 ||
+        x.mcus_per_row % x.restart_mcus != 0 ||
+        uint64_t{x.intervals} != uint64_t{x.mcus_per_row} / x.restart_mcus * x.mcu_rows ||
+        uint64_t{jpeg_size} + entries + kJpegIndexTrailerSize != n) {
+      return err("its restart index does not add up (trailer, interval count or sizes)");
+    }
+    r.image = r.payload.first(jpeg_size);
+    x.entries = r.payload.subspan(jpeg_size, entries);
+  }
   return r;
+}
+
+std::vector<std::byte> EncodeJpegIndexedPayload(std::span<const std::byte> jpeg, std::span<const uint32_t> offsets,
+                                                int restart_mcus, int mcus_per_row, int mcu_rows) {
+  bool narrow = true;
+  for (size_t i = 1; i < offsets.size(); ++i) narrow = narrow && offsets[i] - offsets[i - 1] <= 0xFFFF;
+  const size_t entries = offsets.empty() ? 0 : narrow ? 4 + 2 * (offsets.size() - 1) : 4 * offsets.size();
+  std::vector<std::byte> out(jpeg.size() + entries + kJpegIndexTrailerSize);
+  std::memcpy(out.data(), jpeg.data(), jpeg.size());
+  std::byte* p = out.data() + jpeg.size();
+  for (size_t i = 0; i < offsets.size(); ++i) {
+    if (i == 0 || !narrow) {
+      Store<uint32_t>(p, offsets[i]);
+      p += 4;
+    } else {
+      Store<uint16_t>(p, static_cast<uint16_t>(offsets[i] - offsets[i - 1]));
+      p += 2;
+    }
+  }
+  Store<uint32_t>(p, static_cast<uint32_t>(jpeg.size()));
+  Store<uint32_t>(p + 4, static_cast<uint32_t>(offsets.size()));
+  Store<uint16_t>(p + 8, static_cast<uint16_t>(restart_mcus));
+  Store<uint16_t>(p + 10, static_cast<uint16_t>(mcus_per_row));
+  Store<uint16_t>(p + 12, static_cast<uint16_t>(mcu_rows));
+  Store<uint8_t>(p + 14, static_cast<uint8_t>(narrow ? 2 : 4));
+  Store<uint8_t>(p + 15, 0);
+  Store<uint32_t>(p + 16, kJpegIndexMagic);
+  return out;
 }
 
 namespace {

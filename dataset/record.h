@@ -6,20 +6,25 @@
 #include <cstdint>
 #include <span>
 #include <string_view>
+#include <vector>
 
 #include "common/status.h"
 
 namespace stoke::dataset {
 
-// Format version written by this build and the only one it reads.
-inline constexpr uint16_t kFormatVersion = 1;
+// Format version written by this build. It reads this one and every older one back to
+// kOldestFormatVersion (v1 lacks restart-indexed JPEG records; nothing else changed).
+inline constexpr uint16_t kFormatVersion = 2;
+inline constexpr uint16_t kOldestFormatVersion = 1;
+inline bool ReadableFormatVersion(uint32_t v) { return v >= kOldestFormatVersion && v <= kFormatVersion; }
 // "STKR" as little-endian bytes 'S' 'T' 'K' 'R'.
 inline constexpr uint32_t kRecordMagic = 0x524B5453u;
 inline constexpr size_t kRecordHeaderSize = 32;
 
 enum class PayloadEncoding : uint8_t {
-  kJpeg = 1,  // a baseline or progressive 8-bit JPEG, 1 or 3 components, upright pixels
-  kRaw = 2,   // width*height*channels uint8 pixels, HWC, no padding
+  kJpeg = 1,         // a baseline or progressive 8-bit JPEG, 1 or 3 components, upright pixels
+  kRaw = 2,          // width*height*channels uint8 pixels, HWC, no padding
+  kJpegIndexed = 3,  // v2: a sequential JPEG with restart markers, then its restart index
 };
 std::string_view EncodingName(PayloadEncoding e);
 
@@ -37,14 +42,39 @@ struct RecordHeader {
   uint64_t payload_size = 0;
 };
 
-// A record read in place. `payload` points into the LMDB map (or whatever buffer was parsed) and
-// is valid as long as that memory is: for a dataset reader, until its read transaction ends.
+// The restart index of a kJpegIndexed record, as stored: where each restart interval of the JPEG
+// starts (docs/FORMAT.md). `entries` is a view into the record; decode::RestartIndex takes the
+// same fields.
+struct JpegIndexView {
+  uint32_t intervals = 0;
+  uint16_t restart_mcus = 0;   // MCUs per restart interval
+  uint16_t mcus_per_row = 0;
+  uint16_t mcu_rows = 0;
+  uint8_t entry_bytes = 0;     // 4: uint32 offsets; 2: a uint32, then uint16 distances; 0: no index
+  std::span<const std::byte> entries;
+};
+
+// A record read in place. The spans point into the LMDB map (or whatever buffer was parsed) and
+// are valid as long as that memory is: for a dataset reader, until its read transaction ends.
 struct RecordView {
   int64_t index = -1;
   RecordHeader header;
   std::span<const std::byte> header_bytes;  // the 32 stored header bytes
-  std::span<const std::byte> payload;
+  std::span<const std::byte> payload;       // everything after the header (what the CRC covers)
+  std::span<const std::byte> image;         // the JPEG or the raw pixels (payload less any index)
+  JpegIndexView jpeg_index;                 // kJpegIndexed only
 };
+
+// The stored index block that follows the JPEG in a kJpegIndexed payload: entries, then a 20-byte
+// trailer (jpeg size, interval count, the MCU grid, the entry size, "STRX").
+inline constexpr size_t kJpegIndexTrailerSize = 20;
+inline constexpr uint32_t kJpegIndexMagic = 0x58525453u;  // "STRX"
+
+// The payload of a kJpegIndexed record: `jpeg` followed by the index of `offsets` (each interval's
+// first entropy-coded byte in `jpeg`, increasing), as 16-bit distances when they all fit, else as
+// 32-bit offsets.
+std::vector<std::byte> EncodeJpegIndexedPayload(std::span<const std::byte> jpeg, std::span<const uint32_t> offsets,
+                                                int restart_mcus, int mcus_per_row, int mcu_rows);
 
 // Serialises `header` into out[0..32) as it is (see SealRecordHeader for size and CRC).
 void EncodeRecordHeader(const RecordHeader& header, std::span<std::byte, kRecordHeaderSize> out);
@@ -54,8 +84,9 @@ void SealRecordHeader(RecordHeader& header, std::span<const std::byte> payload);
 
 // Parses a stored value (header + payload) without copying. kCorrupt when the value is shorter
 // than the header, has the wrong magic, an unknown encoding, a payload length that does not match
-// the value, or a raw payload whose size disagrees with width*height*channels; kInvalidArgument
-// (with "re-pack" advice) for another format version. Does not check the CRC: see CheckCrc.
+// the value, a raw payload whose size disagrees with width*height*channels, or an index block
+// whose trailer or sizes do not add up; kInvalidArgument (with "re-pack" advice) for a format
+// version this build cannot read. Does not check the CRC: see CheckCrc.
 Result<RecordView> ParseRecord(std::span<const std::byte> value, int64_t index);
 
 // kCorrupt naming the record index when the CRC-32C of header fields and payload differs from

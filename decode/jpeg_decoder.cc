@@ -1,10 +1,5 @@
 #include "decode/jpeg_decoder.h"
 
-// clang-format off
-#include <cstdio>   // jpeglib.h needs FILE and size_t first
-#include <jpeglib.h>
-// clang-format on
-
 #include <algorithm>
 #include <csetjmp>
 #include <cstring>
@@ -12,25 +7,12 @@
 
 #include <fmt/format.h>
 
+#include "decode/detail/libjpeg_glue.h"
+
+#include <jerror.h>
+
 namespace stoke::decode {
-namespace {
-
-// libjpeg reports errors through callbacks; these longjmp back to the setjmp in Run*() below.
-// Everything between setjmp and longjmp is C (libjpeg) or trivially destructible, so skipping
-// those frames is well-defined.
-struct ErrorManager {
-  jpeg_error_mgr pub;
-  std::jmp_buf jump;
-  char message[JMSG_LENGTH_MAX + 32];  // room for a prefix before libjpeg's text
-  StatusCode code;
-  bool strict;   // warnings are errors
-  int warnings;  // warnings seen by the current call (lenient mode)
-};
-
-struct ProgressManager {
-  jpeg_progress_mgr pub;
-  int max_scans;
-};
+namespace detail {
 
 [[noreturn]] void OnError(j_common_ptr cinfo) {
   auto* err = reinterpret_cast<ErrorManager*>(cinfo->err);
@@ -45,6 +27,7 @@ struct ProgressManager {
 void OnMessage(j_common_ptr cinfo, int msg_level) {
   if (msg_level >= 0) return;  // trace messages
   auto* err = reinterpret_cast<ErrorManager*>(cinfo->err);
+  if (err->allow_extraneous && cinfo->err->msg_code == JWRN_EXTRANEOUS_DATA) return;
   if (!err->strict) {
     if (err->warnings++ == 0) (*cinfo->err->format_message)(cinfo, err->message);
     return;
@@ -70,6 +53,22 @@ void OnProgress(j_common_ptr cinfo) {
     std::longjmp(err->jump, 1);
   }
 }
+
+}  // namespace detail
+
+namespace {
+
+using detail::ErrorManager;
+using detail::ProgressManager;
+using detail::OnError;
+using detail::OnMessage;
+using detail::OnProgress;
+using detail::ReadHeaderInto;
+using detail::PixelLimitError;
+
+}  // namespace
+
+namespace {
 
 JpegColorSpace FromLibjpeg(J_COLOR_SPACE cs) {
   switch (cs) {
@@ -163,13 +162,13 @@ struct JpegDecoder::State {
   ProgressManager progress;
   std::vector<uint8_t> cmyk_row;
   Image validate_scratch;  // Validate() output, reused
+  std::vector<std::byte> synthetic;  // DecodeRegion with an index: the assembled JPEG, reused
+  std::vector<uint32_t> offsets;     // and the index's offsets, expanded
   bool broken = false;  // jpeg_create_decompress failed; every call reports it
 };
 
-namespace {
+namespace detail {
 
-// Starts a decompression of `data` and reads its header. Returns false after a libjpeg error
-// (message in state->err). Must be called inside a setjmp scope.
 void ReadHeaderInto(jpeg_decompress_struct* cinfo, const std::byte* data, size_t size,
                     JpegInfo* info) {
   jpeg_mem_src(cinfo, reinterpret_cast<const unsigned char*>(data), static_cast<unsigned long>(size));
@@ -219,6 +218,15 @@ void ReadHeaderInto(jpeg_decompress_struct* cinfo, const std::byte* data, size_t
   }
 }
 
+Status PixelLimitError(const JpegInfo& info, int64_t max_pixels) {
+  return ResourceExhaustedError(fmt::format("{}x{} image exceeds the {}-pixel limit", info.width,
+                                            info.height, max_pixels));
+}
+
+}  // namespace detail
+
+namespace {
+
 // One row of decoded CMYK to RGB. Adobe writes CMYK inverted (0 = full ink); plain CMYK is not.
 void CmykRowToRgb(const uint8_t* cmyk, int n, bool inverted, uint8_t* rgb) {
   for (int x = 0; x < n; ++x) {
@@ -228,11 +236,6 @@ void CmykRowToRgb(const uint8_t* cmyk, int n, bool inverted, uint8_t* rgb) {
     rgb[3 * x + 1] = static_cast<uint8_t>((m * k + 127) / 255);
     rgb[3 * x + 2] = static_cast<uint8_t>((y * k + 127) / 255);
   }
-}
-
-Status PixelLimitError(const JpegInfo& info, int64_t max_pixels) {
-  return ResourceExhaustedError(fmt::format("{}x{} image exceeds the {}-pixel limit", info.width,
-                                            info.height, max_pixels));
 }
 
 }  // namespace
@@ -245,6 +248,7 @@ JpegDecoder::JpegDecoder(DecoderOptions options)
   s->err.pub.emit_message = OnMessage;
   s->err.strict = options_.strict;
   s->err.warnings = 0;
+  s->err.allow_extraneous = false;
   // Creation can fail too (out of memory, library/header mismatch); it reports through OnError.
   if (setjmp(s->err.jump)) {
     s->broken = true;
@@ -345,8 +349,7 @@ Status JpegDecoder::Validate(std::span<const std::byte> jpeg, JpegInfo* info_out
   JpegInfo info;
   STOKE_RETURN_IF_ERROR(Decode(jpeg, &state_->validate_scratch, 8, &info));
   if (!info.integral_sampling) {
-    return CorruptError("libjpeg: Fractional sampling not implemented yet (sampling factors that "
-                        "a full-size decode rejects)");
+    return CorruptError(detail::kFractionalSampling);
   }
   if (info_out != nullptr) *info_out = info;
   return OkStatus();
@@ -354,11 +357,40 @@ Status JpegDecoder::Validate(std::span<const std::byte> jpeg, JpegInfo* info_out
 
 namespace {
 
+// Zero bytes put before each marker of an assembled stream (see DecodeRegion).
+constexpr size_t kPadding = 8;
+
 // Column cropping costs a little setup and only saves IDCT/upsampling/colour work on the columns
 // left out: worth it below this share of the width.
 constexpr double kCropColumnsBelow = 0.8;
 
 }  // namespace
+
+Status ExpandRestartOffsets(const RestartIndex& index, std::vector<uint32_t>* offsets) {
+  const size_t n = index.intervals;
+  const auto* p = reinterpret_cast<const uint8_t*>(index.entries.data());
+  auto le32 = [](const uint8_t* q) {
+    return uint32_t{q[0]} | uint32_t{q[1]} << 8 | uint32_t{q[2]} << 16 | uint32_t{q[3]} << 24;
+  };
+  offsets->resize(n);
+  if (n == 0) return CorruptError("restart index: no intervals");
+  if (index.entry_bytes == 4 && index.entries.size() == 4 * n) {
+    for (size_t i = 0; i < n; ++i) (*offsets)[i] = le32(p + 4 * i);
+    return OkStatus();
+  }
+  if (index.entry_bytes == 2 && index.entries.size() == 4 + 2 * (n - 1)) {
+    uint64_t at = le32(p);
+    (*offsets)[0] = static_cast<uint32_t>(at);
+    for (size_t i = 1; i < n; ++i) {
+      at += uint32_t{p[4 + 2 * (i - 1)]} | uint32_t{p[5 + 2 * (i - 1)]} << 8;
+      if (at > UINT32_MAX) return CorruptError("restart index: offsets past 4 GB");
+      (*offsets)[i] = static_cast<uint32_t>(at);
+    }
+    return OkStatus();
+  }
+  return CorruptError(fmt::format("restart index: {} bytes of {}-byte entries for {} intervals", index.entries.size(),
+                                  index.entry_bytes, n));
+}
 
 int ChooseRegionScale(int region_width, int region_height, int min_width, int min_height) {
   for (int d : {8, 4, 2}) {
@@ -372,7 +404,7 @@ int ChooseRegionScale(int region_width, int region_height, int min_width, int mi
 
 Result<DecodedRegion> JpegDecoder::DecodeRegion(std::span<const std::byte> jpeg, Region region,
                                                 int min_width, int min_height, Image* out,
-                                                int scale_denom) {
+                                                int scale_denom, const RestartIndex* index) {
   if (scale_denom != 0 && scale_denom != 1 && scale_denom != 2 && scale_denom != 4 &&
       scale_denom != 8) {
     return InvalidArgumentError(fmt::format("decode region: scale 1/{} (expected 0 to choose, or "
@@ -389,7 +421,9 @@ Result<DecodedRegion> JpegDecoder::DecodeRegion(std::span<const std::byte> jpeg,
   DecodedRegion result;
   jpeg_decompress_struct* cinfo = &s->cinfo;
   s->err.warnings = 0;
+  s->err.allow_extraneous = false;
   if (setjmp(s->err.jump)) {
+    s->err.allow_extraneous = false;
     jpeg_abort_decompress(cinfo);
     return Status(s->err.code, s->err.message);
   }
@@ -414,6 +448,110 @@ Result<DecodedRegion> JpegDecoder::DecodeRegion(std::span<const std::byte> jpeg,
                     : ChooseRegionScale(clamped.width, clamped.height, min_width, min_height);
   const bool cmyk =
       info.color_space == JpegColorSpace::kCmyk || info.color_space == JpegColorSpace::kYcck;
+  if (index != nullptr && !cmyk) {
+    // Assemble a JPEG of just the restart intervals the region needs, one MCU of context around
+    // it, then decode that whole at scale d. Offsets are at MCU boundaries, multiples of 8, so
+    // they stay whole pixels at every scale.
+    const bool single = cinfo->num_components == 1;
+    const int mcu_w = 8 * (single ? 1 : cinfo->max_h_samp_factor);
+    const int mcu_h = 8 * (single ? 1 : cinfo->max_v_samp_factor);
+    const int grid_w = (info.width + mcu_w - 1) / mcu_w, grid_h = (info.height + mcu_h - 1) / mcu_h;
+    const int k = index->restart_mcus;
+    const size_t n = index->intervals;
+    if (k <= 0 || index->mcus_per_row != grid_w || index->mcu_rows != grid_h || grid_w % k != 0 ||
+        n != static_cast<size_t>(grid_w / k) * static_cast<size_t>(grid_h) || n == 0 || cinfo->progressive_mode ||
+        cinfo->restart_interval != static_cast<unsigned>(k)) {
+      jpeg_abort_decompress(cinfo);
+      return CorruptError(fmt::format("restart index ({} intervals of {} MCUs, {} x {}) does not match the {}x{} "
+                                      "JPEG's MCU grid ({} x {}, restart interval {})",
+                                      n, k, index->mcus_per_row, index->mcu_rows, info.width, info.height, grid_w,
+                                      grid_h, cinfo->restart_interval));
+    }
+    const int per_row = grid_w / k;
+    const int cx0 = std::max(0, x0 - mcu_w), cx1 = std::min(info.width, x1 + mcu_w);
+    const int cy0 = std::max(0, y0 - mcu_h), cy1 = std::min(info.height, y1 + mcu_h);
+    const int j0 = cx0 / mcu_w / k, j1 = ((cx1 + mcu_w - 1) / mcu_w + k - 1) / k;
+    const int r0 = cy0 / mcu_h, r1 = (cy1 + mcu_h - 1) / mcu_h;
+    const int sx = j0 * k * mcu_w, sy = r0 * mcu_h;
+    const int sw = std::min(info.width, j1 * k * mcu_w) - sx, sh = std::min(info.height, r1 * mcu_h) - sy;
+    jpeg_abort_decompress(cinfo);
+    Status expanded = ExpandRestartOffsets(*index, &s->offsets);
+    if (!expanded.ok()) return expanded;
+    const std::vector<uint32_t>& offsets = s->offsets;
+    const uint32_t scan = offsets[0];
+    std::vector<std::byte>& b = s->synthetic;
+    b.clear();
+    if (scan < 4 || scan > jpeg.size()) return CorruptError("restart index: the scan starts outside the JPEG");
+    b.insert(b.end(), jpeg.begin(), jpeg.begin() + scan);
+    // The frame header gets the assembled image's size.
+    bool patched = false;
+    for (size_t at = 2; at + 4 <= b.size() && b[at] == std::byte{0xFF};) {
+      const auto marker = static_cast<uint8_t>(b[at + 1]);
+      const size_t len = (static_cast<size_t>(b[at + 2]) << 8) | static_cast<size_t>(b[at + 3]);
+      if ((marker == 0xC0 || marker == 0xC1) && at + 9 <= b.size()) {  // Huffman, sequential
+        b[at + 5] = static_cast<std::byte>(sh >> 8);
+        b[at + 6] = static_cast<std::byte>(sh & 0xFF);
+        b[at + 7] = static_cast<std::byte>(sw >> 8);
+        b[at + 8] = static_cast<std::byte>(sw & 0xFF);
+        patched = true;
+      }
+      if (marker == 0xDA) break;
+      at += 2 + len;
+    }
+    if (!patched) return CorruptError("restart index: no sequential frame header before the scan");
+    int segment = 0;
+    for (int r = r0; r < r1; ++r) {
+      for (int j = j0; j < j1; ++j) {
+        const size_t i = static_cast<size_t>(r) * static_cast<size_t>(per_row) + static_cast<size_t>(j);
+        const uint32_t start = offsets[i];
+        const bool last = i + 1 == n;
+        const uint64_t end = last ? jpeg.size() - 2 : uint64_t{offsets[i + 1]} - 2;
+        // Each interval ends at the marker that follows it: RSTn, or EOI after the last.
+        if (start < scan || end < start || end + 2 > jpeg.size() || jpeg[end] != std::byte{0xFF} ||
+            (last ? jpeg[end + 1] != std::byte{0xD9} : (static_cast<uint8_t>(jpeg[end + 1]) & 0xF8) != 0xD0)) {
+          return CorruptError(fmt::format("restart index: interval {} ({}..{}) does not match the JPEG's markers",
+                                          i, start, end));
+        }
+        if (segment > 0) {
+          b.insert(b.end(), kPadding, std::byte{0});
+          b.push_back(std::byte{0xFF});
+          b.push_back(static_cast<std::byte>(0xD0 + (segment - 1) % 8));
+        }
+        b.insert(b.end(), jpeg.begin() + start, jpeg.begin() + static_cast<ptrdiff_t>(end));
+        ++segment;
+      }
+    }
+    b.insert(b.end(), kPadding, std::byte{0});
+    b.push_back(std::byte{0xFF});
+    b.push_back(std::byte{0xD9});
+    // The padding before each marker keeps libjpeg-turbo's fast Huffman path (which reads a few
+    // bytes ahead, and falls back to the slow path for the rest of an interval when it meets a
+    // marker) running to the end of every interval; libjpeg skips it as extraneous data.
+    s->err.allow_extraneous = true;
+    jpeg_mem_src(cinfo, reinterpret_cast<const unsigned char*>(b.data()), static_cast<unsigned long>(b.size()));
+    jpeg_read_header(cinfo, TRUE);
+    cinfo->out_color_space = JCS_RGB;
+    cinfo->scale_num = 1;
+    cinfo->scale_denom = static_cast<unsigned>(d);
+    jpeg_start_decompress(cinfo);
+    out->Reshape(static_cast<int>(cinfo->output_width), static_cast<int>(cinfo->output_height), 3);
+    while (cinfo->output_scanline < cinfo->output_height) {
+      JSAMPROW rows[4];
+      int m = 0;
+      for (; m < 4 && cinfo->output_scanline + static_cast<JDIMENSION>(m) < cinfo->output_height; ++m) {
+        rows[m] = out->row(static_cast<int>(cinfo->output_scanline) + m);
+      }
+      jpeg_read_scanlines(cinfo, rows, static_cast<JDIMENSION>(m));
+    }
+    jpeg_finish_decompress(cinfo);
+    s->err.allow_extraneous = false;
+    result.scale_denom = d;
+    result.x = static_cast<double>(x0 - sx) / d;
+    result.y = static_cast<double>(y0 - sy) / d;
+    result.width = static_cast<double>(x1 - x0) / d;
+    result.height = static_cast<double>(y1 - y0) / d;
+    return result;
+  }
   cinfo->out_color_space = cmyk ? JCS_CMYK : JCS_RGB;  // gray -> RGB is a libjpeg conversion
   cinfo->scale_num = 1;
   cinfo->scale_denom = static_cast<unsigned>(d);

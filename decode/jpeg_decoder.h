@@ -7,6 +7,7 @@
 #include <memory>
 #include <span>
 #include <string_view>
+#include <vector>
 
 #include "common/image.h"
 #include "common/status.h"
@@ -53,6 +54,27 @@ struct Region {
   int width = 0;
   int height = 0;
 };
+
+// A restart index (decode/jpeg_transcode.h makes them): the JPEG is sequential with one scan and a
+// restart marker every `restart_mcus` MCUs, a divisor of `mcus_per_row`, so each MCU row is cut
+// into mcus_per_row / restart_mcus intervals that decode independently. `entries` locates, for
+// every interval in raster order, its first entropy-coded byte in the JPEG (a view into a record:
+// little-endian, no alignment needed), in one of two encodings:
+//   entry_bytes 4: each offset as a uint32;
+//   entry_bytes 2: the first offset as a uint32, then each next one as the uint16 distance from
+//                  the previous one (intervals are short: this halves the index).
+struct RestartIndex {
+  int restart_mcus = 0;
+  int mcus_per_row = 0;
+  int mcu_rows = 0;
+  int entry_bytes = 4;
+  size_t intervals = 0;
+  std::span<const std::byte> entries;
+};
+
+// The absolute offset of every interval of `index`, into `offsets` (reusing its capacity).
+// kCorrupt when the entries' size does not match the interval count or the encoding is unknown.
+Status ExpandRestartOffsets(const RestartIndex& index, std::vector<uint32_t>* offsets);
 
 // Where a requested region lies in what DecodeRegion() produced.
 struct DecodedRegion {
@@ -108,9 +130,14 @@ class JpegDecoder {
   // CMYK/YCCK come out as RGB. Errors as Decode(). Reuses `out`'s capacity.
   // `scale_denom` 0 chooses the scale with ChooseRegionScale(); 1, 2, 4 or 8 imposes one (when
   // the caller has already aligned its plan to that scale).
+  // With a restart index, only the restart intervals the region needs are decoded: its MCU rows
+  // and the intervals across its columns, with one MCU of context on every side (what chroma
+  // upsampling reads), assembled into a small JPEG of their own. The pixels are bit-identical to
+  // the same region of a full decode at the same scale. kCorrupt when the index does not match
+  // the data.
   Result<DecodedRegion> DecodeRegion(std::span<const std::byte> jpeg, Region region,
                                      int min_width, int min_height, Image* out,
-                                     int scale_denom = 0);
+                                     int scale_denom = 0, const RestartIndex* index = nullptr);
 
   // Lenient mode: how many warnings libjpeg recovered from in the last call, and the first one's
   // text (empty when none). Always 0 / empty in strict mode.

@@ -168,8 +168,8 @@ struct LoaderState {
     augment::ImageView view;
     augment::RectF where;
     augment::CropPlan plan;
-    if (h.encoding == dataset::PayloadEncoding::kJpeg) {
-      STOKE_ASSIGN_OR_RETURN(decode::JpegInfo info, w.decoder.ReadHeader(r.payload));
+    if (h.encoding == dataset::PayloadEncoding::kJpeg || h.encoding == dataset::PayloadEncoding::kJpegIndexed) {
+      STOKE_ASSIGN_OR_RETURN(decode::JpegInfo info, w.decoder.ReadHeader(r.image));
       if (static_cast<uint32_t>(info.width) != h.width || static_cast<uint32_t>(info.height) != h.height) {
         return CorruptError(fmt::format("record header says {}x{}, its JPEG is {}x{}", h.width,
                                         h.height, info.width, info.height));
@@ -181,8 +181,13 @@ struct LoaderState {
       const decode::Region region{static_cast<int>(plan.region.x), static_cast<int>(plan.region.y),
                                   static_cast<int>(plan.region.width),
                                   static_cast<int>(plan.region.height)};
+      // With a restart index only the intervals the crop needs are decoded.
+      const dataset::JpegIndexView& x = r.jpeg_index;
+      const decode::RestartIndex index{x.restart_mcus, x.mcus_per_row, x.mcu_rows, x.entry_bytes, x.intervals,
+                                       x.entries};
       STOKE_ASSIGN_OR_RETURN(decode::DecodedRegion dr,
-                             w.decoder.DecodeRegion(r.payload, region, out_w, out_h, &w.image, d));
+                             w.decoder.DecodeRegion(r.image, region, out_w, out_h, &w.image, d,
+                                                    x.entry_bytes != 0 ? &index : nullptr));
       view = {w.image.pixels.data(), w.image.width, w.image.height, w.image.channels, w.image.row_bytes()};
       where = {dr.x, dr.y, dr.width, dr.height};
     } else if (h.encoding == dataset::PayloadEncoding::kRaw) {

@@ -83,6 +83,14 @@ int Run(int argc, char** argv) {
                        "strictly, output at 1/8 scale; ~1.5x faster) or 'pixels' (a full-size "
                        "strict decode)")
       ->check(CLI::IsMember({"coefficients", "pixels"}));
+  std::string index_mode = "restart";
+  pack_cmd->add_option("--index", index_mode,
+                       "JPEG records: 'restart' (transcoded losslessly with restart markers and an index of "
+                       "them, so a crop decodes only its own rows and columns) or 'none' (the bytes as they are)")
+      ->check(CLI::IsMember({"restart", "none"}));
+  pack_cmd->add_option("--index-intervals", pack.index_intervals_per_row,
+                       "Restart intervals per MCU row with --index restart (at least; a divisor of the row)")
+      ->check(CLI::Range(1, 64));
   pack_cmd->add_option("--report", pack.report_file, "Write a JSON report of skipped inputs");
   pack_cmd->add_flag("--resume", pack.resume, "Continue an interrupted pack of the same inputs");
   pack_cmd->add_flag("--overwrite", pack.overwrite, "Replace existing outputs");
@@ -228,6 +236,7 @@ int Run(int argc, char** argv) {
     pack.validate = validate == "pixels" ? stoke::pack::ValidateMode::kPixels
                                          : stoke::pack::ValidateMode::kCoefficients;
     pack.progress = !quiet;
+    pack.index = index_mode == "none" ? stoke::pack::IndexMode::kNone : stoke::pack::IndexMode::kRestart;
     pack.stop = &g_stop;
     std::signal(SIGINT, OnInterrupt);
     std::signal(SIGTERM, OnInterrupt);

@@ -11,7 +11,7 @@ source "$(dirname "$0")/cli_lib.sh"
 "$stoke" synth "$work/src" --classes 3 --per-class 8 >/dev/null
 "$stoke" pack "$work/src" "$work/ds.lmdb" -q >/dev/null
 quick=(--seconds 0.05 --repeats 2 --threads 2 --work-dir "$work/scratch")
-check bench_pack 0 "pack --validate pixels, 2 threads .* img/s" -- \
+check bench_pack 0 "pack --validate pixels --index none, 2 threads .* img/s" -- \
   "$stoke" bench pack --data "$work/src" "${quick[@]}"
 check bench_read 0 "random \+CRC, 2 threads +[0-9]+ +[0-9.]+" -- \
   "$stoke" bench read --data "$work/src" "${quick[@]}" --json "$work/read.json"

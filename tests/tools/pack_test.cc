@@ -22,6 +22,7 @@
 
 #include "dataset/dataset.h"
 #include "decode/jpeg_decoder.h"
+#include "decode/jpeg_transcode.h"
 #include "tests/testing/test_util.h"
 #include "tools/inspect/inspect.h"
 #include "tools/pack/packer.h"
@@ -54,7 +55,7 @@ void AddBadInputsForModes(const fs::path& src) {
 }
 
 struct Rec {
-  std::vector<std::byte> payload;
+  std::vector<std::byte> payload;  // the image bytes (a restart index left out)
   int32_t label;
   uint32_t width, height, channels;
   std::string path;
@@ -68,7 +69,7 @@ std::vector<Rec> ReadAll(const fs::path& db) {
   auto reader = ds->NewReader();
   std::vector<Rec> out;
   EXPECT_OK(reader->Scan(0, ds->size(), [&](const RecordView& r) {
-    out.push_back({std::vector<std::byte>(r.payload.begin(), r.payload.end()), r.header.label,
+    out.push_back({std::vector<std::byte>(r.image.begin(), r.image.end()), r.header.label,
                    r.header.width, r.header.height, r.header.channels, *reader->SourcePath(r.index)});
     return OkStatus();
   }));
@@ -86,15 +87,33 @@ TEST(Pack, FolderTreeRoundTripsBytesLabelsAndOrder) {
   EXPECT_FALSE(fs::exists(dir / "out.lmdb.partial"));
   auto recs = ReadAll(dir / "out.lmdb");
   ASSERT_EQ(recs.size(), files.size());
+  decode::JpegDecoder decoder;
   for (size_t i = 0; i < files.size(); ++i) {
-    EXPECT_EQ(recs[i].payload, testing::ReadBytes(files[i])) << files[i];  // stored as is
-    EXPECT_EQ(recs[i].label, static_cast<int32_t>(i / 6));                // sorted class names
+    // Transcoded with a restart index by default: the same pixels, other bytes.
+    Image stored, original;
+    ASSERT_OK(decoder.Decode(recs[i].payload, &stored));
+    ASSERT_OK(decoder.Decode(testing::ReadBytes(files[i]), &original));
+    EXPECT_EQ(stored.pixels, original.pixels) << files[i];
+    EXPECT_EQ(recs[i].label, static_cast<int32_t>(i / 6));  // sorted class names
     EXPECT_EQ(recs[i].path, fs::relative(files[i], dir / "src").string());
   }
   ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(dir / "out.lmdb"));
   EXPECT_EQ(ds.manifest().classes, kClasses);
   EXPECT_EQ(ds.manifest().class_counts, (std::vector<int64_t>{6, 6, 6, 6}));
   EXPECT_EQ(ds.manifest().packing["tool"], "stoke pack");
+  EXPECT_EQ(ds.manifest().format_version, dataset::kFormatVersion);
+  ASSERT_OK_AND_ASSIGN(auto reader, ds.NewReader());
+  ASSERT_OK_AND_ASSIGN(RecordView first, reader.Get(0));
+  EXPECT_EQ(first.header.encoding, dataset::PayloadEncoding::kJpegIndexed);
+  EXPECT_GT(first.jpeg_index.intervals, 0u);
+
+  // --index none stores the bytes as they came.
+  auto o = Options(dir / "src", dir / "plain.lmdb");
+  o.index = IndexMode::kNone;
+  ASSERT_OK(Pack(o).status());
+  recs = ReadAll(dir / "plain.lmdb");
+  ASSERT_EQ(recs.size(), files.size());
+  for (size_t i = 0; i < files.size(); ++i) EXPECT_EQ(recs[i].payload, testing::ReadBytes(files[i])) << files[i];
 }
 
 TEST(Pack, ThreadCountDoesNotChangeTheDataset) {
@@ -570,6 +589,7 @@ TEST(Pack, MaxSideAndQualityAndRaw) {
   testing::WriteBytes(dir / "src" / "c" / "small.jpg", testing::EncodeJpeg(testing::MakeImage(40, 30, 3)));
   auto o = Options(dir / "src", dir / "resized");
   o.max_side = 64;
+  o.index = IndexMode::kNone;  // to see which bytes are kept
   ASSERT_OK(Pack(o).status());
   auto recs = ReadAll(dir / "resized");
   ASSERT_EQ(recs.size(), 2u);
@@ -692,9 +712,16 @@ TEST(Inspect, SummaryVerifyAndExtract) {
   EXPECT_EQ(j["verify"]["bad"].size(), 0u);
   std::string text = inspect::FormatReport(report);
   EXPECT_NE(text.find("records        20"), std::string::npos) << text;
+  EXPECT_EQ(j["restart_index"]["records"], 20);
+  EXPECT_NE(text.find("restart index  20 records"), std::string::npos) << text;
 
+  // The extracted JPEG (without the index) decodes to the original's pixels.
   ASSERT_OK(inspect::ExtractRecord(dir / "out", 7, dir / "seven.jpg"));
-  EXPECT_EQ(testing::ReadBytes(dir / "seven.jpg"), testing::ReadBytes(files[7]));
+  decode::JpegDecoder decoder;
+  Image extracted, original;
+  ASSERT_OK(decoder.Decode(testing::ReadBytes(dir / "seven.jpg"), &extracted));
+  ASSERT_OK(decoder.Decode(testing::ReadBytes(files[7]), &original));
+  EXPECT_EQ(extracted.pixels, original.pixels);
   EXPECT_EQ(inspect::ExtractRecord(dir / "out", 20, dir / "x.jpg").code(), StatusCode::kInvalidArgument);
 }
 
@@ -741,7 +768,7 @@ TEST(Inspect, RandomBitFlipsInTheDataFileAreCaughtOrHarmless) {
       auto r = reader->Get(i);
       ASSERT_OK(r.status());
       const auto& want = original[static_cast<size_t>(i)];
-      EXPECT_TRUE(std::equal(r->payload.begin(), r->payload.end(), want.payload.begin(), want.payload.end()) &&
+      EXPECT_TRUE(std::equal(r->image.begin(), r->image.end(), want.payload.begin(), want.payload.end()) &&
                   r->header.label == want.label)
           << "byte " << pos << " changed record " << i << " without being reported";
     }
@@ -756,7 +783,13 @@ TEST(Inspect, VerifyNamesTheDamagedRecord) {
   auto files = testing::MakeImageTree(dir / "src", kClasses, 5);
   ASSERT_OK(Pack(Options(dir / "src", dir / "out")).status());
   // Damage record 11's payload inside the data file.
-  auto payload = testing::ReadBytes(files[11]);
+  std::vector<std::byte> payload;
+  {
+    ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(dir / "out"));
+    ASSERT_OK_AND_ASSIGN(auto reader, ds.NewReader());
+    ASSERT_OK_AND_ASSIGN(RecordView r, reader.Get(11));
+    payload.assign(r.image.begin(), r.image.end());
+  }
   auto data = testing::ReadBytes(dir / "out" / "data.mdb");
   // Entropy-coded bytes near the end are unique to this image (the tables before are shared).
   auto it = std::search(data.begin(), data.end(), payload.end() - 80, payload.end() - 16);
@@ -769,6 +802,32 @@ TEST(Inspect, VerifyNamesTheDamagedRecord) {
   EXPECT_EQ(report.bad[0].index, 11);
   EXPECT_EQ(report.bad[0].source_path, "cat/cat_101.jpg");
   EXPECT_NE(report.bad[0].reason.find("CRC"), std::string::npos);
+}
+
+TEST(Inspect, VerifyChecksTheRestartIndexAgainstTheBytes) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 3);
+  ASSERT_OK(Pack(Options(dir / "src", dir / "out")).status());
+  // A record whose index was damaged before its CRC was computed (a writer's bug, not the disk):
+  // the CRC holds, so only the check of the index against the bytes can catch it.
+  ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(dir / "out"));
+  ASSERT_OK_AND_ASSIGN(auto reader, ds.NewReader());
+  ASSERT_OK_AND_ASSIGN(RecordView r, reader.Get(4));
+  std::vector<std::byte> payload(r.payload.begin(), r.payload.end());
+  payload[r.image.size() + 4] ^= std::byte{0x01};  // the second interval's distance
+  dataset::RecordHeader h = r.header;
+  dataset::SealRecordHeader(h, payload);
+  std::vector<std::byte> value(dataset::kRecordHeaderSize);
+  dataset::EncodeRecordHeader(h, std::span<std::byte, dataset::kRecordHeaderSize>(value.data(), value.size()));
+  value.insert(value.end(), payload.begin(), payload.end());
+  ASSERT_OK_AND_ASSIGN(RecordView damaged, ds.CheckRecord(value, 4, true));
+  decode::JpegDecoder decoder;
+  decode::RestartIndex index{damaged.jpeg_index.restart_mcus, damaged.jpeg_index.mcus_per_row,
+                             damaged.jpeg_index.mcu_rows,      damaged.jpeg_index.entry_bytes,
+                             damaged.jpeg_index.intervals,     damaged.jpeg_index.entries};
+  const Status s = decode::CheckRestartIndex(damaged.image, index);
+  EXPECT_EQ(s.code(), StatusCode::kCorrupt);
+  EXPECT_NE(s.message().find("interval 1"), std::string::npos) << s.ToString();
 }
 
 // ---- Shared corpus ----

@@ -17,6 +17,7 @@
 #include "common/tsan.h"
 #include "dataset/dataset.h"
 #include "decode/jpeg_decoder.h"
+#include "decode/jpeg_transcode.h"
 
 namespace stoke::inspect {
 namespace {
@@ -39,11 +40,23 @@ struct Stat {
   }
 };
 
-// Checks one record completely: CRC, then a strict decode whose size must match the header.
+// The decoder's view of a record's restart index.
+decode::RestartIndex IndexOf(const dataset::RecordView& r) {
+  const dataset::JpegIndexView& x = r.jpeg_index;
+  return {x.restart_mcus, x.mcus_per_row, x.mcu_rows, x.entry_bytes, x.intervals, x.entries};
+}
+
+// Checks one record completely: CRC, a strict decode whose size must match the header, and the
+// restart index against the bytes it indexes.
 Status VerifyRecord(const dataset::RecordView& r, decode::JpegDecoder& decoder, Image& scratch) {
   STOKE_RETURN_IF_ERROR(dataset::CheckCrc(r));
-  if (r.header.encoding != dataset::PayloadEncoding::kJpeg) return OkStatus();  // size checked
-  Status s = decoder.Decode(r.payload, &scratch);
+  const bool indexed = r.header.encoding == dataset::PayloadEncoding::kJpegIndexed;
+  if (r.header.encoding != dataset::PayloadEncoding::kJpeg && !indexed) return OkStatus();  // size checked
+  if (indexed) {
+    Status s = decode::CheckRestartIndex(r.image, IndexOf(r));
+    if (!s.ok()) return s.Prepend(fmt::format("record {}", r.index));
+  }
+  Status s = decoder.Decode(r.image, &scratch);
   if (!s.ok()) return s.Prepend(fmt::format("record {}: JPEG", r.index));
   if (static_cast<uint32_t>(scratch.width) != r.header.width ||
       static_cast<uint32_t>(scratch.height) != r.header.height ||
@@ -64,6 +77,7 @@ Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOp
 
   // Header statistics: one sequential pass without CRC checks (headers only, fast).
   Stat payload, width, height;
+  int64_t indexed = 0, intervals = 0, index_bytes = 0, indexed_payload = 0;
   std::map<std::string, int64_t> encodings;
   std::map<int, int64_t> channels;
   {
@@ -81,6 +95,12 @@ Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOp
       height.Add(r->header.height);
       encodings[std::string(dataset::EncodingName(r->header.encoding))]++;
       channels[r->header.channels]++;
+      if (r->jpeg_index.entry_bytes != 0) {
+        ++indexed;
+        intervals += r->jpeg_index.intervals;
+        index_bytes += static_cast<int64_t>(r->payload.size() - r->image.size());
+        indexed_payload += static_cast<int64_t>(r->payload.size());
+      }
     }
   }
   nlohmann::json enc_json = nlohmann::json::object(), ch_json = nlohmann::json::object();
@@ -98,6 +118,13 @@ Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOp
                     {"height", height.Json()},
                     {"encodings", enc_json},
                     {"channels", ch_json},
+                    {"restart_index",
+                     {{"records", indexed},
+                      {"intervals", intervals},
+                      {"intervals_per_record", indexed > 0 ? static_cast<double>(intervals) / indexed : 0.0},
+                      {"bytes", index_bytes},
+                      {"share_of_payload", indexed_payload > 0 ? static_cast<double>(index_bytes) / indexed_payload
+                                                               : 0.0}}},
                     {"packing", m.packing}};
   if (!options.verify) return report;
 
@@ -200,6 +227,12 @@ std::string FormatReport(const InspectReport& report, size_t max_classes) {
   out += fmt::format("height         {}\n", stat(s["height"], false));
   out += fmt::format("encodings      {}\n", s["encodings"].dump());
   out += fmt::format("channels       {}\n", s["channels"].dump());
+  if (const auto& x = s["restart_index"]; x["records"].get<int64_t>() > 0) {
+    out += fmt::format("restart index  {} records, {:.1f} intervals each ({} in all), {} = {:.2f}% of their payload\n",
+                       x["records"].get<int64_t>(), x["intervals_per_record"].get<double>(),
+                       x["intervals"].get<int64_t>(), HumanBytes(x["bytes"].get<double>()),
+                       100 * x["share_of_payload"].get<double>());
+  }
   // `packing` is informational and free-form: print what has the expected types.
   const auto& p = s["packing"];
   auto text = [&](const char* key) {
@@ -244,8 +277,9 @@ Status ExtractRecord(const std::filesystem::path& path, int64_t index,
   STOKE_ASSIGN_OR_RETURN(dataset::Dataset ds, dataset::Dataset::Open(path));
   STOKE_ASSIGN_OR_RETURN(auto reader, ds.NewReader());
   STOKE_ASSIGN_OR_RETURN(dataset::RecordView r, reader.Get(index));
-  if (r.header.encoding == dataset::PayloadEncoding::kJpeg) {
-    return WriteFileAtomic(output, r.payload);
+  if (r.header.encoding == dataset::PayloadEncoding::kJpeg ||
+      r.header.encoding == dataset::PayloadEncoding::kJpegIndexed) {
+    return WriteFileAtomic(output, r.image);  // the JPEG alone, a file any viewer opens
   }
   std::string pnm = fmt::format("P{}\n{} {}\n255\n", r.header.channels == 1 ? 5 : 6,
                                 r.header.width, r.header.height);

@@ -34,6 +34,7 @@
 #include "dataset/dataset.h"
 #include "dataset/writer.h"
 #include "decode/jpeg_decoder.h"
+#include "decode/jpeg_transcode.h"
 #include "decode/jpeg_encoder.h"
 
 namespace stoke::pack {
@@ -143,10 +144,35 @@ struct Processed {
 
 // Per-thread tools: decoder and encoder state is reused across images.
 struct Worker {
+  explicit Worker(const PackOptions& o) : transcoder({}, {.intervals_per_row = o.index_intervals_per_row}) {}
   decode::JpegDecoder decoder;
+  decode::JpegTranscoder transcoder;
+  decode::TranscodedJpeg transcoded;
   std::optional<decode::JpegEncoder> encoder;
   Image image;
 };
+
+// Stores `jpeg` (already validated or made here) in `out`: transcoded with its restart index when
+// the options ask for one, else as it is. A JPEG the transcoder leaves alone (CMYK/YCCK) is kept.
+void StoreJpeg(std::vector<std::byte> jpeg, const PackOptions& o, Worker& w, Processed& out) {
+  out.header.encoding = PayloadEncoding::kJpeg;
+  if (o.index == IndexMode::kRestart) {
+    Status s = w.transcoder.Transcode(jpeg, &w.transcoded);
+    if (s.ok()) {
+      const decode::TranscodedJpeg& t = w.transcoded;
+      out.header.encoding = PayloadEncoding::kJpegIndexed;
+      out.payload = dataset::EncodeJpegIndexedPayload(t.jpeg, t.offsets, t.restart_mcus, t.mcus_per_row, t.mcu_rows);
+      out.ok = true;
+      return;
+    }
+    if (s.code() != StatusCode::kUnavailable) {
+      out.reason = "JPEG: " + s.message();
+      return;
+    }
+  }
+  out.payload = std::move(jpeg);
+  out.ok = true;
+}
 
 // Rotates/flips `src` into `dst` so that EXIF orientation `o` displays upright.
 void ApplyOrientation(int o, const cv::Mat& src, cv::Mat& dst) {
@@ -234,9 +260,7 @@ void Finish(cv::Mat upright_src, int orientation, const PackOptions& o, int qual
     out.reason = jpeg.status().ToString();
     return;
   }
-  out.header.encoding = PayloadEncoding::kJpeg;
-  out.payload = std::move(jpeg).value();
-  out.ok = true;
+  StoreJpeg(std::move(jpeg).value(), o, w, out);
 }
 
 void ProcessJpeg(std::vector<std::byte>& bytes, const PackOptions& o, Worker& w, Processed& out) {
@@ -258,18 +282,30 @@ void ProcessJpeg(std::vector<std::byte>& bytes, const PackOptions& o, Worker& w,
   const bool keep = o.quality == 0 && info.orientation == 1 && !cmyk && !resize &&
                     o.encoding == PayloadEncoding::kJpeg;
   if (keep) {
-    Status s = o.validate == ValidateMode::kPixels ? w.decoder.Decode(bytes, &w.image, 1, &info)
-                                                   : w.decoder.Validate(bytes, &info);
-    if (!s.ok()) {
-      out.reason = "JPEG: " + s.message();
-      return;
-    }
-    out.header.encoding = PayloadEncoding::kJpeg;
     out.header.width = static_cast<uint32_t>(info.width);
     out.header.height = static_cast<uint32_t>(info.height);
     out.header.channels = info.components == 1 ? 1 : 3;
-    out.payload = std::move(bytes);
-    out.ok = true;
+    // The transcode reads every coefficient strictly: it is the coefficient validation. A pixel
+    // validation, or a JPEG the transcoder leaves alone, is checked on its own first.
+    const bool transcode_validates = o.index == IndexMode::kRestart && o.validate == ValidateMode::kCoefficients;
+    if (!transcode_validates) {
+      Status s = o.validate == ValidateMode::kPixels ? w.decoder.Decode(bytes, &w.image, 1, &info)
+                                                     : w.decoder.Validate(bytes, &info);
+      if (!s.ok()) {
+        out.reason = "JPEG: " + s.message();
+        return;
+      }
+    }
+    StoreJpeg(std::move(bytes), o, w, out);
+    if (transcode_validates && out.ok && out.header.encoding == PayloadEncoding::kJpeg) {
+      // Left as it was by the transcoder: validate it as without an index.
+      Status s = w.decoder.Validate(out.payload, &info);
+      if (!s.ok()) {
+        out.ok = false;
+        out.payload.clear();
+        out.reason = "JPEG: " + s.message();
+      }
+    }
     return;
   }
   // The pixels are needed: decode at the smallest DCT scale that still covers the target.
@@ -351,7 +387,9 @@ nlohmann::json OptionsJson(const PackOptions& o) {
           {"seed", o.seed},
           {"val_fraction", o.val_fraction},
           {"store_paths", o.store_paths},
-          {"validate", o.validate == ValidateMode::kPixels ? "pixels" : "coefficients"}};
+          {"validate", o.validate == ValidateMode::kPixels ? "pixels" : "coefficients"},
+          {"index", o.index == IndexMode::kRestart ? "restart" : "none"},
+          {"index_intervals_per_row", o.index_intervals_per_row}};
 }
 
 // Identifies what a split will contain: inputs, labels, classes and options. A resume must match.
@@ -479,6 +517,12 @@ class SplitPacker {
     dataset::WriterOptions wo{.commit_every_records = o_.commit_every,
                               .commit_every_bytes = kCommitBytes,
                               .store_paths = o_.store_paths};
+    if (o_.resume && fs::exists(partial, ec) && !fs::exists(partial / "data.mdb", ec)) {
+      // Killed between creating the directory and the data file: nothing was committed, so
+      // resuming is starting over.
+      fs::remove_all(partial, ec);
+      if (ec) return IoError(fmt::format("pack: {}: {}", partial.string(), ec.message()));
+    }
     if (fs::exists(partial, ec) && o_.resume) {
       STOKE_ASSIGN_OR_RETURN(auto w, dataset::DatasetWriter::OpenForAppend(partial, wo));
       writer.emplace(std::move(w));
@@ -628,7 +672,7 @@ class SplitPacker {
       progress = std::make_unique<ProgressReporter>(fmt::format("pack {}", job_.name),
                                                     static_cast<int64_t>(end - next));
     }
-    tbb::enumerable_thread_specific<Worker> workers;
+    tbb::enumerable_thread_specific<Worker> workers(std::cref(o_));
     Status error;  // written by the writer thread only; read after it is joined
     // Set by the writer thread on failure, read by the input stage.
     std::atomic<bool> cancel{false};

@@ -21,6 +21,13 @@ enum class ValidateMode {
   kPixels,        // a strict full-resolution decode of every pixel
 };
 
+// What is stored for a JPEG record.
+enum class IndexMode {
+  kRestart,  // losslessly transcoded (baseline, optimised Huffman tables, restart markers) with a
+             // restart index, so a crop decodes only its own rows and columns (docs/FORMAT.md)
+  kNone,     // the JPEG's bytes as they came (after any resize / re-encode)
+};
+
 struct PackOptions {
   std::filesystem::path source;     // folder tree (one sub-folder per class) or the list's root
   std::filesystem::path list_file;  // optional: "relative/path label" lines (Caffe convention)
@@ -36,6 +43,8 @@ struct PackOptions {
   double val_fraction = 0;          // [0, 1): stratified share of each class held out
   OnError on_error = OnError::kSkip;
   ValidateMode validate = ValidateMode::kCoefficients;
+  IndexMode index = IndexMode::kRestart;
+  int index_intervals_per_row = 8;  // kRestart: restart intervals per MCU row (at least; a divisor)
   bool resume = false;              // continue an interrupted pack (or accept a finished one)
   bool overwrite = false;           // replace existing outputs
   bool store_paths = true;          // keep each record's source path (for reports)
