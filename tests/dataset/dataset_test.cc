@@ -116,6 +116,56 @@ TEST(Record, RejectsMalformedValues) {
   EXPECT_EQ(ParseRecord(bad, 0).status().code(), StatusCode::kCorrupt);
 }
 
+TEST(Record, VersionOneRecordsStillReadAndIndexedOnesNeedVersionTwo) {
+  RecordHeader h;
+  h.format_version = 1;
+  h.payload_size = 4;
+  std::vector<std::byte> value(kRecordHeaderSize + 4);
+  EncodeRecordHeader(h, std::span<std::byte, kRecordHeaderSize>(value.data(), kRecordHeaderSize));
+  ASSERT_OK_AND_ASSIGN(RecordView v1, ParseRecord(value, 3));
+  EXPECT_EQ(v1.header.format_version, 1);
+  EXPECT_EQ(v1.image.size(), 4u);
+  EXPECT_EQ(v1.jpeg_index.entry_bytes, 0);
+  h.encoding = PayloadEncoding::kJpegIndexed;  // encoding 3 did not exist in v1
+  EncodeRecordHeader(h, std::span<std::byte, kRecordHeaderSize>(value.data(), kRecordHeaderSize));
+  EXPECT_EQ(ParseRecord(value, 3).status().code(), StatusCode::kCorrupt);
+}
+
+// The payload of a kJpegIndexed record: the JPEG, then its index with 16-bit distances when they
+// fit (else 32-bit offsets), then the trailer.
+TEST(Record, IndexedPayloadsRoundTripAndBadTrailersAreCorrupt) {
+  const std::vector<std::byte> jpeg = RandomPayload(300000, 4);
+  for (const std::vector<uint32_t>& offsets :
+       {std::vector<uint32_t>{600, 900, 1300, 2000, 2100, 5000}, std::vector<uint32_t>{600, 900, 1300, 90000, 91000, 95000}}) {
+    const auto payload = EncodeJpegIndexedPayload(jpeg, offsets, 2, 6, 2);
+    RecordHeader h;
+    h.encoding = PayloadEncoding::kJpegIndexed;
+    SealRecordHeader(h, payload);
+    std::vector<std::byte> value(kRecordHeaderSize);
+    EncodeRecordHeader(h, std::span<std::byte, kRecordHeaderSize>(value.data(), kRecordHeaderSize));
+    value.insert(value.end(), payload.begin(), payload.end());
+    ASSERT_OK_AND_ASSIGN(RecordView r, ParseRecord(value, 0));
+    EXPECT_OK(CheckCrc(r));
+    EXPECT_EQ(r.image.size(), jpeg.size());
+    EXPECT_TRUE(std::equal(r.image.begin(), r.image.end(), jpeg.begin()));
+    const bool narrow = offsets[3] - offsets[2] < 65536;
+    EXPECT_EQ(r.jpeg_index.entry_bytes, narrow ? 2 : 4);
+    EXPECT_EQ(r.jpeg_index.intervals, 6u);
+    EXPECT_EQ(r.jpeg_index.restart_mcus, 2);
+    EXPECT_EQ(r.jpeg_index.mcus_per_row, 6);
+    EXPECT_EQ(r.jpeg_index.mcu_rows, 2);
+    EXPECT_EQ(r.jpeg_index.entries.size(), narrow ? 4 + 2 * 5u : 4 * 6u);
+    // Every field of the trailer matters.
+    for (size_t at : {size_t{0}, size_t{4}, size_t{8}, size_t{10}, size_t{12}, size_t{14}, size_t{16}}) {
+      auto bad = value;
+      bad[bad.size() - kJpegIndexTrailerSize + at] ^= std::byte{0x01};
+      auto parsed = ParseRecord(bad, 7);
+      EXPECT_EQ(parsed.status().code(), StatusCode::kCorrupt) << "trailer byte " << at;
+      EXPECT_NE(parsed.status().message().find("record 7"), std::string::npos);
+    }
+  }
+}
+
 TEST(Record, KeysSortInIndexOrder) {
   std::array<std::byte, 8> a, b;
   for (uint64_t i : {0ull, 1ull, 255ull, 256ull, 65535ull, 1ull << 40}) {
@@ -368,6 +418,17 @@ TEST(Dataset, OtherFormatVersionIsRejectedWithAdvice) {
   auto r = Dataset::Open(dir / "v2");
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(r.status().message().find("re-pack"), std::string::npos) << r.status().ToString();
+}
+
+TEST(Dataset, VersionOneDatasetsStillOpen) {
+  TempDir dir;
+  auto writer = DatasetWriter::Create(dir / "v1", {});
+  ASSERT_TRUE(writer.ok());
+  Manifest m;
+  m.format_version = 1;
+  ASSERT_OK(writer->Finish(m));
+  ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(dir / "v1"));
+  EXPECT_EQ(ds.manifest().format_version, 1u);
 }
 
 TEST(Dataset, UnfinishedPackSaysHowToFinishIt) {
