@@ -10,7 +10,8 @@ if(STOKE_WERROR)
 endif()
 target_include_directories(stoke_compile_options INTERFACE ${PROJECT_SOURCE_DIR})
 target_compile_definitions(stoke_compile_options INTERFACE
-  STOKE_VERSION="${PROJECT_VERSION}" STOKE_WITH_CUDA=$<BOOL:${STOKE_WITH_CUDA}>)
+  STOKE_VERSION="${PROJECT_VERSION}" STOKE_WITH_CUDA=$<BOOL:${STOKE_WITH_CUDA}>
+  STOKE_WITH_MPI=$<BOOL:${STOKE_WITH_MPI}> STOKE_WITH_NCCL=$<BOOL:${STOKE_WITH_NCCL}>)
 
 if(STOKE_SANITIZE STREQUAL "address")
   set(_stoke_san -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer)

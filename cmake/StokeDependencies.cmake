@@ -40,3 +40,27 @@ if(NOT STOKE_CUDA STREQUAL "OFF")
   endif()
 endif()
 message(STATUS "stoke: CUDA backend ${STOKE_WITH_CUDA}")
+
+# MPI is optional like CUDA: data-parallel training (dist/) is built whenever Open MPI's development
+# files are found (AUTO), required (ON) or never (OFF). NCCL, for the CUDA backend's collectives,
+# comes with the CUDA toolkit under /usr/local/cuda and is used when both CUDA and MPI are built
+# (its unique id travels over MPI).
+set(STOKE_MPI AUTO CACHE STRING "Data-parallel training over MPI: AUTO, ON or OFF")
+set(STOKE_WITH_MPI OFF)
+set(STOKE_WITH_NCCL OFF)
+if(NOT STOKE_MPI STREQUAL "OFF")
+  find_package(MPI COMPONENTS C QUIET)
+  if(MPI_C_FOUND)
+    set(STOKE_WITH_MPI ON)
+  elseif(STOKE_MPI STREQUAL "ON")
+    message(FATAL_ERROR "STOKE_MPI=ON but MPI was not found (apt-get install libopenmpi-dev openmpi-bin)")
+  endif()
+endif()
+if(STOKE_WITH_MPI AND STOKE_WITH_CUDA)
+  find_path(STOKE_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/local/cuda/include)
+  find_library(STOKE_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} /usr/local/cuda/lib64)
+  if(STOKE_NCCL_INCLUDE_DIR AND STOKE_NCCL_LIBRARY)
+    set(STOKE_WITH_NCCL ON)
+  endif()
+endif()
+message(STATUS "stoke: MPI ${STOKE_WITH_MPI} (${MPIEXEC_EXECUTABLE}), NCCL ${STOKE_WITH_NCCL}")

@@ -31,8 +31,25 @@ Result<Sampler> Sampler::Create(int64_t num_records, SamplerOptions o) {
     return InvalidArgumentError("sampler: block_size and window_blocks must be > 0");
   }
   const int64_t world = o.world_size;
-  int64_t per_rank = o.drop_last ? num_records / world : (num_records + world - 1) / world;
-  if (num_records > 0 && per_rank == 0) {
+  int64_t per_rank = 0;
+  switch (o.sharding) {
+    case Sharding::kContiguous:
+      per_rank = o.drop_last ? num_records / world : (num_records + world - 1) / world;
+      break;
+    case Sharding::kGlobalBatch: {
+      if (o.global_batch <= 0 || o.global_batch % world != 0) {
+        return InvalidArgumentError(fmt::format(
+            "sampler: the global batch {} must be a positive multiple of the world size {}", o.global_batch, world));
+      }
+      const int64_t full = num_records / o.global_batch, rem = num_records % o.global_batch;
+      per_rank = full * (o.global_batch / world) + (o.drop_last ? rem / world : (rem + world - 1) / world);
+      break;
+    }
+    case Sharding::kExact:
+      per_rank = (o.rank + 1) * num_records / world - o.rank * num_records / world;
+      break;
+  }
+  if (num_records > 0 && per_rank == 0 && o.sharding != Sharding::kExact) {
     return InvalidArgumentError(fmt::format(
         "sampler: {} records cannot give each of {} ranks one with drop_last", num_records, world));
   }
@@ -75,11 +92,30 @@ std::vector<int64_t> Sampler::GlobalOrder(int64_t epoch) const {
 
 std::vector<int64_t> Sampler::Epoch(int64_t epoch) const {
   std::vector<int64_t> order = GlobalOrder(epoch);
-  const int64_t total = per_rank_ * options_.world_size;
-  // Pad by wrapping around (drop_last=false) or truncate (drop_last=true) to world * per_rank.
-  for (int64_t i = n_; i < total; ++i) order.push_back(order[static_cast<size_t>(i % n_)]);
-  const int64_t begin = per_rank_ * options_.rank;
-  return std::vector<int64_t>(order.begin() + begin, order.begin() + begin + per_rank_);
+  const int64_t world = options_.world_size, rank = options_.rank;
+  if (n_ == 0) return {};
+  auto take = [&](int64_t begin, int64_t count, std::vector<int64_t>& out) {
+    // Past the end wraps around to the epoch's first records (padding).
+    for (int64_t i = begin; i < begin + count; ++i) out.push_back(order[static_cast<size_t>(i % n_)]);
+  };
+  std::vector<int64_t> mine;
+  mine.reserve(static_cast<size_t>(per_rank_));
+  switch (options_.sharding) {
+    case Sharding::kContiguous:
+      take(per_rank_ * rank, per_rank_, mine);
+      break;
+    case Sharding::kGlobalBatch: {
+      const int64_t g = options_.global_batch, b = g / world, full = n_ / g;
+      for (int64_t k = 0; k < full; ++k) take(k * g + rank * b, b, mine);
+      const int64_t tail = per_rank_ - full * b;
+      take(full * g + rank * tail, tail, mine);
+      break;
+    }
+    case Sharding::kExact:
+      take(rank * n_ / world, per_rank_, mine);
+      break;
+  }
+  return mine;
 }
 
 }  // namespace stoke::dataset

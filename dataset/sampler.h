@@ -17,6 +17,16 @@ enum class ShuffleMode {
 };
 Result<ShuffleMode> ParseShuffleMode(std::string_view name);  // "sequential" | "full" | "block"
 
+// How an epoch's order is divided among the ranks of a data-parallel run.
+enum class Sharding {
+  kContiguous,   // rank r takes the r-th contiguous 1/world of the epoch (padded or cut to equal)
+  kGlobalBatch,  // the epoch is cut into global batches; rank r takes samples [rB, (r+1)B) of each
+                 // (B = global_batch / world): global batch k holds the same samples, with the same
+                 // crops, whatever the world size
+  kExact,        // contiguous shards of floor or ceil(n / world), every record exactly once across
+                 // the ranks (evaluation: no record counted twice, none left out)
+};
+
 struct SamplerOptions {
   ShuffleMode mode = ShuffleMode::kFull;
   uint64_t seed = 0;
@@ -28,17 +38,21 @@ struct SamplerOptions {
   // records so every rank gets ceil(n/world) (each record at least once, a few twice); true drops
   // the last n % world records of the epoch order so ranks stay disjoint, at floor(n/world).
   bool drop_last = false;
+  Sharding sharding = Sharding::kContiguous;
+  // kGlobalBatch: samples per global batch, a positive multiple of world_size. The epoch's tail
+  // (n % global_batch samples) is split evenly too, padded (drop_last false) or cut.
+  int64_t global_batch = 0;
 };
 
 // Deterministic: Epoch(e) depends only on (n, options, e), never on threads or history, so every
-// rank computes the same global order and takes its own contiguous slice of it (contiguous keeps
-// block-shuffled reads sequential on each rank). Thread-safe (immutable).
+// rank computes the same global order and takes its own slice of it (contiguous, or its slice of
+// every global batch). Thread-safe (immutable).
 class Sampler {
  public:
   // kInvalidArgument naming the bad option.
   static Result<Sampler> Create(int64_t num_records, SamplerOptions options);
 
-  // Records per rank per epoch (equal on every rank).
+  // This rank's records per epoch (equal on every rank, except with Sharding::kExact).
   int64_t samples_per_rank() const { return per_rank_; }
   // This rank's record indices for `epoch`, in visiting order.
   std::vector<int64_t> Epoch(int64_t epoch) const;

@@ -4,10 +4,12 @@
 
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <string>
 
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
 
 #include "common/logging.h"
 #include "tools/bench/bench_commands.h"
@@ -15,6 +17,7 @@
 #include "tools/pack/packer.h"
 #include "tools/demo/demo.h"
 #include "tools/synth/synth.h"
+#include "dist/communicator.h"
 #include "train/config.h"
 #include "train/trainer.h"
 
@@ -267,7 +270,8 @@ int Run(int argc, char** argv) {
   }
   if (train_cmd->parsed()) {
     auto config = stoke::train::LoadConfig(train_config);
-    if (!config.ok()) return Fail(config.status());
+    // Under a launcher every rank reads the same file: one report of its errors is enough.
+    if (!config.ok()) return stoke::dist::DetectLaunch().rank == 0 ? Fail(config.status()) : 1;
     if (print_config) {
       std::fputs(stoke::train::ConfigToYaml(*config).c_str(), stdout);
       return 0;
@@ -275,10 +279,35 @@ int Run(int argc, char** argv) {
     if (train_cmd->get_option("--resume")->count() > 0) train_run.resume = resume.empty() ? "latest" : resume;
     train_run.progress = !train_quiet;
     train_run.stop = &g_stop;
+    // Under mpirun or srun: one rank of a data-parallel run (a world of one otherwise).
+    auto comm = stoke::dist::Communicator::Create({.timeout_s = config->dist.timeout_s});
+    if (!comm.ok()) return Fail(comm.status());
+    train_run.comm = comm->get();
+    const int rank = (*comm)->rank(), world = (*comm)->size();
+    if (const char* p = std::getenv("STOKE_TEST_POISON"); p != nullptr) {
+      // Tests: "RANK:STEP" feeds NaN gradients into one rank at one step.
+      long long r = -1, st = -1;
+      if (std::sscanf(p, "%lld:%lld", &r, &st) == 2) {
+        train_run.poison_rank = static_cast<int>(r);
+        train_run.poison_step = st;
+      }
+    }
     std::signal(SIGINT, OnInterrupt);
     std::signal(SIGTERM, OnInterrupt);
+    // mpirun forwards SIGUSR1 to every rank (and kills on SIGINT): `kill -USR1 <mpirun>` stops a
+    // data-parallel run with a checkpoint, like Ctrl-C on one process.
+    std::signal(SIGUSR1, OnInterrupt);
     auto summary = stoke::train::Train(*config, train_run);
-    if (!summary.ok()) return Fail(summary.status());
+    if (!summary.ok()) {
+      // Every rank holds the same agreed error; rank 0 reports it, naming the rank it came from.
+      if (rank != 0) return 1;
+      const std::string& m = summary.status().message();
+      if (world > 1 && m.rfind("rank ", 0) != 0) {
+        return Fail(stoke::Status(summary.status().code(), fmt::format("rank 0 ({}): {}", (*comm)->host(), m)));
+      }
+      return Fail(summary.status());
+    }
+    if (rank != 0) return 0;
     std::fputs(stoke::train::FormatSummary(*summary).c_str(), stdout);
     if (summary->stopped && summary->steps < summary->total_steps) {
       std::printf("stopped at step %lld; continue with: stoke train --config %s --resume\n",
@@ -309,7 +338,8 @@ int Run(int argc, char** argv) {
     train_bench.model_json = model_json;
     train_bench.peer_script = peer_script;
     auto result = stoke::bench::BenchTrain(bench, train_bench);
-    if (!result.ok()) return Fail(result.status());
+    // Under a launcher the ranks agree on errors; rank 0 reports them.
+    if (!result.ok()) return stoke::dist::DetectLaunch().rank == 0 ? Fail(result.status()) : 1;
     std::cout << *result;
     return 0;
   }

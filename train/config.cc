@@ -283,6 +283,7 @@ Status ParseModel(Section& top, ModelConfig& m) {
   STOKE_RETURN_IF_ERROR(s.Number("label_smoothing", &m.label_smoothing, 0, 1, true));
   STOKE_RETURN_IF_ERROR(s.Number("bn_momentum", &m.bn_momentum, 0, 1));
   STOKE_RETURN_IF_ERROR(s.Number("bn_epsilon", &m.bn_epsilon, 1e-12, 1));
+  STOKE_RETURN_IF_ERROR(s.Bool("sync_batchnorm", &m.sync_batchnorm));
   YAML::Node layers;
   const bool has_layers = s.Has("layers", &layers);
   const YAML::Node& at = s.node().IsMap() ? s.node() : top.node();
@@ -316,6 +317,12 @@ Status ParseOptimizer(Section& top, OptimizerConfig& o) {
   STOKE_RETURN_IF_ERROR(s.Bool("nesterov", &o.sgd.nesterov));
   STOKE_RETURN_IF_ERROR(s.Number("weight_decay", &o.sgd.weight_decay, 0, 1));
   STOKE_RETURN_IF_ERROR(s.Bool("decay_bn_and_bias", &o.sgd.decay_bn_and_bias));
+  std::string type(LayerAdaptationName(o.sgd.adaptation));
+  STOKE_RETURN_IF_ERROR(s.String("type", &type, {"sgd", "lars", "larc"}));
+  o.sgd.adaptation = type == "lars" ? LayerAdaptation::kLars : type == "larc" ? LayerAdaptation::kLarc : LayerAdaptation::kNone;
+  STOKE_RETURN_IF_ERROR(s.Number("trust_coefficient", &o.sgd.trust_coefficient, 0, 1));
+  STOKE_RETURN_IF_ERROR(s.Bool("clip", &o.sgd.clip));
+  STOKE_RETURN_IF_ERROR(s.Number("eps", &o.sgd.eps, 0, 1));
   return s.Finish();
 }
 
@@ -386,6 +393,11 @@ Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::str
   STOKE_RETURN_IF_ERROR(top.Number("compute_threads", &c.compute_threads, 0, 4096));
   STOKE_RETURN_IF_ERROR(top.String("run_dir", &c.run_dir));
   STOKE_RETURN_IF_ERROR(top.Number("log_every_steps", &c.log_every_steps, 1, 1e15));
+  STOKE_ASSIGN_OR_RETURN(Section di, top.Sub("dist"));
+  STOKE_RETURN_IF_ERROR(di.Number("bucket_mb", &c.dist.bucket_mb, 0.001, 4096));
+  STOKE_RETURN_IF_ERROR(di.Number("timeout_s", &c.dist.timeout_s, 1, 86400));
+  STOKE_RETURN_IF_ERROR(di.Number("check_every_steps", &c.dist.check_every_steps, 0, 1e15));
+  STOKE_RETURN_IF_ERROR(di.Finish());
   STOKE_RETURN_IF_ERROR(top.Finish());
   for (int m : c.schedule.milestones) {
     if (m > c.epochs) {
@@ -459,6 +471,7 @@ std::string ConfigToYaml(const TrainConfig& c) {
   Put(e, "label_smoothing", m.label_smoothing);
   Put(e, "bn_momentum", m.bn_momentum);
   Put(e, "bn_epsilon", m.bn_epsilon);
+  Put(e, "sync_batchnorm", m.sync_batchnorm);
   if (m.preset.empty()) {
     Put(e, "layers", YAML::BeginSeq);
     for (const LayerSpec& l : m.layers) {
@@ -506,6 +519,10 @@ std::string ConfigToYaml(const TrainConfig& c) {
   Put(e, "nesterov", o.sgd.nesterov);
   Put(e, "weight_decay", o.sgd.weight_decay);
   Put(e, "decay_bn_and_bias", o.sgd.decay_bn_and_bias);
+  Put(e, "type", std::string(LayerAdaptationName(o.sgd.adaptation)));
+  Put(e, "trust_coefficient", o.sgd.trust_coefficient);
+  Put(e, "clip", o.sgd.clip);
+  Put(e, "eps", o.sgd.eps);
   e << YAML::EndMap;
 
   const ScheduleConfig& s = c.schedule;
@@ -534,6 +551,11 @@ std::string ConfigToYaml(const TrainConfig& c) {
   Put(e, "compute_threads", c.compute_threads);
   Put(e, "run_dir", c.run_dir);
   Put(e, "log_every_steps", c.log_every_steps);
+  Put(e, "dist", YAML::BeginMap);
+  Put(e, "bucket_mb", c.dist.bucket_mb);
+  Put(e, "timeout_s", c.dist.timeout_s);
+  Put(e, "check_every_steps", c.dist.check_every_steps);
+  e << YAML::EndMap;
   e << YAML::EndMap;
   return std::string(e.c_str()) + "\n";
 }

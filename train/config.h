@@ -55,6 +55,7 @@ struct ModelConfig {
   double label_smoothing = 0;
   double bn_momentum = 0.1;
   double bn_epsilon = 1e-5;
+  bool sync_batchnorm = false;  // data-parallel: batch statistics over the global batch
 };
 
 struct OptimizerConfig {
@@ -74,6 +75,13 @@ struct CheckpointConfig {
   int keep = 2;  // checkpoints kept in run_dir/checkpoints (oldest removed)
 };
 
+// Data-parallel runs (under mpirun or srun; see docs/DISTRIBUTED.md).
+struct DistConfig {
+  double bucket_mb = 25;          // gradients averaged in buckets of about this size
+  double timeout_s = 300;         // a collective slower than this ends the run (a rank is gone)
+  int64_t check_every_steps = 0;  // > 0: compare a digest of every rank's model this often
+};
+
 struct TrainConfig {
   std::string source;  // file the config came from (for messages)
   DataConfig data;
@@ -88,6 +96,7 @@ struct TrainConfig {
   int compute_threads = 0;       // CPU backend threads; 0 = every core
   std::string run_dir = "runs/run";
   int64_t log_every_steps = 10;
+  DistConfig dist;
 };
 
 // Parses YAML text. `source` names it in errors. Relative dataset and run paths stay relative

@@ -55,9 +55,31 @@ struct Param {
   std::string name;
   Dims dims;  // plain (checkpoint) dims
   Tag plain = Tag::x;
-  memory value, grad, momentum;
+  memory value, grad, momentum;  // grad points into Net::grad_flat
   bool decay = true;  // false for BN scale/shift and biases
+  int layer = -1;     // the layer that owns it
 };
+
+// 64-byte aligned floats (the flat gradient buffer).
+struct AlignedFloats {
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  std::unique_ptr<float, Free> data;
+  size_t size = 0;
+  void Allocate(size_t floats) {
+    const size_t bytes = (floats * sizeof(float) + 63) / 64 * 64;
+    data.reset(static_cast<float*>(std::aligned_alloc(64, std::max<size_t>(bytes, 64))));
+    if (!data) throw std::bad_alloc();
+    std::memset(data.get(), 0, bytes);
+    size = floats;
+  }
+  std::span<float> span() const { return {data.get(), size}; }
+};
+
+// Floats reserved after the gradients in the flat buffer for this rank's step statistics, which
+// are averaged with them: loss sum, top-1, top-5, count.
+constexpr size_t kTailFloats = 16;
 
 // A non-learned tensor kept in checkpoints (BN running statistics).
 struct Buffer {
@@ -105,6 +127,15 @@ class Net {
   memory loss_diff;  // N x classes, plain
   Converter loss_diff_conv;
 
+  // Every parameter gradient in one buffer, the last layer's first (the order backward finishes
+  // them), each slice padded to 64 bytes, then kTailFloats for the step statistics.
+  AlignedFloats grad_flat;
+  std::vector<GradientSlice> grad_slices;    // per parameter, in backward order; then the tail
+  std::vector<std::vector<int>> layer_slices;  // per layer: its parameters' slices
+  StepSync* sync = nullptr;                  // data-parallel: set by SetStepSync
+  bool Parallel() const { return sync != nullptr && sync->world() > 1; }
+  bool SyncBatchNorm() const { return Parallel() && opt.sync_batchnorm; }
+
   std::vector<bool> needs_grad;  // per layer: its output's gradient is used (LayersNeedingGradient)
   int running = -1;              // the layer being built or run, for error messages
   const char* phase = "";        // what it was doing: "build", "forward", "backward"
@@ -139,10 +170,10 @@ class Net {
     p->dims = dims;
     p->plain = plain;
     p->decay = decay;
+    p->layer = running;
     p->value = memory(md, eng);
-    p->grad = memory(md, eng);
+    p->grad = memory(md, eng, DNNL_MEMORY_NONE);  // placed in grad_flat by LayOutGradients()
     p->momentum = memory(md, eng);
-    std::memset(p->grad.get_data_handle(), 0, md.get_size());
     std::memset(p->momentum.get_data_handle(), 0, md.get_size());
     FromPlain(init, dims, plain, p->value);
     params.push_back(std::move(p));
@@ -154,6 +185,26 @@ class Net {
     buffers.push_back({name, m});
     return m;
   }
+
+  // Places every gradient in grad_flat (see there); once, after the layers are built.
+  void LayOutGradients() {
+    auto padded = [](size_t bytes) { return (bytes + 63) / 64 * 16; };  // floats
+    size_t total = 0;
+    for (auto it = params.rbegin(); it != params.rend(); ++it) total += padded((*it)->grad.get_desc().get_size());
+    grad_flat.Allocate(total + kTailFloats);
+    layer_slices.assign(layers.size(), {});
+    size_t offset = 0;
+    for (auto it = params.rbegin(); it != params.rend(); ++it) {
+      Param& p = **it;
+      const size_t count = padded(p.grad.get_desc().get_size());
+      p.grad.set_data_handle(grad_flat.data.get() + offset);
+      layer_slices[static_cast<size_t>(p.layer)].push_back(static_cast<int>(grad_slices.size()));
+      grad_slices.push_back({offset, count});
+      offset += count;
+    }
+    grad_slices.push_back({offset, kTailFloats});
+  }
+  float* Tail() { return grad_flat.data.get() + grad_slices.back().offset; }
 
   void FromPlain(const std::vector<float>& values, const Dims& dims, Tag plain, memory& dst) {
     memory::desc md(dims, kF32, plain);
@@ -398,6 +449,17 @@ class BatchNormLayer final : public Layer {
     dnnl::batch_normalization_backward::primitive_desc bwd_pd(
         {dnnl::prop_kind::backward, md, md, eps, flags}, net.eng, fwd_pd_);
     bwd_ = dnnl::batch_normalization_backward(bwd_pd);
+    if (net.opt.sync_batchnorm) {
+      // Batch norm over the global batch: normalise with the combined statistics, and correct
+      // the local input gradient by what the other ranks' samples add to it (see Backward).
+      fwd_global_ = dnnl::batch_normalization_forward(dnnl::batch_normalization_forward::primitive_desc(
+          {dnnl::prop_kind::forward_training, md, eps, flags | dnnl::normalization_flags::use_global_stats},
+          net.eng));
+      correction_ = memory(md, net.eng);
+      k1_ = memory(memory::desc({channels_}, kF32, Tag::x), net.eng);
+      k2_ = memory(memory::desc({channels_}, kF32, Tag::x), net.eng);
+      add_ = dnnl::binary(dnnl::binary::primitive_desc({dnnl::algorithm::binary_add, md, md, md}, net.eng));
+    }
     net.Note(self, fwd_pd_);
     net.Note(self, inf_pd);
     net.Note(self, bwd_pd);
@@ -430,9 +492,19 @@ class BatchNormLayer final : public Layer {
                             {DNNL_ARG_SCALE, scale_->value}, {DNNL_ARG_SHIFT, shift_->value},
                             {DNNL_ARG_MEAN, mean_}, {DNNL_ARG_VARIANCE, var_}});
     net.strm.wait();
+    int64_t samples = per_channel_;  // values behind each channel's statistics
+    if (net.SyncBatchNorm()) {
+      Check(net.sync->CombineMoments({Data(mean_), static_cast<size_t>(channels_)},
+                                     {Data(var_), static_cast<size_t>(channels_)}));
+      fwd_global_.execute(net.strm, {{DNNL_ARG_SRC, net.Out(in_)}, {DNNL_ARG_DST, out},
+                                     {DNNL_ARG_SCALE, scale_->value}, {DNNL_ARG_SHIFT, shift_->value},
+                                     {DNNL_ARG_MEAN, mean_}, {DNNL_ARG_VARIANCE, var_}});
+      net.strm.wait();
+      samples *= net.sync->world();
+    }
     // Running statistics as in common frameworks: the variance is the unbiased batch estimate.
     const auto m = static_cast<float>(net.opt.bn_momentum);
-    const float unbias = per_channel_ > 1 ? static_cast<float>(per_channel_) / static_cast<float>(per_channel_ - 1) : 1.f;
+    const float unbias = samples > 1 ? static_cast<float>(samples) / static_cast<float>(samples - 1) : 1.f;
     float* rm = Data(running_mean_);
     float* rv = Data(running_var_);
     const float* bm = Data(mean_);
@@ -450,17 +522,58 @@ class BatchNormLayer final : public Layer {
                             {DNNL_ARG_SHIFT, shift_->value},
                             {DNNL_ARG_DIFF_SRC, sink_.node < 0 ? discard_ : net.SinkTarget(sink_)},
                             {DNNL_ARG_DIFF_SCALE, scale_->grad}, {DNNL_ARG_DIFF_SHIFT, shift_->grad}});
+    if (net.SyncBatchNorm()) CorrectForGlobalBatch(net);
     net.Deliver(sink_);
   }
 
  private:
+  // With the global mean and variance, oneDNN's backward gives this rank's share of the gradients:
+  //   s1 = sum dy * xhat, s2 = sum dy over the local N_l values of each channel, and
+  //   dx_local = gamma / sigma * (dy - s2 / N_l - xhat * s1 / N_l).
+  // Over the global batch (N_g = world * N_l, S = the sum of s over the ranks) the input gradient is
+  //   dx = gamma / sigma * (dy - S2 / N_g - xhat * S1 / N_g) = dx_local + k1 + k2 * xhat,
+  //   k1 = gamma / sigma * (s2 / N_l - S2 / N_g),  k2 = gamma / sigma * (s1 / N_l - S1 / N_g).
+  // k1 + k2 * xhat is a batch-norm inference with scale k2 and shift k1, added by a binary
+  // primitive. The parameter gradients s1, s2 are averaged with the others by the reducer.
+  void CorrectForGlobalBatch(Net& net) {
+    net.strm.wait();
+    const auto c = static_cast<size_t>(channels_);
+    std::vector<float> sums(2 * c);
+    std::copy_n(Data(scale_->grad), c, sums.begin());
+    std::copy_n(Data(shift_->grad), c, sums.begin() + static_cast<ptrdiff_t>(c));
+    Check(net.sync->SumOverRanks(sums));
+    if (sink_.node < 0) return;  // no input gradient wanted
+    const double nl = static_cast<double>(per_channel_), ng = nl * net.sync->world();
+    const float* gamma = Data(scale_->value);
+    const float* var = Data(var_);
+    const float* s1 = Data(scale_->grad);
+    const float* s2 = Data(shift_->grad);
+    float* k1 = Data(k1_);
+    float* k2 = Data(k2_);
+    for (size_t i = 0; i < c; ++i) {
+      const double g = gamma[i] / std::sqrt(static_cast<double>(var[i]) + net.opt.bn_epsilon);
+      k1[i] = static_cast<float>(g * (s2[i] / nl - sums[c + i] / ng));
+      k2[i] = static_cast<float>(g * (s1[i] / nl - sums[i] / ng));
+    }
+    inf_.execute(net.strm, {{DNNL_ARG_SRC, net.Out(in_)}, {DNNL_ARG_DST, correction_},
+                            {DNNL_ARG_SCALE, k2_}, {DNNL_ARG_SHIFT, k1_},
+                            {DNNL_ARG_MEAN, mean_}, {DNNL_ARG_VARIANCE, var_}});
+    const memory target = net.SinkTarget(sink_);
+    add_.execute(net.strm, {{DNNL_ARG_SRC_0, target}, {DNNL_ARG_SRC_1, correction_}, {DNNL_ARG_DST, target}});
+    net.strm.wait();
+  }
+  // A collective that failed leaves the ranks out of step: the step cannot finish.
+  static void Check(const Status& s) {
+    if (!s.ok()) throw std::runtime_error("synchronised batch norm: " + s.ToString());
+  }
+
   int self_, in_;
   int64_t channels_ = 0, per_channel_ = 0;
   dnnl::batch_normalization_forward::primitive_desc fwd_pd_;
-  dnnl::primitive fwd_, inf_, bwd_;
+  dnnl::primitive fwd_, inf_, bwd_, fwd_global_, add_;
   Param* scale_ = nullptr;
   Param* shift_ = nullptr;
-  memory mean_, var_, running_mean_, running_var_, discard_;
+  memory mean_, var_, running_mean_, running_var_, discard_, correction_, k1_, k2_;
   Converter dd_;
   DiffSink sink_;
 };
@@ -747,6 +860,10 @@ struct CpuNetwork::Impl {
       Node& node = net.nodes[i];
       if (node.writes == 0) std::memset(node.diff.get_data_handle(), 0, node.diff.get_desc().get_size());
       net.layers[i]->Backward(net);
+      if (net.Parallel() && !net.layer_slices[i].empty()) {
+        net.strm.wait();  // the layer's gradients are final: their bucket may start averaging
+        for (int slice : net.layer_slices[i]) net.sync->GradientReady(slice);
+      }
     }
     net.running = -1;
     net.strm.wait();
@@ -761,19 +878,64 @@ struct CpuNetwork::Impl {
       const float* g = Data(p->grad);
       float* m = Data(p->momentum);
       const size_t count = Floats(p->value);
+      // Layer-wise adaptation for weight tensors (padding, where a layout has it, is zero in both).
+      float r = 1.f;
+      if (sgd.adaptation != LayerAdaptation::kNone && p->decay) {
+        double ww = 0, gg = 0;
+        for (size_t i = 0; i < count; ++i) {
+          ww += static_cast<double>(w[i]) * w[i];
+          gg += static_cast<double>(g[i]) * g[i];
+        }
+        r = TrustRatio(sgd, std::sqrt(ww), std::sqrt(gg), wd, lr);
+      }
       if (sgd.nesterov) {
         for (size_t i = 0; i < count; ++i) {
-          const float gi = g[i] + wd * w[i];
+          const float gi = r * (g[i] + wd * w[i]);
           m[i] = mu * m[i] + gi;
           w[i] -= lr * (gi + mu * m[i]);
         }
       } else {
         for (size_t i = 0; i < count; ++i) {
-          m[i] = mu * m[i] + g[i] + wd * w[i];
+          m[i] = mu * m[i] + r * (g[i] + wd * w[i]);
           w[i] -= lr * m[i];
         }
       }
     }
+  }
+
+  // Data-parallel end of a step: this rank's statistics ride in the tail of the gradient buffer, so
+  // one round of averaging gives every rank the mean gradient and the global statistics.
+  Result<BatchStats> FinishParallelStep(const BatchStats& local) {
+    float* tail = net.Tail();
+    std::fill_n(tail, kTailFloats, 0.f);
+    tail[0] = static_cast<float>(local.loss_sum);
+    tail[1] = static_cast<float>(local.top1);
+    tail[2] = static_cast<float>(local.top5);
+    tail[3] = static_cast<float>(local.count);
+    net.sync->GradientReady(static_cast<int>(net.grad_slices.size()) - 1);
+    STOKE_RETURN_IF_ERROR(net.sync->FinishGradients());
+    const double world = net.sync->world();
+    BatchStats global;
+    global.loss_sum = tail[0] * world;
+    global.top1 = std::llround(tail[1] * world);
+    global.top5 = std::llround(tail[2] * world);
+    global.count = std::llround(tail[3] * world);
+    // Every rank holds the same averages, so every rank takes the same decision.
+    bool finite = std::isfinite(global.loss_sum);
+    const float* g = net.grad_flat.data.get();
+    const size_t n = net.grad_slices.back().offset;
+    for (size_t i = 0; finite && i < n; i += 4096) {
+      float acc = 0;
+      const size_t end = std::min(n, i + 4096);
+      for (size_t k = i; k < end; ++k) acc += g[k] * 0.f;  // NaN or inf anywhere makes it NaN
+      finite = acc == 0.f;
+    }
+    if (!finite) {
+      global.skipped = 1;
+      // Backward rewrites every gradient, but not the padding between slices: clear it all.
+      std::memset(net.grad_flat.data.get(), 0, net.grad_flat.size * sizeof(float));
+    }
+    return global;
   }
 
   // Where a failure happened: "layer 3 ('relu3', relu), backward" or the operation alone.
@@ -914,6 +1076,7 @@ Result<std::unique_ptr<CpuNetwork>> CpuNetwork::Create(NetworkOptions options) {
     net.logits_conv.Init(net.nodes.back().out.get_desc(), plain, net.eng);
     net.loss_diff = memory(plain, net.eng);
     net.loss_diff_conv.Init(plain, net.nodes.back().out.get_desc(), net.eng);
+    net.LayOutGradients();
     return OkStatus();
   });
   STOKE_RETURN_IF_ERROR(built);
@@ -929,6 +1092,11 @@ Result<BatchStats> CpuNetwork::TrainStep(const prefetch::Batch& batch, float lr,
   return impl_->Guard(fmt::format("training step {}", step), [&]() -> Result<BatchStats> {
     STOKE_RETURN_IF_ERROR(impl_->Normalise(batch));
     BatchStats stats = impl_->ForwardBackward(batch.labels, step);
+    if (impl_->net.Parallel()) {
+      STOKE_ASSIGN_OR_RETURN(stats, impl_->FinishParallelStep(stats));
+      if (stats.skipped == 0) impl_->Update(lr, sgd);
+      return stats;
+    }
     if (!std::isfinite(stats.loss_sum)) {
       return InvalidArgumentError(
           fmt::format("the loss is not finite at step {} (learning rate {} too high?)", step, lr));
@@ -1009,6 +1177,29 @@ Status CpuNetwork::LoadState(const std::vector<NamedTensor>& state) {
     }
     return OkStatus();
   });
+}
+
+Status CpuNetwork::SetStepSync(StepSync* sync) {
+  Net& net = impl_->net;
+  if (sync != nullptr && sync->world() > 1) {
+    STOKE_RETURN_IF_ERROR(sync->AttachGradients(net.grad_flat.span(), net.grad_slices));
+  }
+  net.sync = sync;
+  return OkStatus();
+}
+
+Status CpuNetwork::AverageRunningStats() {
+  Net& net = impl_->net;
+  if (!net.Parallel() || net.buffers.empty()) return OkStatus();
+  std::vector<float> all;
+  for (const auto& b : net.buffers) all.insert(all.end(), Data(b.value), Data(b.value) + Floats(b.value));
+  STOKE_RETURN_IF_ERROR(net.sync->AverageOverRanks(all));
+  size_t k = 0;
+  for (auto& b : net.buffers) {
+    std::copy_n(all.begin() + static_cast<ptrdiff_t>(k), Floats(b.value), Data(b.value));
+    k += Floats(b.value);
+  }
+  return OkStatus();
 }
 
 std::vector<float> CpuNetwork::LastLogits() const {

@@ -31,6 +31,10 @@ class CpuNetwork final : public Network {
   Result<std::vector<NamedTensor>> State() const override;
   Status LoadState(const std::vector<NamedTensor>& state) override;
   std::vector<float> LastLogits() const override;
+  // Gradients are averaged in buckets as backward finishes each layer; sync BN when
+  // options().sync_batchnorm. Set it on every rank before the first step.
+  Status SetStepSync(StepSync* sync) override;
+  Status AverageRunningStats() override;
 
   // For gradient checks: forward + backward on an already normalised input (batch x 3 x H x W,
   // plain NCHW) in training mode, leaving the gradients in place and the parameters unchanged.

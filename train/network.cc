@@ -1,5 +1,6 @@
 #include "train/network.h"
 
+#include <algorithm>
 #include <map>
 
 #include <fmt/format.h>
@@ -16,6 +17,25 @@ std::string_view PrecisionName(Precision p) {
       return "float16";
   }
   return "?";
+}
+
+std::string_view LayerAdaptationName(LayerAdaptation a) {
+  switch (a) {
+    case LayerAdaptation::kNone:
+      return "sgd";
+    case LayerAdaptation::kLars:
+      return "lars";
+    case LayerAdaptation::kLarc:
+      return "larc";
+  }
+  return "?";
+}
+
+float TrustRatio(const SgdOptions& sgd, double weight_norm, double grad_norm, double weight_decay, float lr) {
+  if (sgd.adaptation == LayerAdaptation::kNone || weight_norm <= 0 || grad_norm <= 0) return 1.f;
+  double r = sgd.trust() * weight_norm / (grad_norm + weight_decay * weight_norm + sgd.eps);
+  if (sgd.adaptation == LayerAdaptation::kLarc && sgd.clip && lr > 0) r = std::min(r / lr, 1.0);
+  return static_cast<float>(r);
 }
 
 Status CheckBatch(const NetworkOptions& opt, const prefetch::Batch& b, bool full) {

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -36,14 +37,36 @@ struct NetworkOptions {
   int threads = 0;    // compute threads; 0 = every core (CPU backend)
   Precision precision = Precision::kFloat32;
   int device = 0;  // CUDA backend: the GPU
+  // Data-parallel runs: batch statistics of batch norm over the global batch (every rank's
+  // samples) instead of this rank's; see StepSync. No effect on one rank.
+  bool sync_batchnorm = false;
 };
+
+// Layer-wise adaptive rate scaling for large batches. Each weight tensor w (not BN scale/shift or
+// biases) gets its gradient g' = g + wd w scaled by the trust ratio
+//   r = trust_coefficient * |w| / (|g| + wd |w| + eps)      (1 when |w| or |g| is 0)
+// before momentum. kLars uses r as is; kLarc clips it (when `clip`) so the rate never exceeds the
+// global one: min(r / lr, 1).
+enum class LayerAdaptation { kNone, kLars, kLarc };
 
 struct SgdOptions {
   double momentum = 0.9;  // [0, 1)
   bool nesterov = false;
   double weight_decay = 0;           // L2, added to the gradient
   bool decay_bn_and_bias = false;    // false: no weight decay on BN scale/shift and biases
+  LayerAdaptation adaptation = LayerAdaptation::kNone;
+  double trust_coefficient = 0;  // 0: the default of the adaptation (kLars 0.001, kLarc 0.02)
+  bool clip = true;              // kLarc: clip the adapted rate at the global one
+  double eps = 1e-8;
+  double trust() const {
+    if (trust_coefficient > 0) return trust_coefficient;
+    return adaptation == LayerAdaptation::kLarc ? 0.02 : 0.001;
+  }
 };
+std::string_view LayerAdaptationName(LayerAdaptation a);  // "sgd", "lars", "larc"
+
+// The trust ratio of one tensor (see LayerAdaptation), from its norms; 1 when no adaptation applies.
+float TrustRatio(const SgdOptions& sgd, double weight_norm, double grad_norm, double weight_decay, float lr);
 
 // Sums over the samples of one batch (or of several, with +=).
 struct BatchStats {
@@ -51,11 +74,15 @@ struct BatchStats {
   int64_t top1 = 0;     // samples whose label is the arg-max
   int64_t top5 = 0;     // samples whose label is among the 5 largest logits
   int64_t count = 0;
+  // Data-parallel steps skipped by every rank because the loss or the averaged gradient was not
+  // finite on some rank (the parameters are then left as they were).
+  int64_t skipped = 0;
   BatchStats& operator+=(const BatchStats& o) {
     loss_sum += o.loss_sum;
     top1 += o.top1;
     top5 += o.top5;
     count += o.count;
+    skipped += o.skipped;
     return *this;
   }
   double loss() const { return count ? loss_sum / static_cast<double>(count) : 0; }
@@ -70,6 +97,35 @@ struct NamedTensor {
   std::string name;
   std::vector<int64_t> dims;
   std::vector<float> values;
+};
+
+// A gradient: `count` floats at `offset` in a backend's flat gradient buffer.
+struct GradientSlice {
+  size_t offset = 0;
+  size_t count = 0;
+};
+
+// Data-parallel training as a backend sees it: the collectives it makes during a step so that every
+// rank ends the step with the same parameters. train/data_parallel.h implements it over dist/.
+// Every rank makes the same calls in the same order; a failed collective means the world is broken.
+class StepSync {
+ public:
+  virtual ~StepSync() = default;
+  virtual int world() const = 0;
+  virtual int rank() const = 0;
+  // The backend's gradients: one flat float32 buffer and its slices, in the order backward
+  // finishes them. Called once, by Network::SetStepSync; the buffer must outlive the sync.
+  virtual Status AttachGradients(std::span<float> flat, std::vector<GradientSlice> slices) = 0;
+  // Slice `index` holds this rank's final gradient: its bucket may start averaging now.
+  virtual void GradientReady(int index) = 0;
+  // Averages what is left and waits: the whole buffer then holds the mean over the ranks.
+  virtual Status FinishGradients() = 0;
+  // Batch norm over the global batch: per-channel mean and biased variance of this rank's samples
+  // (the same count on every rank) in, those of all ranks' samples out.
+  virtual Status CombineMoments(std::span<float> mean, std::span<float> var) = 0;
+  // Blocking, in place.
+  virtual Status SumOverRanks(std::span<float> values) = 0;
+  virtual Status AverageOverRanks(std::span<float> values) = 0;
 };
 
 class Network {
@@ -99,6 +155,18 @@ class Network {
   virtual double LastInputWaitSeconds() const { return -1; }
   // Logits of the last TrainStep/Evaluate/ForwardBackward (batch x classes, row-major).
   virtual std::vector<float> LastLogits() const = 0;
+
+  // Data-parallel training: from now on TrainStep averages gradients through `sync` (overlapping
+  // backward), returns the statistics summed over every rank, and skips the update on every rank
+  // when the loss or gradient is not finite anywhere (BatchStats::skipped). nullptr detaches.
+  // kUnavailable when the backend cannot train data-parallel.
+  virtual Status SetStepSync(StepSync* sync) {
+    if (sync == nullptr || sync->world() == 1) return OkStatus();
+    return UnavailableError("the " + std::string(backend()) + " backend does not train data-parallel in this build");
+  }
+  // Averages the batch-norm running statistics over the ranks (before an evaluation or a
+  // checkpoint, so every rank holds and saves the same model). A no-op without a StepSync.
+  virtual Status AverageRunningStats() { return OkStatus(); }
 };
 
 // A batch fits the network: its image size, at most (or, with `full`, exactly) `batch` samples, and

@@ -17,6 +17,7 @@
 #include "dataset/dataset.h"
 #include "train/checkpoint.h"
 #include "train/cpu_network.h"
+#include "train/data_parallel.h"
 #if STOKE_WITH_CUDA
 #include "train/cuda_network.h"
 #endif
@@ -30,17 +31,31 @@ double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 
 }  // namespace
 
-Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c) {
+Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c, const dist::Communicator* comm) {
+  const int world = comm ? comm->size() : 1;
+  if (c.data.batch_size % world != 0) {
+    return InvalidArgumentError(fmt::format(
+        "{}: data.batch_size {} is the global batch and must divide evenly among the {} ranks (each takes "
+        "batch_size / ranks); use a multiple of {}",
+        c.source, c.data.batch_size, world, world));
+  }
   NetworkOptions o;
   o.model = ModelFromConfig(c.model);
   o.image_size = c.data.image_size;
-  o.batch = c.data.batch_size;
+  o.batch = c.data.batch_size / world;
+  o.sync_batchnorm = c.model.sync_batchnorm;
+  if (comm) o.device = comm->local_rank();
   o.normalize = NormalizeFromConfig(c.data);
   o.label_smoothing = c.model.label_smoothing;
   o.bn_momentum = c.model.bn_momentum;
   o.bn_epsilon = c.model.bn_epsilon;
   o.seed = c.seed;
   o.threads = c.compute_threads;
+  if (o.threads == 0 && comm && comm->local_size() > 1) {
+    // Ranks sharing a machine share its cores rather than each starting a team of all of them.
+    const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    o.threads = std::max<int>(1, static_cast<int>(cores) / comm->local_size());
+  }
   o.precision = c.data.dtype == "bfloat16" ? Precision::kBFloat16
                 : c.data.dtype == "float16" ? Precision::kFloat16
                                             : Precision::kFloat32;
@@ -49,6 +64,11 @@ Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c) {
   if (c.backend == "cuda" || (c.backend == "auto" && gpu.ok())) {
     if (!gpu.ok()) return UnavailableError(fmt::format("backend 'cuda' was requested: {}", gpu.message()));
     o.normalize.dtype = augment::DType::kFloat32;  // the device normalises; the host never does
+    if (c.optimizer.sgd.adaptation != LayerAdaptation::kNone) {
+      return UnavailableError(fmt::format("{}: optimizer.type {}: the cuda backend has no layer-wise adaptation yet; "
+                                          "use type sgd, or backend: cpu",
+                                          c.source, LayerAdaptationName(c.optimizer.sgd.adaptation)));
+    }
     STOKE_ASSIGN_OR_RETURN(auto net, CudaNetwork::Create(std::move(o)));
     return std::unique_ptr<Network>(std::move(net));
   }
@@ -110,96 +130,155 @@ class Progress {
 };
 
 Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOptions& run) {
+  std::unique_ptr<dist::Communicator> single;
+  dist::Communicator* comm = run.comm;
+  if (comm == nullptr) {
+    single = dist::Communicator::Single();
+    comm = single.get();
+  }
+  const int world = comm->size(), rank = comm->rank();
+  const bool lead = rank == 0;  // the rank that reads checkpoints and writes run_dir
+  // A decision every rank takes together: a failure on any rank ends every rank with its error.
+  auto agree = [&](const Status& local) -> Status { return world == 1 ? local : comm->Agree(local); };
+  // A collective that failed (timed out: a rank is gone) leaves nothing to agree with: end the world.
+  auto must = [&](const Status& s) {
+    if (!s.ok() && world > 1) comm->Abort(s);
+    return s;
+  };
+
   const std::filesystem::path run_dir = config.run_dir;
-  std::error_code ec;
-  std::filesystem::create_directories(run_dir, ec);
-  if (ec) return IoError(fmt::format("run_dir {}: {}", run_dir.string(), ec.message()));
   const auto metrics_path = run_dir / "metrics.jsonl";
 
-  STOKE_ASSIGN_OR_RETURN(auto train_set, dataset::Dataset::Open(config.data.train));
-  std::optional<dataset::Dataset> val_set;
-  if (!config.data.val.empty()) {
-    STOKE_ASSIGN_OR_RETURN(auto v, dataset::Dataset::Open(config.data.val));
-    val_set.emplace(std::move(v));
-  }
-  const auto dataset_classes = static_cast<int64_t>(train_set.manifest().classes.size());
-  if (dataset_classes > config.model.classes) {
-    return InvalidArgumentError(fmt::format("{}: model.classes is {}, but {} has {} classes", config.source,
-                                            config.model.classes, config.data.train, dataset_classes));
-  }
-  const int64_t steps_per_epoch = train_set.size() / config.data.batch_size;
-  if (steps_per_epoch < 1) {
-    return InvalidArgumentError(fmt::format("{}: data.batch_size {} is larger than the {} records of {}",
-                                            config.source, config.data.batch_size, train_set.size(),
-                                            config.data.train));
-  }
-  STOKE_ASSIGN_OR_RETURN(auto net, CreateNetwork(config));
+  // ---- every rank: datasets and network
+  std::optional<dataset::Dataset> train_set, val_set;
+  std::unique_ptr<Network> net;
+  int64_t steps_per_epoch = 0;
+  dist::ReducerOptions ro;
+  ro.bucket_bytes = static_cast<size_t>(config.dist.bucket_mb * (1 << 20));
+  ro.first_bucket_bytes = std::min(ro.first_bucket_bytes, ro.bucket_bytes);
+  DataParallel dp(*comm, ro);
+  Status setup = [&]() -> Status {
+    STOKE_ASSIGN_OR_RETURN(auto t, dataset::Dataset::Open(config.data.train));
+    train_set.emplace(std::move(t));
+    if (!config.data.val.empty()) {
+      STOKE_ASSIGN_OR_RETURN(auto v, dataset::Dataset::Open(config.data.val));
+      if (v.size() < world) {
+        return InvalidArgumentError(fmt::format("{}: data.val {} has {} records, fewer than the {} ranks",
+                                                config.source, config.data.val, v.size(), world));
+      }
+      val_set.emplace(std::move(v));
+    }
+    const auto dataset_classes = static_cast<int64_t>(train_set->manifest().classes.size());
+    if (dataset_classes > config.model.classes) {
+      return InvalidArgumentError(fmt::format("{}: model.classes is {}, but {} has {} classes", config.source,
+                                              config.model.classes, config.data.train, dataset_classes));
+    }
+    steps_per_epoch = train_set->size() / config.data.batch_size;
+    if (steps_per_epoch < 1) {
+      return InvalidArgumentError(fmt::format("{}: data.batch_size {} is larger than the {} records of {}",
+                                              config.source, config.data.batch_size, train_set->size(),
+                                              config.data.train));
+    }
+    STOKE_ASSIGN_OR_RETURN(net, CreateNetwork(config, comm));
+    return net->SetStepSync(&dp);
+  }();
+  STOKE_RETURN_IF_ERROR(agree(setup));
 
   TrainSummary summary;
   summary.backend = std::string(net->backend());
+  summary.world = world;
   summary.steps_per_epoch = steps_per_epoch;
   summary.total_steps = steps_per_epoch * config.epochs;
   const std::string config_yaml = ConfigToYaml(config);
 
-  // ---- where the run starts
+  // ---- where the run starts: rank 0 reads the checkpoint, every rank gets its step and state
   int64_t step = 0;
-  if (run.resume.empty()) {
-    if (!ListCheckpoints(run_dir).empty()) {
-      return InvalidArgumentError(fmt::format(
-          "{} already holds checkpoints of a run; continue it with --resume, or choose another run_dir",
-          run_dir.string()));
+  std::ofstream metrics;
+  Status start = [&]() -> Status {
+    if (!lead) return OkStatus();
+    std::error_code ec;
+    std::filesystem::create_directories(run_dir, ec);
+    if (ec) return IoError(fmt::format("run_dir {}: {}", run_dir.string(), ec.message()));
+    if (run.resume.empty()) {
+      if (!ListCheckpoints(run_dir).empty()) {
+        return InvalidArgumentError(fmt::format(
+            "{} already holds checkpoints of a run; continue it with --resume, or choose another run_dir",
+            run_dir.string()));
+      }
+      STOKE_RETURN_IF_ERROR(WriteFileAtomic(metrics_path, std::string()));
+    } else {
+      std::filesystem::path path = run.resume;
+      if (run.resume == "latest") {
+        auto all = ListCheckpoints(run_dir);
+        if (all.empty()) {
+          return NotFoundError(fmt::format("--resume: no checkpoints in {}/checkpoints", run_dir.string()));
+        }
+        path = all.back();
+      }
+      STOKE_ASSIGN_OR_RETURN(Checkpoint ck, LoadCheckpoint(path));
+      if (ck.steps_per_epoch != steps_per_epoch || ck.seed != config.seed) {
+        return InvalidArgumentError(fmt::format(
+            "checkpoint {} was taken with {} steps per epoch and seed {}; this config gives {} and seed {}",
+            path.string(), ck.steps_per_epoch, ck.seed, steps_per_epoch, config.seed));
+      }
+      Status loaded = net->LoadState(ck.tensors);
+      if (!loaded.ok()) {
+        return InvalidArgumentError(fmt::format("checkpoint {} does not fit this model: {}", path.string(),
+                                                loaded.message()));
+      }
+      step = ck.step;
+      STOKE_RETURN_IF_ERROR(TrimMetrics(metrics_path, step));
+      STOKE_LOG(INFO, "resuming from {} at step {} (epoch {}, batch {})", path.string(), step,
+                step / steps_per_epoch, step % steps_per_epoch);
     }
-    STOKE_RETURN_IF_ERROR(WriteFileAtomic(metrics_path, std::string()));
-  } else {
-    std::filesystem::path path = run.resume;
-    if (run.resume == "latest") {
-      auto all = ListCheckpoints(run_dir);
-      if (all.empty()) return NotFoundError(fmt::format("--resume: no checkpoints in {}/checkpoints", run_dir.string()));
-      path = all.back();
-    }
-    STOKE_ASSIGN_OR_RETURN(Checkpoint ck, LoadCheckpoint(path));
-    if (ck.steps_per_epoch != steps_per_epoch || ck.seed != config.seed) {
-      return InvalidArgumentError(fmt::format(
-          "checkpoint {} was taken with {} steps per epoch and seed {}; this config gives {} and seed {}",
-          path.string(), ck.steps_per_epoch, ck.seed, steps_per_epoch, config.seed));
-    }
-    Status loaded = net->LoadState(ck.tensors);
-    if (!loaded.ok()) {
-      return InvalidArgumentError(fmt::format("checkpoint {} does not fit this model: {}", path.string(),
-                                              loaded.message()));
-    }
-    step = ck.step;
-    STOKE_RETURN_IF_ERROR(TrimMetrics(metrics_path, step));
-    STOKE_LOG(INFO, "resuming from {} at step {} (epoch {}, batch {})", path.string(), step, step / steps_per_epoch,
-              step % steps_per_epoch);
+    STOKE_RETURN_IF_ERROR(WriteFileAtomic(run_dir / "config.yaml", config_yaml));
+    metrics.open(metrics_path, std::ios::app);
+    if (!metrics) return IoError(fmt::format("cannot append to {}", metrics_path.string()));
+    return OkStatus();
+  }();
+  STOKE_RETURN_IF_ERROR(agree(start));
+  if (world > 1) {
+    STOKE_RETURN_IF_ERROR(must(comm->Broadcast(&step, sizeof step, 0).Wait()));
+    STOKE_RETURN_IF_ERROR(BroadcastState(*comm, *net));
   }
   summary.start_step = step;
-  STOKE_RETURN_IF_ERROR(WriteFileAtomic(run_dir / "config.yaml", config_yaml));
 
-  std::ofstream metrics(metrics_path, std::ios::app);
-  if (!metrics) return IoError(fmt::format("cannot append to {}", metrics_path.string()));
-  // A metrics line that cannot be written (disk full) ends the run rather than losing data.
-  auto record = [&](nlohmann::json j) -> Status {
+  // A metrics line that cannot be written (disk full) ends the run rather than losing data. Only
+  // rank 0 writes; its failure reaches the other ranks at the next step's agreement.
+  Status pending = OkStatus();
+  auto record = [&](nlohmann::json j) {
+    if (!lead || !pending.ok()) return;
     metrics << j.dump() << "\n";
     metrics.flush();
-    if (!metrics) return IoError(fmt::format("{}: write failed (is the disk full?)", metrics_path.string()));
-    return OkStatus();
+    if (!metrics) pending = IoError(fmt::format("{}: write failed (is the disk full?)", metrics_path.string()));
   };
 
   const double peak_lr = ScaledLr(config);
-  Progress progress(run.progress);
+  const int rank_batch = config.data.batch_size / world;
+  Progress progress(run.progress && lead);
 
+  // Validation is sharded: each rank evaluates its exact share, the sums are added up.
   auto evaluate = [&]() -> Result<BatchStats> {
-    prefetch::LoaderOptions o = ValLoaderOptions(config);
-    if (net->stream() != nullptr) o.device = prefetch::DeviceMode::kCuda;
-    STOKE_ASSIGN_OR_RETURN(auto loader, prefetch::Loader::Create(*val_set, o));
+    STOKE_RETURN_IF_ERROR(must(net->AverageRunningStats()));
     BatchStats total;
-    while (true) {
-      STOKE_ASSIGN_OR_RETURN(auto lease, loader->Next());
-      if (!lease) break;
-      STOKE_ASSIGN_OR_RETURN(BatchStats s, net->Evaluate(*lease));
-      total += s;
-    }
+    Status local = [&]() -> Status {
+      prefetch::LoaderOptions o = ValLoaderOptions(config);
+      o.batch_size = rank_batch;
+      o.sampler.rank = rank;
+      o.sampler.world_size = world;
+      o.sampler.sharding = dataset::Sharding::kExact;
+      if (net->stream() != nullptr) o.device = prefetch::DeviceMode::kCuda;
+      STOKE_ASSIGN_OR_RETURN(auto loader, prefetch::Loader::Create(*val_set, o));
+      while (true) {
+        STOKE_ASSIGN_OR_RETURN(auto lease, loader->Next());
+        if (!lease) break;
+        STOKE_ASSIGN_OR_RETURN(BatchStats s, net->Evaluate(*lease));
+        total += s;
+      }
+      return OkStatus();
+    }();
+    STOKE_RETURN_IF_ERROR(agree(local));
+    STOKE_RETURN_IF_ERROR(must(SumStats(*comm, total)));
     return total;
   };
   int64_t eval_step = -1;
@@ -208,23 +287,30 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     eval_step = step;
     STOKE_ASSIGN_OR_RETURN(summary.val, evaluate());
     summary.has_val = true;
-    STOKE_RETURN_IF_ERROR(record({{"type", "val"}, {"step", step}, {"epoch", static_cast<double>(step) / steps_per_epoch},
+    record({{"type", "val"}, {"step", step}, {"epoch", static_cast<double>(step) / steps_per_epoch},
             {"loss", summary.val.loss()}, {"top1", summary.val.top1_rate()}, {"top5", summary.val.top5_rate()},
-            {"samples", summary.val.count}}));
+            {"samples", summary.val.count}});
     progress.Message(fmt::format("eval  step {:>7}  loss {:.4f}  top-1 {:.2f}%  top-5 {:.2f}%  ({} samples)", step,
                                  summary.val.loss(), 100 * summary.val.top1_rate(), 100 * summary.val.top5_rate(),
                                  summary.val.count));
     return OkStatus();
   };
   int64_t saved_step = -1;
+  // Every rank averages its running statistics; rank 0 writes; every rank learns whether it did.
   auto save = [&]() -> Status {
-    STOKE_ASSIGN_OR_RETURN(auto tensors, net->State());
-    Checkpoint ck{.step = step, .steps_per_epoch = steps_per_epoch, .seed = config.seed,
-                  .backend = summary.backend, .config_yaml = config_yaml, .tensors = std::move(tensors)};
-    const auto path = CheckpointPath(run_dir, step);
-    STOKE_RETURN_IF_ERROR(SaveCheckpoint(path, ck));
-    PruneCheckpoints(run_dir, config.checkpoint.keep);
-    summary.checkpoint = path.string();
+    STOKE_RETURN_IF_ERROR(must(net->AverageRunningStats()));
+    Status written = [&]() -> Status {
+      if (!lead) return OkStatus();
+      STOKE_ASSIGN_OR_RETURN(auto tensors, net->State());
+      Checkpoint ck{.step = step, .steps_per_epoch = steps_per_epoch, .seed = config.seed,
+                    .backend = summary.backend, .config_yaml = config_yaml, .tensors = std::move(tensors)};
+      const auto path = CheckpointPath(run_dir, step);
+      STOKE_RETURN_IF_ERROR(SaveCheckpoint(path, ck));
+      PruneCheckpoints(run_dir, config.checkpoint.keep);
+      summary.checkpoint = path.string();
+      return OkStatus();
+    }();
+    STOKE_RETURN_IF_ERROR(agree(written));
     saved_step = step;
     return OkStatus();
   };
@@ -233,71 +319,111 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   if (step < summary.total_steps) {
     prefetch::LoaderOptions lo = TrainLoaderOptions(config);
     if (net->stream() != nullptr) lo.device = prefetch::DeviceMode::kCuda;  // batches copied by the ring
+    lo.batch_size = rank_batch;
+    lo.sampler.rank = rank;
+    lo.sampler.world_size = world;
+    lo.sampler.sharding = dataset::Sharding::kGlobalBatch;  // global batch k: the same samples on any world
+    lo.sampler.global_batch = config.data.batch_size;
     lo.start_epoch = step / steps_per_epoch;
     lo.start_batch = step % steps_per_epoch;
     lo.epochs = config.epochs - lo.start_epoch;
-    STOKE_ASSIGN_OR_RETURN(auto loader, prefetch::Loader::Create(train_set, lo));
+    auto created = prefetch::Loader::Create(*train_set, lo);
+    STOKE_RETURN_IF_ERROR(agree(created.status()));
+    auto loader = std::move(*created);
 
     const auto loop_start = Clock::now();
     double wait_total = 0;
-    int64_t samples_total = 0;
+    int64_t samples_total = 0, consecutive_skips = 0;
     BatchStats interval, epoch_stats;
     double interval_wait = 0;
     auto interval_start = Clock::now();
     Status failure = OkStatus();
     while (step < summary.total_steps) {
-      if ((run.stop && run.stop->load()) || (run.max_steps > 0 && step >= run.max_steps)) {
+      const bool stop_here = (run.stop && run.stop->load()) || (run.max_steps > 0 && step >= run.max_steps);
+      const auto t0 = Clock::now();
+      Result<prefetch::BatchLease> next = prefetch::BatchLease();
+      if (!stop_here && pending.ok()) next = loader->Next();
+      double wait = Seconds(Clock::now() - t0);
+      // Every rank learns whether any rank stops here (Ctrl-C, max_steps), failed (a bad record
+      // under on_error: fail, I/O, a metrics write), or ran out of batches.
+      int32_t flags[3] = {stop_here ? 1 : 0, (!pending.ok() || !next.ok()) ? 1 : 0,
+                          (next.ok() && !*next && !stop_here && pending.ok()) ? 1 : 0};
+      if (world > 1) {
+        STOKE_RETURN_IF_ERROR(must(comm->AllReduce(flags, 3, dist::DataType::kInt32, dist::ReduceOp::kMax).Wait()));
+      }
+      if (flags[1] != 0) {
+        failure = agree(!pending.ok() ? pending : next.status());
+        pending = OkStatus();
+        break;
+      }
+      if (flags[0] != 0) {
         summary.stopped = true;
         loader->Stop();
         break;
       }
-      const auto t0 = Clock::now();
-      auto next = loader->Next();
-      double wait = Seconds(Clock::now() - t0);
-      if (!next.ok()) {
-        failure = next.status();
-        break;
-      }
+      if (flags[2] != 0) break;
       prefetch::BatchLease lease = std::move(*next);
-      if (!lease) break;
       const auto lr = static_cast<float>(LearningRate(config.schedule, peak_lr, step, steps_per_epoch, config.epochs));
+      if (rank == run.poison_rank && step == run.poison_step) dp.PoisonNextStep();
       auto stats = net->TrainStep(*lease, lr, config.optimizer.sgd, step);
       const int size = lease->size;
       lease.Release(net->stream());
       // A device backend measures on its stream how long the device sat idle before the batch.
       if (net->LastInputWaitSeconds() >= 0) wait = net->LastInputWaitSeconds();
       if (!stats.ok()) {
+        // Mid-step the other ranks are inside this step's collectives: end them all.
+        if (world > 1) {
+          comm->Abort(Status(stats.status().code(), fmt::format("step {}: {}", step, stats.status().message())));
+        }
         failure = stats.status();
         break;
       }
       ++step;
       wait_total += wait;
       interval_wait += wait;
-      samples_total += size;
-      interval += *stats;
-      epoch_stats += *stats;
+      samples_total += static_cast<int64_t>(size) * world;
+      if (stats->skipped > 0) {
+        // The loss or the averaged gradient was not finite on some rank: every rank skipped the update.
+        summary.skipped_steps++;
+        if (++consecutive_skips >= 10) {
+          failure = InvalidArgumentError(fmt::format(
+              "the loss or gradient has not been finite for {} steps in a row, up to step {} (learning rate {} too "
+              "high?)",
+              consecutive_skips, step, lr));
+          break;
+        }
+        STOKE_LOG(WARN, "step {}: the loss or gradient is not finite on some rank; every rank skipped the update",
+                  step);
+      } else {
+        consecutive_skips = 0;
+        interval += *stats;
+        epoch_stats += *stats;
+      }
+      if (config.dist.check_every_steps > 0 && world > 1 && step % config.dist.check_every_steps == 0) {
+        failure = CheckSameState(*comm, *net);
+        if (!failure.ok()) break;
+      }
 
       const bool epoch_end = step % steps_per_epoch == 0;
       if (step % config.log_every_steps == 0 || epoch_end) {
         const double secs = Seconds(Clock::now() - interval_start);
         const double ips = secs > 0 ? static_cast<double>(interval.count) / secs : 0;
         const double wait_frac = secs > 0 ? interval_wait / secs : 0;
-        failure = record({{"type", "train"}, {"step", step}, {"epoch", static_cast<double>(step) / steps_per_epoch},
+        record({{"type", "train"}, {"step", step}, {"epoch", static_cast<double>(step) / steps_per_epoch},
                 {"loss", interval.loss()}, {"top1", interval.top1_rate()}, {"lr", lr}, {"images_per_s", ips},
                 {"data_wait", wait_frac}});
-        if (!failure.ok()) break;
-        progress.Line(fmt::format("epoch {}/{}  step {}/{}  loss {:.4f}  lr {:.4g}  {:.0f} img/s  data-wait {:.1f}%",
+        progress.Line(fmt::format("epoch {}/{}  step {}/{}  loss {:.4f}  lr {:.4g}  {:.0f} img/s{}  data-wait {:.1f}%",
                                   (step - 1) / steps_per_epoch + 1, config.epochs, step, summary.total_steps,
-                                  interval.loss(), lr, ips, 100 * wait_frac));
+                                  interval.loss(), lr, ips, world > 1 ? fmt::format(" on {} ranks", world) : "",
+                                  100 * wait_frac));
         interval = {};
         interval_wait = 0;
         interval_start = Clock::now();
       }
       if (epoch_end) {
         const int64_t epoch = step / steps_per_epoch;
-        failure = record({{"type", "epoch"}, {"step", step}, {"epoch", epoch}, {"loss", epoch_stats.loss()},
-                          {"top1", epoch_stats.top1_rate()}});
-        if (!failure.ok()) break;
+        record({{"type", "epoch"}, {"step", step}, {"epoch", epoch}, {"loss", epoch_stats.loss()},
+                {"top1", epoch_stats.top1_rate()}});
         summary.last_epoch = epoch_stats;
         epoch_stats = {};
         if (config.eval.every_epochs > 0 && epoch % config.eval.every_epochs == 0) {
@@ -318,13 +444,17 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
         if (!failure.ok()) break;
       }
     }
+    if (failure.ok()) failure = agree(pending);  // a metrics write that failed on the last step
     if (epoch_stats.count > 0) summary.last_epoch = epoch_stats;
     summary.seconds = Seconds(Clock::now() - loop_start);
     summary.images_per_s = summary.seconds > 0 ? static_cast<double>(samples_total) / summary.seconds : 0;
     summary.data_wait = summary.seconds > 0 ? wait_total / summary.seconds : 0;
     summary.bad_records = loader->stats().bad_records;
+    summary.comm_s = dp.stats().comm_s;
+    summary.overlapped_s = dp.stats().overlapped_s;
+    summary.comm_wait_s = dp.stats().wait_s;
     if (!failure.ok()) {
-      // Keep what was learnt: the state after the last good step.
+      // Keep what was learnt: the state after the last good step (every rank reached the same one).
       if (saved_step != step && step > summary.start_step) {
         Status s = save();
         if (s.ok()) progress.Message(fmt::format("saved {} before stopping on the error", summary.checkpoint));
@@ -336,8 +466,9 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   summary.steps = step;
   if (!summary.stopped && eval_step != step) STOKE_RETURN_IF_ERROR(run_eval());
   if (saved_step != step) STOKE_RETURN_IF_ERROR(save());
-  metrics.close();
-  if (run.plot) {
+  STOKE_RETURN_IF_ERROR(agree(pending));
+  if (metrics.is_open()) metrics.close();
+  if (run.plot && lead) {
     const auto svg = run_dir / "curves.svg";
     Status s = WritePlot(metrics_path.string(), svg.string());
     if (s.ok()) {
@@ -370,6 +501,13 @@ std::string FormatSummary(const TrainSummary& s) {
     out += fmt::format("validation: loss {:.4f}, top-1 {:.2f}%, top-5 {:.2f}% on {} samples\n", s.val.loss(),
                        100 * s.val.top1_rate(), 100 * s.val.top5_rate(), s.val.count);
   }
+  if (s.world > 1 && s.seconds > 0) {
+    out += fmt::format("data-parallel: {} ranks, {:.1f} images/s per rank; averaging gradients {:.2f} s on this rank, "
+                       "{:.0f}% of it overlapped with backward, steps blocked on it {:.2f} s\n",
+                       s.world, s.images_per_s / s.world, s.comm_s,
+                       s.comm_s > 0 ? 100 * s.overlapped_s / s.comm_s : 0.0, s.comm_wait_s);
+  }
+  if (s.skipped_steps > 0) out += fmt::format("steps skipped (not finite on some rank): {}\n", s.skipped_steps);
   if (s.bad_records > 0) out += fmt::format("bad records skipped: {}\n", s.bad_records);
   if (!s.checkpoint.empty()) out += fmt::format("checkpoint: {}\n", s.checkpoint);
   if (!s.plot.empty()) out += fmt::format("curves: {}\n", s.plot);

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "common/status.h"
+#include "dist/communicator.h"
 #include "train/config.h"
 
 namespace stoke::train {
@@ -23,6 +24,13 @@ struct TrainRunOptions {
   int64_t max_steps = 0;  // > 0: stop (with a checkpoint) once the run has taken this many steps
   bool progress = true;   // the live progress line on stderr
   bool plot = true;       // curves.svg at the end
+  // Data-parallel: this process is one rank of `comm` (nullptr: a world of one). Every rank calls
+  // Train with the same config; data.batch_size is the global batch, each rank takes 1/world of
+  // it; only rank 0 writes run_dir. See docs/DISTRIBUTED.md.
+  dist::Communicator* comm = nullptr;
+  // Tests: rank `poison_rank` feeds NaN gradients into step `poison_step` (-1: never).
+  int poison_rank = -1;
+  int64_t poison_step = -1;
 };
 
 struct TrainSummary {
@@ -33,7 +41,12 @@ struct TrainSummary {
   int64_t steps_per_epoch = 0;
   bool stopped = false;       // ended early (stop flag or max_steps)
   double seconds = 0;         // wall time of the training loop in this invocation
-  double images_per_s = 0;    // training samples per second of the loop
+  double images_per_s = 0;    // training samples per second of the loop (all ranks)
+  int world = 1;              // ranks
+  double comm_s = 0;          // data-parallel: time spent averaging gradients (this rank)
+  double overlapped_s = 0;    // ... of it while backward was still running
+  double comm_wait_s = 0;     // time steps blocked on the averaging after backward
+  int64_t skipped_steps = 0;  // steps every rank skipped (the loss or gradient not finite)
   double data_wait = 0;       // fraction of the loop spent waiting for batches
   BatchStats last_epoch;      // training statistics of the last (partial) epoch
   bool has_val = false;
@@ -46,8 +59,10 @@ struct TrainSummary {
 Result<TrainSummary> Train(const TrainConfig& config, const TrainRunOptions& run);
 
 // The backend `config.backend` selects (auto: the best available), built for the config's model,
-// batch and input. kUnavailable when the requested backend is not in this build.
-Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& config);
+// batch and input. kUnavailable when the requested backend is not in this build. With `comm`, for
+// one rank of it: batch_size / world samples, the GPU of its local rank, and (compute_threads 0)
+// its share of the machine's cores.
+Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& config, const dist::Communicator* comm = nullptr);
 
 // One-paragraph human summary of a run.
 std::string FormatSummary(const TrainSummary& summary);

@@ -539,6 +539,78 @@ TEST(Sampler, ShardsAreDisjointEqualAndCoverTheEpoch) {
   }
 }
 
+// The elastic guarantee: with a fixed global batch, global batch k is the same samples whatever
+// the world size, and rank r's batch k is its slice [rB, (r+1)B) of it.
+TEST(Sampler, GlobalBatchSlicesAreTheSameBatchForEveryWorldSize) {
+  for (ShuffleMode mode : {ShuffleMode::kFull, ShuffleMode::kBlock, ShuffleMode::kSequential}) {
+    for (int64_t n : {1000, 1003, 840}) {
+      const int64_t g = 840;  // divisible by 1..8
+      for (bool drop_last : {false, true}) {
+        SamplerOptions one{.mode = mode, .seed = 5, .block_size = 16, .window_blocks = 4, .drop_last = drop_last,
+                           .sharding = Sharding::kGlobalBatch, .global_batch = g};
+        ASSERT_OK_AND_ASSIGN(Sampler single, Sampler::Create(n, one));
+        const std::vector<int64_t> reference = single.Epoch(3);
+        const int64_t full = n / g;
+        for (int world = 1; world <= 8; ++world) {
+          SCOPED_TRACE(::testing::Message() << "mode " << static_cast<int>(mode) << " n " << n << " world " << world
+                                            << " drop " << drop_last);
+          const int64_t b = g / world;
+          std::vector<std::vector<int64_t>> ranks;
+          for (int r = 0; r < world; ++r) {
+            SamplerOptions o = one;
+            o.rank = r;
+            o.world_size = world;
+            ASSERT_OK_AND_ASSIGN(Sampler s, Sampler::Create(n, o));
+            ranks.push_back(s.Epoch(3));
+            EXPECT_EQ(static_cast<int64_t>(ranks.back().size()), s.samples_per_rank());
+            EXPECT_EQ(ranks.back().size(), ranks[0].size());  // equal on every rank
+          }
+          for (int64_t k = 0; k < full; ++k) {
+            std::vector<int64_t> joined;
+            for (int r = 0; r < world; ++r) {
+              const auto& mine = ranks[static_cast<size_t>(r)];
+              joined.insert(joined.end(), mine.begin() + k * b, mine.begin() + (k + 1) * b);
+            }
+            const std::vector<int64_t> want(reference.begin() + k * g, reference.begin() + (k + 1) * g);
+            ASSERT_EQ(joined, want) << "global batch " << k;  // same samples, in the same order
+          }
+          // The tail: every leftover record once when padded (some twice); disjoint when cut.
+          std::multiset<int64_t> tail;
+          for (const auto& mine : ranks) tail.insert(mine.begin() + full * b, mine.end());
+          std::set<int64_t> tail_distinct(tail.begin(), tail.end());
+          if (drop_last) {
+            EXPECT_EQ(tail_distinct.size(), tail.size());
+            EXPECT_EQ(static_cast<int64_t>(tail.size()), (n % g) / world * world);
+          } else {
+            std::set<int64_t> single_tail(reference.begin() + full * g, reference.begin() + full * g + (n % g));
+            for (int64_t x : single_tail) EXPECT_TRUE(tail_distinct.count(x)) << x;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Sampler, ExactShardsCountEveryRecordOnce) {
+  for (int64_t n : {0, 1, 7, 1000, 1003}) {
+    for (int world = 1; world <= 8; ++world) {
+      SCOPED_TRACE(::testing::Message() << "n " << n << " world " << world);
+      std::vector<int64_t> all;
+      for (int r = 0; r < world; ++r) {
+        SamplerOptions o{.mode = ShuffleMode::kSequential, .rank = r, .world_size = world, .sharding = Sharding::kExact};
+        ASSERT_OK_AND_ASSIGN(Sampler s, Sampler::Create(n, o));
+        auto mine = s.Epoch(0);
+        EXPECT_EQ(static_cast<int64_t>(mine.size()), s.samples_per_rank());
+        EXPECT_LE(static_cast<int64_t>(mine.size()), n / world + 1);
+        all.insert(all.end(), mine.begin(), mine.end());
+      }
+      std::vector<int64_t> want(static_cast<size_t>(n));
+      std::iota(want.begin(), want.end(), int64_t{0});
+      EXPECT_EQ(all, want);
+    }
+  }
+}
+
 TEST(Sampler, RejectsBadOptions) {
   EXPECT_EQ(Sampler::Create(10, {.rank = 2, .world_size = 2}).status().code(),
             StatusCode::kInvalidArgument);
@@ -546,6 +618,11 @@ TEST(Sampler, RejectsBadOptions) {
   EXPECT_EQ(Sampler::Create(10, {.block_size = 0}).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(Sampler::Create(3, {.world_size = 4, .drop_last = true}).status().code(),
             StatusCode::kInvalidArgument);
+  EXPECT_EQ(Sampler::Create(10, {.world_size = 3, .sharding = Sharding::kGlobalBatch, .global_batch = 4})
+                .status()
+                .code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(Sampler::Create(10, {.sharding = Sharding::kGlobalBatch}).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(ParseShuffleMode("blocks").status().code(), StatusCode::kInvalidArgument);
   ASSERT_OK_AND_ASSIGN(ShuffleMode m, ParseShuffleMode("block"));
   EXPECT_EQ(m, ShuffleMode::kBlock);

@@ -308,12 +308,7 @@ TEST(CudaTrain, LearnsFromTheRingsDeviceBuffersAndMeasuresDataWait) {
 model:
   classes: 4
   layers:
-    - {{type: conv, out: 8, kernel: 3, pad: 1, bias: false}}
-    - {{type: batchnorm}}
-    - {{type: relu}}
-    - {{type: maxpool, kernel: 2}}
-    - {{type: flatten}}
-    - {{type: linear, out: 4}}
+{1}    - {{type: linear, out: 4}}
 optimizer: {{lr: 0.4, momentum: 0.9, nesterov: true}}
 schedule: {{type: cosine, warmup_epochs: 1}}
 epochs: 6
@@ -321,7 +316,7 @@ seed: 5
 backend: cuda
 run_dir: {0}/run
 )",
-                                       dir.path().string());
+                                       dir.path().string(), kSmallConvBnLayers);
   ASSERT_OK_AND_ASSIGN(TrainConfig c, ParseConfig(yaml, "cuda.yaml"));
   TrainRunOptions run;
   run.progress = false;

@@ -277,3 +277,28 @@ TEST(Network, PresetsUseNoReferenceKernels) {
 
 }  // namespace
 }  // namespace stoke::train
+
+namespace stoke::train {
+namespace {
+
+// LARS scales by trust * |w| / (|g| + wd |w| + eps); LARC clips that at the global rate; no
+// adaptation, or a zero norm, leaves the gradient alone.
+TEST(LayerAdaptation, TrustRatioFollowsTheNorms) {
+  SgdOptions sgd;
+  EXPECT_EQ(TrustRatio(sgd, 2.0, 1.0, 0.0, 0.1f), 1.f);
+  sgd.adaptation = LayerAdaptation::kLars;
+  EXPECT_NEAR(TrustRatio(sgd, 2.0, 1.0, 0.0, 0.1f), 0.001 * 2.0 / 1.0, 1e-9);
+  EXPECT_NEAR(TrustRatio(sgd, 2.0, 1.0, 0.5, 0.1f), 0.001 * 2.0 / 2.0, 1e-9);
+  EXPECT_EQ(TrustRatio(sgd, 0.0, 1.0, 0.0, 0.1f), 1.f);
+  EXPECT_EQ(TrustRatio(sgd, 2.0, 0.0, 0.0, 0.1f), 1.f);
+  sgd.adaptation = LayerAdaptation::kLarc;  // trust 0.02: 0.02 * 2 / 1 = 0.04; / lr 0.1 = 0.4
+  EXPECT_NEAR(TrustRatio(sgd, 2.0, 1.0, 0.0, 0.1f), 0.4, 1e-6);
+  EXPECT_EQ(TrustRatio(sgd, 200.0, 1.0, 0.0, 0.1f), 1.f);  // clipped at the global rate
+  sgd.clip = false;
+  EXPECT_NEAR(TrustRatio(sgd, 200.0, 1.0, 0.0, 0.1f), 4.0, 1e-6);
+  sgd.trust_coefficient = 0.5;
+  EXPECT_NEAR(TrustRatio(sgd, 2.0, 1.0, 0.0, 0.1f), 1.0, 1e-6);
+}
+
+}  // namespace
+}  // namespace stoke::train

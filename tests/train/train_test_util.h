@@ -196,6 +196,15 @@ inline RandomModel MakeRandomModel(uint64_t seed) {
   return r;
 }
 
+// The body of the training-loop tests' model (conv, batch norm, ReLU, max pool, flatten) as
+// entries of a YAML `model.layers` list; each test adds its own head.
+inline constexpr const char* kSmallConvBnLayers =
+    "    - {type: conv, out: 8, kernel: 3, pad: 1, bias: false}\n"
+    "    - {type: batchnorm}\n"
+    "    - {type: relu}\n"
+    "    - {type: maxpool, kernel: 2}\n"
+    "    - {type: flatten}\n";
+
 // 4 classes x 40 synthetic JPEGs packed into `dir`/train.lmdb, with 20% in train_val.lmdb.
 inline void PackSmallSyntheticSet(const testing::TempDir& dir) {
   synth::SynthOptions so{.classes = 4, .per_class = 40, .min_side = 24, .max_side = 40, .seed = 3};

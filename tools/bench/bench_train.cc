@@ -14,7 +14,9 @@
 #include "prefetch/loader.h"
 #include "tools/bench/bench_commands.h"
 #include "tools/bench/bench_stats.h"
+#include "dist/communicator.h"
 #include "train/config.h"
+#include "train/data_parallel.h"
 #include "train/trainer.h"
 
 namespace stoke::bench {
@@ -80,8 +82,22 @@ Result<PeerRun> RunPeer(const TrainBenchOptions& t, const std::filesystem::path&
 Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t) {
   STOKE_ASSIGN_OR_RETURN(train::TrainConfig c, train::LoadConfig(t.config.string()));
   if (o.threads > 0) c.compute_threads = o.threads, c.data.threads = o.threads;
-  STOKE_ASSIGN_OR_RETURN(auto db, dataset::Dataset::Open(c.data.train));
-  STOKE_ASSIGN_OR_RETURN(auto net, train::CreateNetwork(c));
+  // Under mpirun or srun: one rank of a data-parallel step (the same as `stoke train` takes).
+  STOKE_ASSIGN_OR_RETURN(auto comm, dist::Communicator::Create({.timeout_s = c.dist.timeout_s}));
+  const int world = comm->size(), rank = comm->rank();
+  if (t.peer && world > 1) return InvalidArgumentError("bench train: --peer measures one process; run it without mpirun");
+  auto agree = [&](const Status& s) { return world > 1 ? comm->Agree(s) : s; };
+  auto db = dataset::Dataset::Open(c.data.train);
+  STOKE_RETURN_IF_ERROR(agree(db.status()));
+  auto created = train::CreateNetwork(c, comm.get());
+  STOKE_RETURN_IF_ERROR(agree(created.status()));
+  auto net = std::move(*created);
+  dist::ReducerOptions ro;
+  ro.bucket_bytes = static_cast<size_t>(c.dist.bucket_mb * (1 << 20));
+  ro.first_bucket_bytes = std::min(ro.first_bucket_bytes, ro.bucket_bytes);
+  train::DataParallel dp(*comm, ro);
+  STOKE_RETURN_IF_ERROR(agree(net->SetStepSync(&dp)));
+  STOKE_RETURN_IF_ERROR(train::BroadcastState(*comm, *net));
   nlohmann::json model_json = ModelJson(c);
   // The peer runs where stoke's backend does, in the same precision (autocast on a GPU).
   model_json["device"] = net->stream() != nullptr ? "cuda" : "cpu";
@@ -100,16 +116,24 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
   }
   prefetch::LoaderOptions lo = train::TrainLoaderOptions(c);
   lo.epochs = 0;  // endless
+  lo.batch_size = c.data.batch_size / world;
+  lo.sampler.rank = rank;
+  lo.sampler.world_size = world;
+  lo.sampler.sharding = dataset::Sharding::kGlobalBatch;
+  lo.sampler.global_batch = c.data.batch_size;
   if (net->stream() != nullptr) lo.device = prefetch::DeviceMode::kCuda;
-  STOKE_ASSIGN_OR_RETURN(auto loader, prefetch::Loader::Create(db, lo));
+  auto loader_or = prefetch::Loader::Create(*db, lo);
+  STOKE_RETURN_IF_ERROR(agree(loader_or.status()));
+  auto loader = std::move(*loader_or);
   const auto lr = static_cast<float>(std::min(0.01, train::ScaledLr(c)));
   int64_t step = 0;
 
   std::vector<double> compute_rates, e2e_rates, waits, torch_nchw, torch_cl;
+  std::vector<double> comm_ms, overlap_fraction, blocked_ms;  // data-parallel, per timed compute run
   PeerRun peer_info;
   const double seconds = o.seconds > 0 ? o.seconds : 2.0;
   int steps = t.steps;  // 0 until the first warm-up has timed a step
-  BenchProgress progress("bench train", (t.peer ? 4 : 2) * o.repeats);
+  BenchProgress progress("bench train", (t.peer ? 4 : 2) * o.repeats, rank == 0 ? stderr : nullptr);
   for (int r = 1; r <= o.repeats; ++r) {
     {
       // Compute alone: one batch held out of the ring (on the device for a device backend) and
@@ -128,10 +152,20 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
         // As many steps as fit in `seconds` at the pace of the last warm-up step (the first ones
         // build kernels), at least 3.
         steps = static_cast<int>(std::min<int64_t>(ItemsForSeconds(1 / last_warm_s, seconds, 3), 1 << 20));
+        // Every rank runs rank 0's count (the ranks step together).
+        if (world > 1) STOKE_RETURN_IF_ERROR(comm->Broadcast(&steps, sizeof steps, 0).Wait());
       }
+      const train::DataParallelStats before = dp.stats();
       const auto start = Clock::now();
       for (int i = 0; i < steps; ++i) STOKE_RETURN_IF_ERROR(net->TrainStep(fixed, lr, c.optimizer.sgd, step++).status());
       compute_rates.push_back(steps * c.data.batch_size / Since(start));
+      if (world > 1) {
+        const train::DataParallelStats& after = dp.stats();
+        const double comm_s = after.comm_s - before.comm_s;
+        comm_ms.push_back(1e3 * comm_s / steps);
+        overlap_fraction.push_back(comm_s > 0 ? (after.overlapped_s - before.overlapped_s) / comm_s : 0);
+        blocked_ms.push_back(1e3 * (after.wait_s - before.wait_s) / steps);
+      }
       held.Release(net->stream());
     }
     peer_opts.steps = steps;
@@ -169,6 +203,7 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
     waits.push_back(wait / secs);
   }
   loader->Stop();
+  if (rank != 0) return std::string();  // rank 0 reports
   const double compute = Median(compute_rates), end_to_end = Median(e2e_rates), wait = Median(waits);
   const std::string model = c.model.preset.empty() ? fmt::format("{}-layer list", c.model.layers.size()) : c.model.preset;
   std::string out = fmt::format(
@@ -179,6 +214,14 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
       model, c.model.classes, c.data.image_size, c.data.image_size, c.data.batch_size, net->backend(),
       c.compute_threads, c.data.threads, steps, t.warmup, o.repeats, compute, compute / c.data.batch_size,
       fmt::format("{:.0f}", fmt::join(compute_rates, ", ")), end_to_end, end_to_end / c.data.batch_size, 100 * wait);
+  if (world > 1) {
+    out += fmt::format(
+        "  data-parallel: {} ranks x batch {}: compute only {:.1f} img/s per rank\n"
+        "    gradient averaging (rank 0): {:.2f} ms per step in {} buckets of up to {:.1f} MB, {:.0f}% of it overlapped "
+        "with backward; the step blocked {:.2f} ms on it\n",
+        world, c.data.batch_size / world, compute / world, Median(comm_ms), dp.stats().buckets, dp.stats().bucket_mb,
+        100 * Median(overlap_fraction), Median(blocked_ms));
+  }
   double ratio = 0;
   if (t.peer) {
     const double nchw = Median(torch_nchw), cl = Median(torch_cl), best = std::max(nchw, cl);
@@ -194,6 +237,8 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
   }
   if (!o.json_out.empty()) {
     nlohmann::json j{{"config", t.config.string()}, {"batch", c.data.batch_size}, {"backend", net->backend()},
+                     {"world", world}, {"allreduce_ms_per_step", comm_ms}, {"overlap_fraction", overlap_fraction},
+                     {"blocked_ms_per_step", blocked_ms},
                      {"compute_img_s", compute}, {"compute_runs", compute_rates}, {"e2e_img_s", end_to_end},
                      {"e2e_runs", e2e_rates}, {"data_wait_fraction", wait}};
     if (t.peer) {

@@ -1,0 +1,166 @@
+#include "train/data_parallel.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include <fmt/format.h>
+
+namespace stoke::train {
+
+Status DataParallel::AttachGradients(std::span<float> flat, std::vector<GradientSlice> slices) {
+  std::vector<dist::Slice> s;
+  s.reserve(slices.size());
+  for (const GradientSlice& g : slices) s.push_back({g.offset, g.count});
+  STOKE_ASSIGN_OR_RETURN(auto r, dist::Reducer::Create(comm_, flat, std::move(s), options_));
+  flat_ = flat;
+  slices_ = std::move(slices);
+  reducer_.emplace(std::move(r));
+  stats_.buckets = reducer_->num_buckets();
+  size_t largest = 0;
+  for (size_t b : reducer_->bucket_sizes()) largest = std::max(largest, b);
+  stats_.bucket_mb = static_cast<double>(largest * sizeof(float)) / (1 << 20);
+  return OkStatus();
+}
+
+void DataParallel::GradientReady(int index) {
+  if (!reducer_) return;
+  if (poison_ && index >= 0 && static_cast<size_t>(index) < slices_.size()) {
+    const GradientSlice& g = slices_[static_cast<size_t>(index)];
+    std::fill_n(flat_.begin() + static_cast<ptrdiff_t>(g.offset), g.count, std::numeric_limits<float>::quiet_NaN());
+  }
+  reducer_->Ready(index);
+}
+
+Status DataParallel::FinishGradients() {
+  if (!reducer_) return InternalError("data-parallel: no gradients attached");
+  poison_ = false;
+  Status s = reducer_->Finish();
+  const dist::ReducerStepStats& st = reducer_->last_step();
+  stats_.steps++;
+  stats_.comm_s += st.comm_s;
+  stats_.overlapped_s += st.overlapped_s;
+  stats_.wait_s += st.wait_s;
+  return s;
+}
+
+Status DataParallel::CombineMoments(std::span<float> mean, std::span<float> var) {
+  if (mean.size() != var.size()) return InvalidArgumentError("data-parallel: mean and variance sizes differ");
+  const size_t c = mean.size();
+  const int w = comm_.size();
+  // Gather every rank's (mean, var) and combine in rank order: the same answer on every rank.
+  // With equal counts: mu = mean of means; var = mean of variances + variance of the means.
+  std::vector<float> mine(2 * c), all(2 * c * static_cast<size_t>(w));
+  std::copy(mean.begin(), mean.end(), mine.begin());
+  std::copy(var.begin(), var.end(), mine.begin() + static_cast<ptrdiff_t>(c));
+  STOKE_RETURN_IF_ERROR(comm_.AllGather(mine.data(), mine.size() * sizeof(float), all.data()).Wait());
+  for (size_t i = 0; i < c; ++i) {
+    double mu = 0, v = 0;
+    for (int r = 0; r < w; ++r) mu += all[static_cast<size_t>(r) * 2 * c + i];
+    mu /= w;
+    for (int r = 0; r < w; ++r) {
+      const double d = all[static_cast<size_t>(r) * 2 * c + i] - mu;
+      v += all[static_cast<size_t>(r) * 2 * c + c + i] + d * d;
+    }
+    mean[i] = static_cast<float>(mu);
+    var[i] = static_cast<float>(v / w);
+  }
+  return OkStatus();
+}
+
+Status DataParallel::SumOverRanks(std::span<float> values) {
+  return comm_.AllReduce(values.data(), values.size(), dist::DataType::kFloat32, dist::ReduceOp::kSum).Wait();
+}
+
+Status DataParallel::AverageOverRanks(std::span<float> values) {
+  return comm_.AllReduce(values.data(), values.size(), dist::DataType::kFloat32, dist::ReduceOp::kAvg).Wait();
+}
+
+namespace {
+
+uint64_t Fnv(uint64_t h, const void* data, size_t bytes) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
+// Names and shapes of a state, as one digest.
+uint64_t LayoutDigest(const std::vector<NamedTensor>& state) {
+  uint64_t h = 1469598103934665603ull;
+  for (const NamedTensor& t : state) {
+    h = Fnv(h, t.name.data(), t.name.size() + 1);
+    h = Fnv(h, t.dims.data(), t.dims.size() * sizeof(int64_t));
+    const uint64_t n = t.values.size();
+    h = Fnv(h, &n, sizeof n);
+  }
+  return h;
+}
+
+}  // namespace
+
+Result<uint64_t> StateDigest(const Network& net) {
+  STOKE_ASSIGN_OR_RETURN(auto state, net.State());
+  uint64_t h = LayoutDigest(state);
+  for (const NamedTensor& t : state) h = Fnv(h, t.values.data(), t.values.size() * sizeof(float));
+  return h;
+}
+
+namespace {
+
+// Every rank's 64-bit value, in rank order.
+Result<std::vector<uint64_t>> GatherU64(dist::Communicator& comm, uint64_t mine) {
+  std::vector<uint64_t> all(static_cast<size_t>(comm.size()));
+  STOKE_RETURN_IF_ERROR(comm.AllGather(&mine, sizeof mine, all.data()).Wait());
+  return all;
+}
+
+}  // namespace
+
+Status BroadcastState(dist::Communicator& comm, Network& net) {
+  if (comm.size() == 1) return OkStatus();
+  Result<std::vector<NamedTensor>> state = net.State();
+  // Whether every rank could read its state, and built the same tensors as rank 0.
+  STOKE_RETURN_IF_ERROR(comm.Agree(state.status()));
+  STOKE_ASSIGN_OR_RETURN(auto layouts, GatherU64(comm, LayoutDigest(*state)));
+  for (int r = 1; r < comm.size(); ++r) {
+    if (layouts[static_cast<size_t>(r)] != layouts[0]) {
+      return InvalidArgumentError(fmt::format(
+          "data-parallel: rank {} built a different model from rank 0 (tensor names or shapes differ); every rank "
+          "must run the same config and stoke version",
+          r));
+    }
+  }
+  for (NamedTensor& t : *state) {
+    STOKE_RETURN_IF_ERROR(comm.Broadcast(t.values.data(), t.values.size() * sizeof(float), 0).Wait());
+  }
+  Status loaded = comm.rank() == 0 ? OkStatus() : net.LoadState(*state);
+  return comm.Agree(loaded);
+}
+
+Status CheckSameState(dist::Communicator& comm, const Network& net) {
+  Result<uint64_t> mine = StateDigest(net);
+  STOKE_RETURN_IF_ERROR(comm.Agree(mine.status()));
+  STOKE_ASSIGN_OR_RETURN(auto all, GatherU64(comm, *mine));
+  std::vector<int> differ;
+  for (int r = 1; r < comm.size(); ++r) {
+    if (all[static_cast<size_t>(r)] != all[0]) differ.push_back(r);
+  }
+  if (differ.empty()) return OkStatus();
+  return InternalError(fmt::format("data-parallel: the model on rank(s) {} differs from rank 0's", fmt::join(differ, ", ")));
+}
+
+Status SumStats(dist::Communicator& comm, BatchStats& stats) {
+  if (comm.size() == 1) return OkStatus();
+  double v[5] = {stats.loss_sum, static_cast<double>(stats.top1), static_cast<double>(stats.top5),
+                 static_cast<double>(stats.count), static_cast<double>(stats.skipped)};
+  STOKE_RETURN_IF_ERROR(comm.AllReduce(v, 5, dist::DataType::kFloat64, dist::ReduceOp::kSum).Wait());
+  stats.loss_sum = v[0];
+  stats.top1 = std::llround(v[1]);
+  stats.top5 = std::llround(v[2]);
+  stats.count = std::llround(v[3]);
+  stats.skipped = std::llround(v[4]);
+  return OkStatus();
+}
+
+}  // namespace stoke::train

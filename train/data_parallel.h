@@ -1,0 +1,78 @@
+// Data-parallel training over dist/: the StepSync the backends call during a step (gradient
+// buckets that overlap backward, synchronised batch norm) and the trainer's collective steps
+// (one model on every rank at start, a check that the ranks still agree).
+//
+//   auto comm = *dist::Communicator::Create();
+//   DataParallel dp(*comm);
+//   STOKE_RETURN_IF_ERROR(net->SetStepSync(&dp));
+//   STOKE_RETURN_IF_ERROR(BroadcastState(*comm, *net));    // rank 0's parameters everywhere
+//   per step: net->TrainStep(...)                           // averages inside
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "common/status.h"
+#include "dist/communicator.h"
+#include "dist/reducer.h"
+#include "train/network.h"
+
+namespace stoke::train {
+
+// Communication totals of a run, for the trainer's summary and `stoke bench train`.
+struct DataParallelStats {
+  int64_t steps = 0;
+  double comm_s = 0;        // time the communicator spent averaging gradients
+  double overlapped_s = 0;  // ... of it while backward was still computing
+  double wait_s = 0;        // time the step blocked for the averaging after backward
+  int buckets = 0;
+  double bucket_mb = 0;     // the largest bucket
+};
+
+class DataParallel final : public StepSync {
+ public:
+  explicit DataParallel(dist::Communicator& comm, dist::ReducerOptions options = {})
+      : comm_(comm), options_(options) {}
+
+  int world() const override { return comm_.size(); }
+  int rank() const override { return comm_.rank(); }
+  Status AttachGradients(std::span<float> flat, std::vector<GradientSlice> slices) override;
+  void GradientReady(int index) override;
+  Status FinishGradients() override;
+  Status CombineMoments(std::span<float> mean, std::span<float> var) override;
+  Status SumOverRanks(std::span<float> values) override;
+  Status AverageOverRanks(std::span<float> values) override;
+
+  // Fault injection for tests: this rank's next gradient (and statistics) are replaced by NaN as
+  // they become ready, before averaging.
+  void PoisonNextStep() { poison_ = true; }
+  const DataParallelStats& stats() const { return stats_; }
+  dist::Communicator& comm() { return comm_; }
+
+ private:
+  dist::Communicator& comm_;
+  dist::ReducerOptions options_;
+  std::span<float> flat_;
+  std::vector<GradientSlice> slices_;
+  std::optional<dist::Reducer> reducer_;
+  DataParallelStats stats_;
+  bool poison_ = false;
+};
+
+// Rank 0's parameters, running statistics and optimizer state, loaded on every other rank. Checks
+// first that every rank built the same tensors (names and shapes); kInvalidArgument naming the
+// first rank that differs.
+Status BroadcastState(dist::Communicator& comm, Network& net);
+
+// A digest of every tensor of the state (the bits of every float, names and shapes).
+Result<uint64_t> StateDigest(const Network& net);
+
+// Every rank's StateDigest compared: kInternal naming the ranks whose model differs from rank 0's.
+Status CheckSameState(dist::Communicator& comm, const Network& net);
+
+// Sums over the ranks, in place (blocking); a no-op on a world of one.
+Status SumStats(dist::Communicator& comm, BatchStats& stats);
+
+}  // namespace stoke::train
