@@ -63,4 +63,28 @@ if(STOKE_WITH_MPI AND STOKE_WITH_CUDA)
     set(STOKE_WITH_NCCL ON)
   endif()
 endif()
-message(STATUS "stoke: MPI ${STOKE_WITH_MPI} (${MPIEXEC_EXECUTABLE}), NCCL ${STOKE_WITH_NCCL}")
+message(STATUS "stoke: MPI ${STOKE_WITH_MPI} (${MPIEXEC_EXECUTABLE}), NCCL found ${STOKE_WITH_NCCL}")
+
+# The Python package (python/): pybind11 and DLPack's header from Debian, a Python 3 with its
+# headers. Not in sanitizer builds (an instrumented module cannot load into a plain interpreter).
+set(STOKE_PYTHON AUTO CACHE STRING "The Python package: AUTO, ON or OFF")
+set(STOKE_WITH_PYTHON OFF)
+if(NOT STOKE_PYTHON STREQUAL "OFF" AND STOKE_SANITIZE STREQUAL "")
+  set(PYBIND11_FINDPYTHON ON)
+  # Debian's interpreter (where python3-torch is), not one that happens to be first on PATH.
+  if(NOT Python_EXECUTABLE AND EXISTS /usr/bin/python3)
+    set(Python_EXECUTABLE /usr/bin/python3)
+  endif()
+  find_package(Python COMPONENTS Interpreter Development.Module QUIET)
+  find_package(pybind11 CONFIG QUIET)
+  find_path(STOKE_DLPACK_INCLUDE_DIR dlpack/dlpack.h)
+  if(Python_FOUND AND pybind11_FOUND AND STOKE_DLPACK_INCLUDE_DIR)
+    set(STOKE_WITH_PYTHON ON)
+    # The libraries are linked into a shared module.
+    set(CMAKE_POSITION_INDEPENDENT_CODE ON)
+  elseif(STOKE_PYTHON STREQUAL "ON")
+    message(FATAL_ERROR "STOKE_PYTHON=ON but pybind11, Python's headers or dlpack.h were not found "
+                        "(apt-get install pybind11-dev python3-dev libdlpack-dev)")
+  endif()
+endif()
+message(STATUS "stoke: Python package ${STOKE_WITH_PYTHON} (${Python_EXECUTABLE})")

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cmath>
 #include <mutex>
 #include <optional>
@@ -109,6 +110,14 @@ struct LoaderState {
   // rather than abort()ing them, so a thread that is about to wait still sees it.
   tbb::concurrent_bounded_queue<int> free;      // slot ids; -1 = stop
   tbb::concurrent_bounded_queue<Ready> ready;
+  // Wakes WaitReady() (a timed wait the queue does not offer) after every push to `ready`.
+  std::mutex ready_mu;
+  std::condition_variable ready_cv;
+  void PushReady(Ready r) {
+    ready.push(std::move(r));
+    { std::lock_guard<std::mutex> lock(ready_mu); }
+    ready_cv.notify_all();
+  }
   // concurrent_unordered_map: workers insert bad records while stats()/bad_records() traverse;
   // nothing is ever erased, which is what this container allows concurrently.
   tbb::concurrent_unordered_map<int64_t, std::string> bad;
@@ -359,14 +368,14 @@ struct LoaderState {
       st = memory->CopyToDevice(slot->id, bytes);
       if (st.ok()) {
         STOKE_TSAN_RELEASE(slot);
-        ready.push(Ready{Ready::kBatch, slot->id, {}});
+        PushReady(Ready{Ready::kBatch, slot->id, {}});
         return;
       }
     }
     if (!st.ok()) {
       output_failed = true;
       failing = true;
-      if (!stop.load()) ready.push(Ready{Ready::kError, -1, st});  // a stop is not an error
+      if (!stop.load()) PushReady(Ready{Ready::kError, -1, st});  // a stop is not an error
     }
   }
 
@@ -407,10 +416,10 @@ struct LoaderState {
       arena->execute([&] { tbb::parallel_pipeline(static_cast<size_t>(threads) * 4, chain); });
     } catch (const std::exception& e) {
       failing = true;
-      ready.push(Ready{Ready::kError, -1, InternalError(fmt::format("loader: {}", e.what()))});
+      PushReady(Ready{Ready::kError, -1, InternalError(fmt::format("loader: {}", e.what()))});
     }
     STOKE_TSAN_ACQUIRE(&done);
-    ready.push(Ready{Ready::kEnd, -1, {}});
+    PushReady(Ready{Ready::kEnd, -1, {}});
   }
 
   void ReleaseSlot(int id, void* stream) {
@@ -424,7 +433,7 @@ struct LoaderState {
   void RequestStop() {
     if (!stop.exchange(true)) {
       free.push(-1);
-      ready.push(Ready{Ready::kEnd, -1, {}});
+      PushReady(Ready{Ready::kEnd, -1, {}});
     }
     // After the end marker: decoders waiting for reads give up, and what they report comes after
     // the end the consumer already sees.
@@ -624,6 +633,14 @@ Result<BatchLease> Loader::Next() {
   st.batches_out.fetch_add(1, std::memory_order_relaxed);
   st.samples_out.fetch_add(b.size, std::memory_order_relaxed);
   return BatchLease(state_, r.slot, &b);
+}
+
+bool Loader::WaitReady(std::chrono::microseconds timeout) const {
+  detail::LoaderState& st = *state_;
+  // A batch, the end or an error is ready; or every slot is with the consumer (Next() fails at once).
+  auto ready = [&] { return st.finished || st.ready.size() > 0 || st.leased.load() >= st.o.ring_size; };
+  std::unique_lock<std::mutex> lock(st.ready_mu);
+  return st.ready_cv.wait_for(lock, timeout, ready);
 }
 
 LoaderStats Loader::stats() const {

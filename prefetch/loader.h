@@ -12,6 +12,7 @@
 // produces exactly the batches an uninterrupted one would from there.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -167,6 +168,10 @@ class Loader {
   // kInvalidArgument, at once, when the consumer already holds all ring_size batches (waiting
   // would never end). Not thread-safe: one consumer.
   Result<BatchLease> Next();
+  // Waits up to `timeout` until Next() would not block (a batch, the end or an error is ready).
+  // For consumers that must stay interruptible (the Python binding checks for Ctrl-C between
+  // waits). Thread-safe.
+  bool WaitReady(std::chrono::microseconds timeout) const;
   // Ends the run early: Next() returns an empty lease from now on. Safe from any thread.
   void Stop();
 

@@ -5,26 +5,18 @@ the crop's region where it can), resize to 224x224 and a random horizontal flip,
 no GPU (device_id=None). Prints one JSON line: images/s over the epochs after the first
 (warm-up), median of --repeats. Run it with a Python that has nvidia-dali (bench/peers/
 compare-pipeline --dali makes a virtual environment with it)."""
-import argparse
 import json
 import statistics
-import sys
 import time
 
 from nvidia import dali
 from nvidia.dali import fn, pipeline_def, types
 
+from peer_args import loader_args
+
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("data", help="image folder tree (one folder per class)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--epochs", type=int, default=3, help="per run; the first is not timed")
-    ap.add_argument("--repeats", type=int, default=3)
-    a = ap.parse_args()
-    if a.epochs < 2:
-        sys.exit("dali_loader.py: --epochs must be >= 2 (the first is a warm-up)")
+    a = loader_args("dali_loader.py", "image folder tree (one folder per class)")
 
     @pipeline_def(batch_size=a.batch, num_threads=a.threads, device_id=None, prefetch_queue_depth=2)
     def crops():

@@ -423,6 +423,40 @@ TEST(LoaderSoak, ResidentMemoryStaysFlatOver300Epochs) {
   std::printf("RSS over epochs 10-299: %.2f to %.2f MiB (%.2f%% of %.2f)\n", lo, hi, 100 * (hi - lo) / base, base);
 }
 
+// WaitReady() (the interruptible wait of the Python binding): true once Next() would not block,
+// for a batch, the end of the run, or a consumer that holds every slot.
+TEST(Loader, WaitReadyReportsWhenNextWouldNotBlock) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {}));
+  ASSERT_OK(ds.status());
+  LoaderOptions o = SmallOptions(2);
+  o.ring_size = 2;
+  o.epochs = 1;
+  ASSERT_OK_AND_ASSIGN(auto loader, Loader::Create(*ds, o));
+  std::vector<BatchLease> held;
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(loader->WaitReady(std::chrono::seconds(30)));
+    ASSERT_OK_AND_ASSIGN(auto lease, loader->Next());
+    ASSERT_TRUE(lease);
+    held.push_back(std::move(lease));
+  }
+  // Every slot is with the consumer: ready at once, and Next() says why instead of blocking.
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_TRUE(loader->WaitReady(std::chrono::seconds(30)));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(1));
+  EXPECT_FALSE(loader->Next().ok());
+  held.clear();
+  int batches = 2;
+  while (true) {
+    ASSERT_TRUE(loader->WaitReady(std::chrono::seconds(30)));
+    ASSERT_OK_AND_ASSIGN(auto lease, loader->Next());
+    if (!lease) break;
+    ++batches;
+  }
+  EXPECT_EQ(batches, 7);
+  EXPECT_TRUE(loader->WaitReady(std::chrono::milliseconds(1)));  // the end stays ready
+}
+
 TEST(Loader, RejectsBadOptionsByName) {
   testing::TempDir dir;
   auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.records = 4}));

@@ -1,0 +1,358 @@
+// The native half of the Python package: stoke's datasets and its loader, one epoch at a time,
+// with batches handed out as DLPack capsules that view the ring's slot in place. The slot goes
+// back to the ring when the last tensor made from the batch's capsules is freed.
+//
+// The Python half (stoke/torch.py) turns the capsules into torch tensors, keeps the epoch count
+// and the resume position, and reads rank and world size from torch.distributed.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <dlpack/dlpack.h>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "common/status.h"
+#include "dataset/dataset.h"
+#include "prefetch/loader.h"
+
+namespace py = pybind11;
+
+namespace stoke::python {
+namespace {
+
+// A stoke error as a Python exception carrying stoke's message: ValueError for bad arguments and
+// data, FileNotFoundError for a missing path, OSError for I/O, RuntimeError for the rest.
+[[noreturn]] void Raise(const Status& s) {
+  switch (s.code()) {
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kCorrupt:
+      throw py::value_error(s.ToString());
+    case StatusCode::kNotFound:
+      PyErr_SetString(PyExc_FileNotFoundError, s.ToString().c_str());
+      throw py::error_already_set();
+    case StatusCode::kIoError:
+      PyErr_SetString(PyExc_OSError, s.ToString().c_str());
+      throw py::error_already_set();
+    default:
+      throw std::runtime_error(s.ToString());
+  }
+}
+template <typename T>
+T Take(Result<T> r) {
+  if (!r.ok()) Raise(r.status());
+  return std::move(*r);
+}
+
+// ---------------------------------------------------------------- datasets
+
+// A dataset with one reader for record(): the dataset stays put (readers point at it).
+struct PyDataset {
+  std::unique_ptr<dataset::Dataset> ds;
+  std::unique_ptr<dataset::Reader> reader;
+};
+
+// The bytes of one record, as a buffer that keeps its dataset open: memoryview(RecordBytes) is a
+// zero-copy view into the LMDB map.
+struct RecordBytes {
+  std::shared_ptr<PyDataset> owner;
+  const std::byte* data = nullptr;
+  size_t size = 0;
+};
+
+std::shared_ptr<PyDataset> OpenDataset(const std::string& path) {
+  auto d = std::make_shared<PyDataset>();
+  d->ds = std::make_unique<dataset::Dataset>(Take(dataset::Dataset::Open(path)));
+  d->reader = std::make_unique<dataset::Reader>(Take(d->ds->NewReader()));
+  return d;
+}
+
+// ---------------------------------------------------------------- DLPack
+
+// What a capsule's tensor keeps alive: the lease on the ring slot (shared by every tensor of the
+// batch), and the shape and strides DLPack points at.
+struct TensorOwner {
+  std::shared_ptr<prefetch::BatchLease> lease;
+  std::vector<int64_t> shape, strides;
+  std::vector<int64_t> values;  // labels widened to int64 (owned here)
+};
+
+void DeleteManaged(DLManagedTensor* t) {
+  delete static_cast<TensorOwner*>(t->manager_ctx);
+  delete t;
+}
+
+// A "dltensor" capsule; if nothing consumes it, the capsule's destructor frees the tensor.
+py::capsule Capsule(void* data, DLDataType type, std::unique_ptr<TensorOwner> owner) {
+  auto* t = new DLManagedTensor{};
+  t->dl_tensor.data = data;
+  t->dl_tensor.device = {kDLCPU, 0};
+  t->dl_tensor.ndim = static_cast<int32_t>(owner->shape.size());
+  t->dl_tensor.dtype = type;
+  t->dl_tensor.shape = owner->shape.data();
+  t->dl_tensor.strides = owner->strides.empty() ? nullptr : owner->strides.data();
+  t->dl_tensor.byte_offset = 0;
+  t->manager_ctx = owner.release();
+  t->deleter = DeleteManaged;
+  PyObject* cap = PyCapsule_New(t, "dltensor", [](PyObject* self) {
+    // A consumer renames the capsule "used_dltensor" and becomes responsible for the tensor.
+    if (PyCapsule_IsValid(self, "dltensor")) {
+      auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(self, "dltensor"));
+      if (managed != nullptr && managed->deleter != nullptr) managed->deleter(managed);
+    } else {
+      PyErr_Clear();
+    }
+  });
+  if (cap == nullptr) {
+    DeleteManaged(t);
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::capsule>(cap);
+}
+
+// ---------------------------------------------------------------- one epoch of the loader
+
+struct EpochOptions {
+  int batch_size = 256;
+  bool train = true;
+  int size = 224;
+  int resize = 0;  // evaluation: shorter side before the centre crop; 0: size * 256 / 224
+  double scale_min = 0.08, scale_max = 1.0;
+  double flip = 0.5;
+  uint64_t seed = 0;
+  int threads = 0;
+  int ring = 4;
+  bool drop_last = false;
+  std::string on_error = "skip";
+  int rank = 0, world_size = 1;
+  int64_t epoch = 0, start_batch = 0;
+  int64_t epochs = 1;  // 0: endless (epochs follow each other without draining the pipeline)
+};
+
+prefetch::LoaderOptions ToLoaderOptions(const EpochOptions& e) {
+  prefetch::LoaderOptions o;
+  o.batch_size = e.batch_size;
+  o.drop_last_batch = e.drop_last;
+  o.threads = e.threads;
+  o.ring_size = e.ring;
+  o.on_error = Take(prefetch::ParseErrorPolicy(e.on_error));
+  o.sampler.seed = e.seed;
+  o.sampler.rank = e.rank;
+  o.sampler.world_size = e.world_size;
+  o.sampler.drop_last = e.drop_last;
+  if (e.world_size > 1) {
+    // As `stoke train` under mpirun slices its global batches: rank r takes samples
+    // [kG + rB, kG + (r+1)B) of the epoch order, G = B x world.
+    o.sampler.sharding = dataset::Sharding::kGlobalBatch;
+    o.sampler.global_batch = int64_t{e.batch_size} * e.world_size;
+  }
+  if (e.train) {
+    o.sampler.mode = dataset::ShuffleMode::kFull;
+    o.augment.mode = prefetch::CropMode::kRandomResized;
+    o.augment.random.size = e.size;
+    o.augment.random.scale_min = e.scale_min;
+    o.augment.random.scale_max = e.scale_max;
+    o.augment.random.flip_p = e.flip;
+  } else {
+    o.sampler.mode = dataset::ShuffleMode::kSequential;
+    o.augment.mode = prefetch::CropMode::kCenter;
+    o.augment.crop = e.size;
+    o.augment.resize = e.resize > 0 ? e.resize : (e.size * 256 + 223) / 224;
+  }
+  o.device = prefetch::DeviceMode::kHost;
+  o.start_epoch = e.epoch;
+  o.start_batch = e.start_batch;
+  o.epochs = e.epochs;
+  return o;
+}
+
+class EpochLoader {
+ public:
+  EpochLoader(std::shared_ptr<PyDataset> ds, const EpochOptions& e) : ds_(std::move(ds)) {
+    loader_ = Take(prefetch::Loader::Create(*ds_->ds, ToLoaderOptions(e)));
+  }
+  ~EpochLoader() { Close(); }
+
+  int64_t batches() const { return loader_ ? loader_->batches_per_epoch() : 0; }
+
+  // The next batch as (images, labels, indices, epoch, number, replaced), or None at the end of the
+  // epoch. Waits with the GIL released, checking for Ctrl-C every 50 ms.
+  py::object Next() {
+    if (!loader_) return py::none();
+    while (true) {
+      bool ready = false;
+      {
+        py::gil_scoped_release unlocked;
+        ready = loader_->WaitReady(std::chrono::milliseconds(50));
+      }
+      if (ready) break;
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    }
+    std::optional<Result<prefetch::BatchLease>> got;
+    {
+      py::gil_scoped_release unlocked;
+      got.emplace(loader_->Next());
+    }
+    Result<prefetch::BatchLease>& next = *got;
+    if (!next.ok()) {
+      const Status& s = next.status();
+      if (s.message().find("ring buffers are held by the consumer") != std::string::npos) {
+        throw std::runtime_error(fmt::format(
+            "stoke: every one of the loader's {} batch buffers is still in use by tensors you hold; a batch's "
+            "tensors view the loader's memory until they are freed: .clone() what you keep beyond the next "
+            "iteration (or pass a larger ring=)",
+            loader_->options().ring_size));
+      }
+      Raise(s);
+    }
+    if (!*next) return py::none();
+    auto lease = std::make_shared<prefetch::BatchLease>(std::move(*next));
+    const prefetch::Batch& b = **lease;
+    const int64_t n = b.size, h = b.height, w = b.width;
+
+    // images: [N, 3, H, W] over the slot's NHWC bytes, so channels-last.
+    auto img = std::make_unique<TensorOwner>();
+    img->lease = lease;
+    img->shape = {n, 3, h, w};
+    img->strides = {h * w * 3, 1, w * 3, 3};
+    py::capsule images = Capsule(const_cast<uint8_t*>(b.images.data()), {kDLUInt, 8, 1}, std::move(img));
+
+    auto lab = std::make_unique<TensorOwner>();
+    lab->values.assign(b.labels.begin(), b.labels.end());
+    lab->shape = {n};
+    int64_t* label_data = lab->values.data();  // before the owner moves into the capsule
+    py::capsule labels = Capsule(label_data, {kDLInt, 64, 1}, std::move(lab));
+
+    auto idx = std::make_unique<TensorOwner>();
+    idx->lease = lease;
+    idx->shape = {n};
+    py::capsule indices = Capsule(const_cast<int64_t*>(b.indices.data()), {kDLInt, 64, 1}, std::move(idx));
+    return py::make_tuple(images, labels, indices, b.epoch, b.number, b.replaced);
+  }
+
+  // Stops the pipeline and joins its threads; batches still held stay valid.
+  void Close() {
+    if (!loader_) return;
+    py::gil_scoped_release unlocked;
+    loader_->Stop();
+    loader_.reset();
+  }
+
+  py::dict Stats() const {
+    py::dict d;
+    if (!loader_) return d;
+    const prefetch::LoaderStats s = loader_->stats();
+    d["batches"] = s.batches;
+    d["samples"] = s.samples;
+    d["bad_records"] = s.bad_records;
+    d["images_per_s"] = s.images_per_s;
+    d["consumer_wait_s"] = s.consumer_wait_s;
+    return d;
+  }
+  std::vector<std::pair<int64_t, std::string>> BadRecords() const {
+    std::vector<std::pair<int64_t, std::string>> out;
+    if (!loader_) return out;
+    for (const auto& r : loader_->bad_records()) out.emplace_back(r.index, r.reason);
+    return out;
+  }
+
+ private:
+  std::shared_ptr<PyDataset> ds_;  // outlives the loader
+  std::unique_ptr<prefetch::Loader> loader_;
+};
+
+// The C++ loader's batches consumed directly (copied out), for the tests that compare the
+// zero-copy path with it: a list of (images bytes, labels, indices).
+py::list ReferenceBatches(const std::shared_ptr<PyDataset>& ds, const EpochOptions& e, int max_batches) {
+  auto loader = Take(prefetch::Loader::Create(*ds->ds, ToLoaderOptions(e)));
+  py::list out;
+  for (int i = 0; i < max_batches; ++i) {
+    auto lease = Take(loader->Next());
+    if (!lease) break;
+    const prefetch::Batch& b = *lease;
+    out.append(py::make_tuple(py::bytes(reinterpret_cast<const char*>(b.images.data()), b.images.size()),
+                              std::vector<int32_t>(b.labels.begin(), b.labels.end()),
+                              std::vector<int64_t>(b.indices.begin(), b.indices.end())));
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace stoke::python
+
+PYBIND11_MODULE(_stoke, m) {
+  using namespace stoke::python;
+  namespace ds = stoke::dataset;
+  m.doc() = "stoke's native module: packed datasets and the loader (see the stoke package)";
+  m.attr("__version__") = STOKE_VERSION;
+
+  py::class_<RecordBytes>(m, "RecordBytes", py::buffer_protocol())
+      .def_buffer([](RecordBytes& r) {
+        return py::buffer_info(const_cast<std::byte*>(r.data), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(r.size)}, {1}, /*readonly=*/true);
+      })
+      .def("__len__", [](const RecordBytes& r) { return r.size; });
+
+  py::class_<PyDataset, std::shared_ptr<PyDataset>>(m, "Dataset")
+      .def(py::init(&OpenDataset), py::arg("path"),
+           "Opens a dataset made by `stoke pack` (its directory or its data file).")
+      .def("__len__", [](const PyDataset& d) { return d.ds->size(); })
+      .def_property_readonly("path", [](const PyDataset& d) { return d.ds->path().string(); })
+      .def_property_readonly("classes", [](const PyDataset& d) { return d.ds->manifest().classes; })
+      .def_property_readonly("class_counts", [](const PyDataset& d) { return d.ds->manifest().class_counts; })
+      .def_property_readonly("format_version", [](const PyDataset& d) { return d.ds->manifest().format_version; })
+      .def(
+          "record",
+          [](const std::shared_ptr<PyDataset>& d, int64_t i) {
+            if (i < 0) i += d->ds->size();
+            auto view = Take(d->reader->Get(i));
+            std::string source = d->ds->manifest().has_paths ? Take(d->reader->SourcePath(i)) : std::string();
+            RecordBytes bytes{d, view.image.data(), view.image.size()};
+            py::dict r;
+            r["index"] = i;
+            r["label"] = view.header.label;
+            r["width"] = view.header.width;
+            r["height"] = view.header.height;
+            r["source"] = source;
+            r["bytes"] = py::memoryview(py::cast(std::move(bytes)));
+            return r;
+          },
+          py::arg("index"),
+          "Record `index`: its label, size, source path and encoded bytes (a read-only memoryview into the "
+          "dataset's map, valid while it is referenced).");
+
+  py::class_<EpochOptions>(m, "EpochOptions")
+      .def(py::init<>())
+      .def_readwrite("batch_size", &EpochOptions::batch_size)
+      .def_readwrite("train", &EpochOptions::train)
+      .def_readwrite("size", &EpochOptions::size)
+      .def_readwrite("resize", &EpochOptions::resize)
+      .def_readwrite("scale_min", &EpochOptions::scale_min)
+      .def_readwrite("scale_max", &EpochOptions::scale_max)
+      .def_readwrite("flip", &EpochOptions::flip)
+      .def_readwrite("seed", &EpochOptions::seed)
+      .def_readwrite("threads", &EpochOptions::threads)
+      .def_readwrite("ring", &EpochOptions::ring)
+      .def_readwrite("drop_last", &EpochOptions::drop_last)
+      .def_readwrite("on_error", &EpochOptions::on_error)
+      .def_readwrite("rank", &EpochOptions::rank)
+      .def_readwrite("world_size", &EpochOptions::world_size)
+      .def_readwrite("epoch", &EpochOptions::epoch)
+      .def_readwrite("start_batch", &EpochOptions::start_batch)
+      .def_readwrite("epochs", &EpochOptions::epochs);
+
+  py::class_<EpochLoader>(m, "EpochLoader")
+      .def(py::init<std::shared_ptr<PyDataset>, const EpochOptions&>(), py::arg("dataset"), py::arg("options"))
+      .def("batches", &EpochLoader::batches, "Batches in this epoch for this rank (from the first, not the start).")
+      .def("next", &EpochLoader::Next)
+      .def("close", &EpochLoader::Close)
+      .def("stats", &EpochLoader::Stats)
+      .def("bad_records", &EpochLoader::BadRecords);
+
+  m.def("_reference_batches", &ReferenceBatches, py::arg("dataset"), py::arg("options"), py::arg("max_batches"));
+}

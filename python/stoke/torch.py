@@ -1,0 +1,218 @@
+"""The PyTorch adapter: stoke's loader as an iterable of dicts of torch tensors.
+
+Batches are zero-copy views of the loader's ring buffers (through DLPack): a batch's buffer goes
+back to the loader when the last tensor viewing it is freed. Keep a batch beyond the next
+iteration with ``.clone()``. torch is imported when this module is.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+import torch
+import torch.utils.dlpack
+
+from . import _stoke
+
+__all__ = ["Loader"]
+
+
+def _rank_and_world(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
+    """Explicit values, else torch.distributed when initialised, else RANK/WORLD_SIZE, else 0/1."""
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        r, w = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    else:
+        r, w = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return (r if rank is None else rank), (w if world_size is None else world_size)
+
+
+class _Epoch:
+    """The iterator of one epoch (what ``iter(loader)`` returns): exactly ``len(loader)`` batches,
+    less those already handed out when resuming."""
+
+    def __init__(self, owner: "Loader", native: Any, epoch: int, start: int) -> None:
+        self._owner = owner
+        self._native = native
+        self.epoch = epoch
+        self.yielded = start  # batches of this epoch handed to the user (resume counts from here)
+
+    def __iter__(self) -> "_Epoch":
+        return self
+
+    def __next__(self) -> Dict[str, Any]:
+        if self._native is None or self._native is not self._owner._native:
+            raise StopIteration  # the loader was closed, or moved on to another epoch
+        if self.yielded >= len(self._owner):
+            # The pipeline is already working on the next epoch: the next iter() picks it up.
+            self._owner._position = (self.epoch + 1, 0)
+            self._native = None
+            raise StopIteration
+        got = self._native.next()
+        if got is None:
+            raise StopIteration
+        images, labels, indices, epoch, number, replaced = got
+        self.yielded += 1
+        self._owner._position = (self.epoch, self.yielded)
+        return {
+            "images": torch.utils.dlpack.from_dlpack(images),
+            "labels": torch.utils.dlpack.from_dlpack(labels),
+            "indices": torch.utils.dlpack.from_dlpack(indices),
+            "epoch": epoch,
+            "batch": number,
+            "replaced": replaced,
+        }
+
+
+class Loader:
+    """Batches of a stoke dataset as torch tensors.
+
+    Each iteration yields a dict: ``images`` uint8 ``[B, 3, H, W]`` (channels-last memory: a view
+    of the loader's NHWC buffer), ``labels`` int64 ``[B]``, ``indices`` int64 ``[B]`` (the records),
+    ``epoch``, ``batch`` (its number within the epoch) and ``replaced`` (samples whose record was
+    bad and was replaced, under ``on_error="skip"``).
+
+    ``iter()`` starts the next epoch (0, 1, ...); ``set_epoch(e)`` chooses it, as with
+    ``DistributedSampler``. With several ranks (``rank``/``world_size``, else ``torch.distributed``,
+    else the ``RANK``/``WORLD_SIZE`` variables) each rank gets ``batch_size`` samples of every
+    global batch of ``batch_size * world_size``: disjoint shards of equal length, the same slices
+    as ``stoke train`` under mpirun. ``state_dict()`` records how many batches of the epoch were
+    handed out; ``load_state_dict()`` makes the next ``iter()`` resume exactly there.
+
+    Training (``train=True``): full shuffle, RandomResizedCrop to ``size`` with ``scale`` and a
+    horizontal flip with probability ``flip``. Evaluation: the records in order, the shorter side
+    resized to ``resize`` (default ``size * 256 / 224``), centre crop ``size``.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        batch_size: int,
+        *,
+        train: bool = True,
+        size: int = 224,
+        seed: int = 0,
+        threads: int = 0,
+        ring: int = 4,
+        drop_last: bool = False,
+        on_error: str = "skip",
+        device: str = "cpu",
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        scale: Tuple[float, float] = (0.08, 1.0),
+        flip: float = 0.5,
+        resize: int = 0,
+    ) -> None:
+        if device != "cpu":
+            raise ValueError(f"stoke.torch.Loader: device {device!r}: this build hands out CPU tensors only; "
+                             "use device='cpu' and .to(device, non_blocking=True)")
+        self._dataset = _stoke.Dataset(path)
+        r, w = _rank_and_world(rank, world_size)
+        if not 0 <= r < w:
+            raise ValueError(f"stoke.torch.Loader: rank {r} is not in [0, world_size {w})")
+        o = _stoke.EpochOptions()
+        o.batch_size, o.train, o.size, o.seed = batch_size, train, size, seed
+        o.threads, o.ring, o.drop_last, o.on_error = threads, ring, drop_last, on_error
+        o.rank, o.world_size = r, w
+        o.scale_min, o.scale_max = scale
+        o.flip, o.resize = flip, resize
+        self._options = o
+        self._next_epoch = 0
+        self._start_batch = 0
+        self._current: Optional[_Epoch] = None
+        # The running pipeline (endless: one epoch flows into the next without draining) and the
+        # (epoch, batch) of the next batch it will hand out.
+        self._native: Any = None
+        self._position: Tuple[int, int] = (-1, -1)
+        # Checks every option now (the error names it) and learns the epoch's length.
+        probe = _stoke.EpochLoader(self._dataset, o)
+        self._len = probe.batches()
+        probe.close()
+
+    @property
+    def dataset(self) -> Any:
+        return self._dataset
+
+    @property
+    def rank(self) -> int:
+        return self._options.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._options.world_size
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank (the same on every rank)."""
+        return self._len
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next ``iter()`` runs (its order and augmentation come from the seed and it)."""
+        self._next_epoch = epoch
+        self._start_batch = 0
+
+    def __iter__(self) -> Iterator[Dict[str, Any]]:
+        wanted = (self._next_epoch, self._start_batch)
+        if self._native is None or self._position != wanted:
+            # A new start (first epoch, set_epoch, a break, a resume): stop the old pipeline.
+            self._close_native()
+            o = self._options
+            o.epoch, o.start_batch, o.epochs = wanted[0], wanted[1], 0
+            self._native = _stoke.EpochLoader(self._dataset, o)
+            self._position = wanted
+        self._current = _Epoch(self, self._native, *wanted)
+        self._next_epoch, self._start_batch = wanted[0] + 1, 0
+        return self._current
+
+    def bad_records(self) -> list:
+        """(record index, reason) of the records skipped since the pipeline started."""
+        return self._native.bad_records() if self._native is not None else []
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Where the loader is: the epoch and how many of its batches were handed out."""
+        if self._current is not None and self._current._native is not None:
+            epoch, batch = self._current.epoch, self._current.yielded
+        else:
+            epoch, batch = self._next_epoch, self._start_batch
+        o = self._options
+        return {"dataset": self._dataset.path, "records": len(self._dataset), "batch_size": o.batch_size,
+                "seed": o.seed, "rank": o.rank, "world_size": o.world_size, "train": o.train,
+                "epoch": epoch, "batch": batch}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """The next ``iter()`` resumes where ``state`` was taken. Refuses another dataset or batch."""
+        o = self._options
+        for key, mine in (("records", len(self._dataset)), ("batch_size", o.batch_size), ("seed", o.seed),
+                          ("world_size", o.world_size), ("train", o.train)):
+            if state.get(key) != mine:
+                raise ValueError(f"stoke.torch.Loader.load_state_dict: the state has {key}={state.get(key)!r}, "
+                                 f"this loader {key}={mine!r} (a state of another dataset or batch size)")
+        if not 0 <= state["batch"] <= self._len:
+            raise ValueError(f"stoke.torch.Loader.load_state_dict: batch {state['batch']} is outside the "
+                             f"{self._len} batches of an epoch")
+        self._next_epoch, self._start_batch = state["epoch"], state["batch"]
+        if self._start_batch == self._len:
+            self._next_epoch, self._start_batch = self._next_epoch + 1, 0
+
+    def _close_native(self) -> None:
+        self._current = None
+        if self._native is not None:
+            self._native.close()
+            self._native = None
+            self._position = (-1, -1)
+
+    def close(self) -> None:
+        """Stops the pipeline and joins its threads. Tensors already handed out stay valid."""
+        self._close_native()
+
+    def __enter__(self) -> "Loader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

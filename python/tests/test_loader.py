@@ -1,0 +1,204 @@
+"""The Python package against the C++ loader: the same batches, exact lengths, disjoint shards,
+exact resume, no threads or memory left behind, and clear errors."""
+import gc
+import os
+import subprocess
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="python3-torch is not installed")
+np = pytest.importorskip("numpy")
+
+import stoke  # noqa: E402
+from stoke import _stoke  # noqa: E402
+from stoke.torch import Loader  # noqa: E402
+
+STOKE = os.environ.get("STOKE_BIN", "build/bin/stoke")
+
+
+@pytest.fixture(scope="session")
+def data(tmp_path_factory):
+    """120 synthetic JPEGs in 4 classes, packed; and a copy with one record damaged."""
+    d = tmp_path_factory.mktemp("data")
+    subprocess.run([STOKE, "synth", str(d / "images"), "--classes", "4", "--per-class", "30"], check=True,
+                   stdout=subprocess.DEVNULL)
+    subprocess.run([STOKE, "pack", str(d / "images"), str(d / "train.lmdb"), "-q"], check=True,
+                   stdout=subprocess.DEVNULL)
+    damaged = d / "damaged.lmdb"
+    damaged.mkdir()
+    for f in (d / "train.lmdb").iterdir():
+        (damaged / f.name).write_bytes(f.read_bytes())
+    raw = bytearray((damaged / "data.mdb").read_bytes())
+    at = raw.find(b"\xff\xd8\xff", len(raw) // 3)
+    raw[at + 2:at + 300] = bytes(298)  # the record's CRC no longer matches
+    (damaged / "data.mdb").write_bytes(bytes(raw))
+    return {"train": str(d / "train.lmdb"), "damaged": str(damaged)}
+
+
+def nhwc_bytes(images):
+    """The batch's pixels in the loader's own NHWC order."""
+    return images.permute(0, 2, 3, 1).contiguous().numpy().tobytes()
+
+
+def threads():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+def rss_mb():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def test_dataset_records_are_zero_copy_views(data):
+    ds = stoke.Dataset(data["train"])
+    assert len(ds) == 120
+    assert len(ds.classes) == 4 and sum(ds.class_counts) == 120
+    r = ds.record(7)
+    view = r["bytes"]
+    assert isinstance(view, memoryview) and view.readonly
+    assert bytes(view[:3]) == b"\xff\xd8\xff"
+    assert 0 <= r["label"] < 4 and r["width"] > 0 and r["source"]
+    del ds
+    gc.collect()
+    assert bytes(view[:2]) == b"\xff\xd8"  # the view keeps the dataset open
+    with pytest.raises(FileNotFoundError, match="nowhere.lmdb"):
+        stoke.Dataset("/nowhere.lmdb")
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_len_is_the_number_of_batches_yielded(data, drop_last):
+    loader = Loader(data["train"], batch_size=16, size=32, threads=2, drop_last=drop_last)
+    count = samples = 0
+    for b in loader:  # each batch is let go before the next (the ring has 4 buffers)
+        if count == 0:
+            assert b["images"].shape == (16, 3, 32, 32) and b["images"].dtype == torch.uint8
+            assert b["images"].is_contiguous(memory_format=torch.channels_last)
+            assert b["labels"].dtype == torch.int64 and b["indices"].dtype == torch.int64
+        count += 1
+        samples += b["labels"].numel()
+    assert count == len(loader) == (7 if drop_last else 8)
+    assert samples == (112 if drop_last else 120)
+    loader.close()
+
+
+def test_batches_are_the_cpp_loaders(data):
+    loader = Loader(data["train"], batch_size=16, size=32, threads=2, seed=3)
+    loader.set_epoch(2)
+    got = [(nhwc_bytes(b["images"]), b["labels"].tolist(), b["indices"].tolist()) for b in loader]
+    o = _stoke.EpochOptions()
+    o.batch_size, o.size, o.threads, o.seed, o.epoch = 16, 32, 2, 3, 2
+    want = _stoke._reference_batches(loader.dataset, o, 100)
+    assert len(got) == len(want) == 8
+    for (gi, gl, gx), (wi, wl, wx) in zip(got, want):
+        assert gi == wi and gl == wl and gx == wx
+
+
+def test_shards_are_disjoint_and_slice_the_global_batches(data):
+    world = 3
+    whole = [b["indices"].tolist() for b in Loader(data["train"], batch_size=12, size=32, seed=5, drop_last=True)]
+    ranks = [[b["indices"].tolist()
+              for b in Loader(data["train"], batch_size=4, size=32, seed=5, drop_last=True, rank=r, world_size=world)]
+             for r in range(world)]
+    assert all(len(r) == len(whole) == 10 for r in ranks)  # equal lengths on every rank
+    for k, global_batch in enumerate(whole):
+        assert sum((ranks[r][k] for r in range(world)), []) == global_batch
+    seen = [i for r in ranks for b in r for i in b]
+    assert len(seen) == len(set(seen))
+
+
+def test_rank_and_world_come_from_the_environment(data, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    loader = Loader(data["train"], batch_size=8, size=32)
+    assert (loader.rank, loader.world_size) == (1, 2)
+    with pytest.raises(ValueError, match="rank 2 is not in"):
+        Loader(data["train"], batch_size=8, size=32, rank=2, world_size=2)
+
+
+def test_state_dict_resumes_exactly(data):
+    def run(loader, n=None):
+        out = []
+        for b in loader:
+            out.append(nhwc_bytes(b["images"]))
+            if n is not None and len(out) == n:
+                break
+        return out
+
+    full = Loader(data["train"], batch_size=16, size=32, seed=9)
+    want = run(full) + run(full)  # epochs 0 and 1
+    first = Loader(data["train"], batch_size=16, size=32, seed=9)
+    head = run(first, 3)
+    state = first.state_dict()
+    assert (state["epoch"], state["batch"]) == (0, 3)
+    first.close()
+    second = Loader(data["train"], batch_size=16, size=32, seed=9)
+    second.load_state_dict(state)
+    assert head + run(second) + run(second) == want
+    other = Loader(data["train"], batch_size=8, size=32, seed=9)
+    with pytest.raises(ValueError, match="batch_size"):
+        other.load_state_dict(state)
+
+
+def test_break_and_iter_a_hundred_times_leaves_nothing_behind(data):
+    loader = Loader(data["train"], batch_size=8, size=32, threads=2)
+    for _ in range(5):  # warm-up: allocator and thread pools settle
+        for _ in loader:
+            break
+    loader.close()
+    gc.collect()
+    t0, m0 = threads(), rss_mb()
+    for _ in range(100):
+        for b in loader:  # each new iter() stops and joins the previous epoch's pipeline
+            assert b["images"].shape[0] == 8
+            break
+        assert threads() <= t0 + 4  # at most one epoch's pipeline at a time
+    loader.close()
+    gc.collect()
+    assert threads() == t0
+    assert rss_mb() - m0 < 24, f"RSS grew from {m0:.1f} to {rss_mb():.1f} MB"
+
+
+def test_a_ring_of_two_runs_a_thousand_iterations(data):
+    loader = Loader(data["train"], batch_size=4, size=32, ring=2, threads=2)
+    done = 0
+    while done < 1000:
+        for b in loader:
+            assert b["images"].shape == (4, 3, 32, 32)
+            done += 1
+            if done == 1000:
+                break
+    loader.close()
+
+
+def test_holding_more_batches_than_the_ring_says_to_clone(data):
+    loader = Loader(data["train"], batch_size=4, size=32, ring=2)
+    it = iter(loader)
+    kept = [next(it), next(it)]
+    with pytest.raises(RuntimeError, match=r"\.clone\(\)"):
+        next(it)
+    del kept
+    gc.collect()
+    assert next(it)["images"].shape[0] == 4  # freeing the tensors returned their buffers
+    loader.close()
+
+
+def test_bad_records_are_skipped_and_reported(data):
+    loader = Loader(data["damaged"], batch_size=8, size=32, train=False)
+    replaced = sum(b["replaced"] for b in loader)
+    assert replaced == 1
+    bad = loader.bad_records()
+    assert len(bad) == 1 and "CRC" in bad[0][1]
+    strict = Loader(data["damaged"], batch_size=8, size=32, train=False, on_error="fail")
+    with pytest.raises(ValueError, match="record"):
+        for _ in strict:
+            pass
+
+
+def test_bad_options_name_themselves(data):
+    with pytest.raises(ValueError, match="on_error|skip"):
+        Loader(data["train"], batch_size=8, on_error="ignore")
+    with pytest.raises(ValueError, match="batch"):
+        Loader(data["train"], batch_size=0)
+    with pytest.raises(ValueError, match="device"):
+        Loader(data["train"], batch_size=8, device="cuda")
