@@ -9,17 +9,25 @@
 
 #include <dlpack/dlpack.h>
 
+#include <array>
+#include <atomic>
 #include <chrono>
+#include <exception>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
 
+#include "augment/transform.h"
 #include "common/status.h"
 #include "dataset/dataset.h"
 #include "prefetch/loader.h"
+#include "tools/inspect/inspect.h"
+#include "tools/pack/packer.h"
 
 namespace py = pybind11;
 
@@ -79,7 +87,8 @@ std::shared_ptr<PyDataset> OpenDataset(const std::string& path) {
 struct TensorOwner {
   std::shared_ptr<prefetch::BatchLease> lease;
   std::vector<int64_t> shape, strides;
-  std::vector<int64_t> values;  // labels widened to int64 (owned here)
+  std::vector<int64_t> values;  // labels and indices (owned here)
+  std::vector<std::byte> bytes;  // normalised pixels (owned here)
 };
 
 void DeleteManaged(DLManagedTensor* t) {
@@ -132,6 +141,11 @@ struct EpochOptions {
   int rank = 0, world_size = 1;
   int64_t epoch = 0, start_batch = 0;
   int64_t epochs = 1;  // 0: endless (epochs follow each other without draining the pipeline)
+  // Normalised float tensors instead of uint8: (x / 255 - mean) / std, float32 or float16.
+  bool normalize = false;
+  std::array<float, 3> mean = {0.485f, 0.456f, 0.406f};
+  std::array<float, 3> std = {0.229f, 0.224f, 0.225f};
+  std::string dtype = "float32";
 };
 
 prefetch::LoaderOptions ToLoaderOptions(const EpochOptions& e) {
@@ -174,6 +188,16 @@ prefetch::LoaderOptions ToLoaderOptions(const EpochOptions& e) {
 class EpochLoader {
  public:
   EpochLoader(std::shared_ptr<PyDataset> ds, const EpochOptions& e) : ds_(std::move(ds)) {
+    if (e.normalize) {
+      if (e.dtype != "float32" && e.dtype != "float16") {
+        throw py::value_error(fmt::format("stoke: dtype {}: normalised batches are float32 or float16", e.dtype));
+      }
+      normalize_.emplace();
+      normalize_->mean = e.mean;
+      normalize_->std = e.std;
+      normalize_->layout = augment::Layout::kNHWC;  // viewed as [N, 3, H, W] channels-last
+      normalize_->dtype = e.dtype == "float16" ? augment::DType::kFloat16 : augment::DType::kFloat32;
+    }
     loader_ = Take(prefetch::Loader::Create(*ds_->ds, ToLoaderOptions(e)));
   }
   ~EpochLoader() { Close(); }
@@ -215,12 +239,27 @@ class EpochLoader {
     const prefetch::Batch& b = **lease;
     const int64_t n = b.size, h = b.height, w = b.width;
 
-    // images: [N, 3, H, W] over the slot's NHWC bytes, so channels-last.
+    // images: [N, 3, H, W] over NHWC memory, so channels-last: the slot's own bytes, or (with
+    // normalize) floats of their own, in which case the slot goes back to the ring at once.
     auto img = std::make_unique<TensorOwner>();
-    img->lease = lease;
     img->shape = {n, 3, h, w};
     img->strides = {h * w * 3, 1, w * 3, 3};
-    py::capsule images = Capsule(const_cast<uint8_t*>(b.images.data()), {kDLUInt, 8, 1}, std::move(img));
+    py::capsule images;
+    if (normalize_) {
+      const bool half = normalize_->dtype == augment::DType::kFloat16;
+      img->bytes.resize(augment::NormalizedBytes(b.size, b.width, b.height, normalize_->dtype));
+      Status st;
+      {
+        py::gil_scoped_release unlocked;
+        st = augment::Normalize(b.images, b.size, b.width, b.height, *normalize_, img->bytes);
+      }
+      if (!st.ok()) Raise(st);
+      void* data = img->bytes.data();
+      images = Capsule(data, {kDLFloat, static_cast<uint8_t>(half ? 16 : 32), 1}, std::move(img));
+    } else {
+      img->lease = lease;
+      images = Capsule(const_cast<uint8_t*>(b.images.data()), {kDLUInt, 8, 1}, std::move(img));
+    }
 
     auto lab = std::make_unique<TensorOwner>();
     lab->values.assign(b.labels.begin(), b.labels.end());
@@ -229,10 +268,13 @@ class EpochLoader {
     py::capsule labels = Capsule(label_data, {kDLInt, 64, 1}, std::move(lab));
 
     auto idx = std::make_unique<TensorOwner>();
-    idx->lease = lease;
+    idx->values.assign(b.indices.begin(), b.indices.end());
     idx->shape = {n};
-    py::capsule indices = Capsule(const_cast<int64_t*>(b.indices.data()), {kDLInt, 64, 1}, std::move(idx));
-    return py::make_tuple(images, labels, indices, b.epoch, b.number, b.replaced);
+    int64_t* index_data = idx->values.data();
+    py::capsule indices = Capsule(index_data, {kDLInt, 64, 1}, std::move(idx));
+    py::tuple out = py::make_tuple(images, labels, indices, b.epoch, b.number, b.replaced);
+    lease.reset();  // only the uint8 images tensor (when there is one) keeps the slot
+    return out;
   }
 
   // Stops the pipeline and joins its threads; batches still held stay valid.
@@ -263,8 +305,139 @@ class EpochLoader {
 
  private:
   std::shared_ptr<PyDataset> ds_;  // outlives the loader
+  std::optional<augment::NormalizeOptions> normalize_;
   std::unique_ptr<prefetch::Loader> loader_;
 };
+
+// ---------------------------------------------------------------- pack and verify
+
+// Runs `fn` on a thread of its own while this (the main) thread waits with the GIL released,
+// checking for Ctrl-C: on one, `stop` is set (the work ends at its next safe point, leaving
+// resumable state) and KeyboardInterrupt is raised once it has.
+template <typename T>
+T RunInterruptibly(std::atomic<bool>& stop, std::function<T()> fn) {
+  std::optional<T> result;
+  std::exception_ptr error;
+  std::atomic<bool> done{false};
+  std::thread worker([&] {
+    try {
+      result.emplace(fn());
+    } catch (...) {
+      error = std::current_exception();
+    }
+    done.store(true);
+  });
+  bool interrupted = false;
+  while (!done.load()) {
+    {
+      py::gil_scoped_release unlocked;
+      for (int i = 0; i < 50 && !done.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (!interrupted && PyErr_CheckSignals() != 0) {
+      interrupted = true;  // the KeyboardInterrupt stays set and is raised after the join
+      stop.store(true);
+    }
+  }
+  {
+    py::gil_scoped_release unlocked;
+    worker.join();
+  }
+  if (interrupted) throw py::error_already_set();
+  if (error) std::rethrow_exception(error);
+  return std::move(*result);
+}
+
+py::dict Pack(const std::string& source, const std::string& output, const py::dict& o, py::object progress) {
+  pack::PackOptions p;
+  p.source = source;
+  p.output = output;
+  p.progress = false;
+  auto get = [&](const char* key, auto def) {
+    return o.contains(key) && !o[key].is_none() ? o[key].cast<decltype(def)>() : def;
+  };
+  p.list_file = get("list_file", std::string());
+  p.val_output = get("val_output", std::string());
+  p.threads = get("threads", 0);
+  p.max_side = get("max_side", 0);
+  p.quality = get("quality", 0);
+  p.shuffle = get("shuffle", false);
+  p.seed = get("seed", uint64_t{0});
+  p.val_fraction = get("val_fraction", 0.0);
+  p.resume = get("resume", false);
+  p.overwrite = get("overwrite", false);
+  p.store_paths = get("store_paths", true);
+  p.report_file = get("report", std::string());
+  const std::string encoding = get("encoding", std::string("jpeg"));
+  const std::string on_error = get("on_error", std::string("skip"));
+  const std::string validate = get("validate", std::string("coefficients"));
+  const std::string index = get("index", std::string("restart"));
+  auto choose = [](const std::string& key, const std::string& v, std::initializer_list<const char*> allowed) {
+    for (const char* a : allowed) {
+      if (v == a) return;
+    }
+    std::string list;
+    for (const char* a : allowed) list += (list.empty() ? "" : ", ") + std::string(a);
+    throw py::value_error(fmt::format("stoke.pack: {}='{}': expected one of {}", key, v, list));
+  };
+  choose("encoding", encoding, {"jpeg", "raw"});
+  choose("on_error", on_error, {"skip", "fail"});
+  choose("validate", validate, {"coefficients", "pixels"});
+  choose("index", index, {"restart", "none"});
+  p.encoding = encoding == "raw" ? dataset::PayloadEncoding::kRaw : dataset::PayloadEncoding::kJpeg;
+  p.on_error = on_error == "fail" ? pack::OnError::kFail : pack::OnError::kSkip;
+  p.validate = validate == "pixels" ? pack::ValidateMode::kPixels : pack::ValidateMode::kCoefficients;
+  p.index = index == "none" ? pack::IndexMode::kNone : pack::IndexMode::kRestart;
+  if (!progress.is_none()) {
+    // Called on the writer thread after each commit with the records committed so far.
+    p.after_commit = [progress](int64_t records) {
+      py::gil_scoped_acquire locked;
+      try {
+        progress(records);
+      } catch (py::error_already_set& e) {
+        e.discard_as_unraisable("stoke.pack progress callback");
+      }
+    };
+  }
+  std::atomic<bool> stop{false};
+  p.stop = &stop;
+  pack::PackSummary summary = RunInterruptibly<pack::PackSummary>(stop, [&] { return Take(pack::Pack(p)); });
+  py::dict r;
+  py::list splits;
+  for (const auto& sp : summary.splits) {
+    py::dict d;
+    d["name"] = sp.name;
+    d["output"] = sp.output.string();
+    d["inputs"] = sp.inputs;
+    d["records"] = sp.records;
+    d["payload_bytes"] = sp.payload_bytes;
+    d["already_complete"] = sp.already_complete;
+    splits.append(d);
+  }
+  py::list bad;
+  for (const auto& b : summary.bad) bad.append(py::make_tuple(b.path, b.reason));
+  r["splits"] = splits;
+  r["inputs"] = summary.inputs;
+  r["classes"] = summary.classes;
+  r["converted"] = summary.converted;
+  r["reencoded"] = summary.reencoded;
+  r["bad"] = bad;
+  r["seconds"] = summary.seconds;
+  return r;
+}
+
+// Every record's CRC checked and image strictly decoded: [(index, source, reason)] of the bad ones.
+py::list Verify(const std::string& path, int threads) {
+  inspect::InspectOptions o;
+  o.verify = true;
+  o.threads = threads;
+  o.progress = false;
+  std::atomic<bool> unused{false};
+  inspect::InspectReport report =
+      RunInterruptibly<inspect::InspectReport>(unused, [&] { return Take(inspect::Inspect(path, o)); });
+  py::list bad;
+  for (const auto& b : report.bad) bad.append(py::make_tuple(b.index, b.source_path, b.reason));
+  return bad;
+}
 
 // The C++ loader's batches consumed directly (copied out), for the tests that compare the
 // zero-copy path with it: a list of (images bytes, labels, indices).
@@ -324,7 +497,12 @@ PYBIND11_MODULE(_stoke, m) {
           },
           py::arg("index"),
           "Record `index`: its label, size, source path and encoded bytes (a read-only memoryview into the "
-          "dataset's map, valid while it is referenced).");
+          "dataset's map, valid while it is referenced).")
+      .def(
+          "verify", [](const PyDataset& d, int threads) { return Verify(d.ds->path().string(), threads); },
+          py::arg("threads") = 0,
+          "Checks every record's CRC and strictly decodes every image: a list of (index, source, reason) of "
+          "the bad records (empty when the dataset is intact).");
 
   py::class_<EpochOptions>(m, "EpochOptions")
       .def(py::init<>())
@@ -344,7 +522,11 @@ PYBIND11_MODULE(_stoke, m) {
       .def_readwrite("world_size", &EpochOptions::world_size)
       .def_readwrite("epoch", &EpochOptions::epoch)
       .def_readwrite("start_batch", &EpochOptions::start_batch)
-      .def_readwrite("epochs", &EpochOptions::epochs);
+      .def_readwrite("epochs", &EpochOptions::epochs)
+      .def_readwrite("normalize", &EpochOptions::normalize)
+      .def_readwrite("mean", &EpochOptions::mean)
+      .def_readwrite("std", &EpochOptions::std)
+      .def_readwrite("dtype", &EpochOptions::dtype);
 
   py::class_<EpochLoader>(m, "EpochLoader")
       .def(py::init<std::shared_ptr<PyDataset>, const EpochOptions&>(), py::arg("dataset"), py::arg("options"))
@@ -354,5 +536,7 @@ PYBIND11_MODULE(_stoke, m) {
       .def("stats", &EpochLoader::Stats)
       .def("bad_records", &EpochLoader::BadRecords);
 
+  m.def("_pack", &Pack, py::arg("source"), py::arg("output"), py::arg("options"), py::arg("progress"));
+  m.def("_verify", &Verify, py::arg("path"), py::arg("threads"));
   m.def("_reference_batches", &ReferenceBatches, py::arg("dataset"), py::arg("options"), py::arg("max_batches"));
 }

@@ -9,6 +9,33 @@
 
 Datasets are made by `stoke pack` (the command line tool).
 """
+from typing import Any, Callable, Dict, Optional
+
+from . import _stoke
 from ._stoke import Dataset, __version__
 
-__all__ = ["Dataset", "__version__"]
+__all__ = ["Dataset", "pack", "__version__"]
+
+
+def pack(source: str, output: str, *, list_file: Optional[str] = None, val_fraction: float = 0.0,
+         val_output: Optional[str] = None, shuffle: bool = False, seed: int = 0, threads: int = 0,
+         max_side: int = 0, quality: int = 0, encoding: str = "jpeg", on_error: str = "skip",
+         validate: str = "coefficients", index: str = "restart", resume: bool = False, overwrite: bool = False,
+         store_paths: bool = True, report: Optional[str] = None,
+         progress: Optional[Callable[[int], Any]] = None) -> Dict[str, Any]:
+    """Packs an image folder tree (one folder per class) or a list file into a dataset, like
+    ``stoke pack``, with the same options. Returns the report: per split (train, val) inputs,
+    records and bytes, and the inputs that were skipped with their reasons (``bad``).
+
+    ``progress(records)`` is called with the records written so far after each commit (every
+    2,048 records) and once at the end. Ctrl-C stops at the next commit, leaving a
+    partial dataset that ``resume=True`` continues. Errors raise with stoke's message.
+    """
+    options = dict(list_file=list_file, val_fraction=val_fraction, val_output=val_output, shuffle=shuffle,
+                   seed=seed, threads=threads, max_side=max_side, quality=quality, encoding=encoding,
+                   on_error=on_error, validate=validate, index=index, resume=resume, overwrite=overwrite,
+                   store_paths=store_paths, report=report)
+    report = _stoke._pack(str(source), str(output), options, progress)
+    if progress is not None:
+        progress(sum(split["records"] for split in report["splits"]))  # and once at the end
+    return report

@@ -55,8 +55,11 @@ class _Epoch:
         images, labels, indices, epoch, number, replaced = got
         self.yielded += 1
         self._owner._position = (self.epoch, self.yielded)
+        images = torch.utils.dlpack.from_dlpack(images)
+        if self._owner._cast is not None:
+            images = images.to(self._owner._cast)
         return {
-            "images": torch.utils.dlpack.from_dlpack(images),
+            "images": images,
             "labels": torch.utils.dlpack.from_dlpack(labels),
             "indices": torch.utils.dlpack.from_dlpack(indices),
             "epoch": epoch,
@@ -79,6 +82,11 @@ class Loader:
     global batch of ``batch_size * world_size``: disjoint shards of equal length, the same slices
     as ``stoke train`` under mpirun. ``state_dict()`` records how many batches of the epoch were
     handed out; ``load_state_dict()`` makes the next ``iter()`` resume exactly there.
+
+    ``normalize=(mean, std)`` (in [0, 1] units, per channel) gives ``(x / 255 - mean) / std``
+    instead of uint8, as ``dtype`` (torch.float32 by default, float16 or bfloat16), normalised by
+    stoke on the loader's side; those tensors own their memory and the ring buffer is returned at
+    once.
 
     Training (``train=True``): full shuffle, RandomResizedCrop to ``size`` with ``scale`` and a
     horizontal flip with probability ``flip``. Evaluation: the records in order, the shorter side
@@ -103,6 +111,8 @@ class Loader:
         scale: Tuple[float, float] = (0.08, 1.0),
         flip: float = 0.5,
         resize: int = 0,
+        normalize: Optional[Tuple[Tuple[float, float, float], Tuple[float, float, float]]] = None,
+        dtype: Any = None,
     ) -> None:
         if device != "cpu":
             raise ValueError(f"stoke.torch.Loader: device {device!r}: this build hands out CPU tensors only; "
@@ -117,6 +127,18 @@ class Loader:
         o.rank, o.world_size = r, w
         o.scale_min, o.scale_max = scale
         o.flip, o.resize = flip, resize
+        self._cast = None
+        if normalize is not None:
+            mean, std = normalize
+            o.normalize, o.mean, o.std = True, list(mean), list(std)
+            dtype = torch.float32 if dtype is None else dtype
+            if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                raise ValueError(f"stoke.torch.Loader: dtype {dtype}: expected torch.float32, float16 or bfloat16")
+            # stoke normalises to float32 or float16; bfloat16 is a cast of the float32 result.
+            o.dtype = "float16" if dtype == torch.float16 else "float32"
+            self._cast = torch.bfloat16 if dtype == torch.bfloat16 else None
+        elif dtype is not None:
+            raise ValueError("stoke.torch.Loader: dtype= needs normalize=(mean, std); without it batches are uint8")
         self._options = o
         self._next_epoch = 0
         self._start_batch = 0

@@ -202,3 +202,36 @@ def test_bad_options_name_themselves(data):
         Loader(data["train"], batch_size=0)
     with pytest.raises(ValueError, match="device"):
         Loader(data["train"], batch_size=8, device="cuda")
+
+
+def test_normalize_gives_floats_of_the_same_pixels(data):
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    raw = Loader(data["train"], batch_size=8, size=32, seed=2)
+    ref = next(iter(raw))["images"].float()
+    want = (ref / 255 - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-2), (torch.bfloat16, 5e-2)):
+        loader = Loader(data["train"], batch_size=8, size=32, seed=2, normalize=(mean, std), dtype=dtype)
+        images = next(iter(loader))["images"]
+        assert images.dtype == dtype and images.shape == (8, 3, 32, 32)
+        assert torch.allclose(images.float(), want, atol=tol), dtype
+        loader.close()
+    raw.close()
+    with pytest.raises(ValueError, match="normalize"):
+        Loader(data["train"], batch_size=8, dtype=torch.float16)
+
+
+def test_pack_verify_and_progress(data, tmp_path):
+    images = os.path.join(os.path.dirname(data["train"]), "images")
+    seen = []
+    report = stoke.pack(images, str(tmp_path / "p.lmdb"), val_fraction=0.25, shuffle=True, seed=1,
+                        progress=seen.append)
+    assert [s["name"] for s in report["splits"]] == ["train", "val"]
+    assert sum(s["records"] for s in report["splits"]) == 120 and report["bad"] == []
+    assert seen and seen[-1] > 0
+    assert stoke.Dataset(str(tmp_path / "p.lmdb")).verify() == []
+    bad = stoke.Dataset(data["damaged"]).verify()
+    assert len(bad) == 1 and "CRC" in bad[0][2]
+    with pytest.raises(ValueError, match="on_error='maybe'"):
+        stoke.pack(images, str(tmp_path / "q.lmdb"), on_error="maybe")
+    with pytest.raises(Exception, match="already"):
+        stoke.pack(images, str(tmp_path / "p.lmdb"))  # an existing dataset is never overwritten silently
