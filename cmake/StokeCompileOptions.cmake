@@ -1,14 +1,18 @@
-# Warnings and sanitizers for stoke's own targets only (never global flags).
+# Warnings and sanitizers for stoke's own targets only (never global flags, and never for programs
+# that use the installed package: those get only the include directory and the definitions).
+include(GNUInstallDirs)
 add_library(stoke_compile_options INTERFACE)
+target_compile_features(stoke_compile_options INTERFACE cxx_std_20)
 target_compile_options(stoke_compile_options INTERFACE
-  $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic -Wundef -Wno-missing-field-initializers>)
+  $<BUILD_INTERFACE:$<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic -Wundef -Wno-missing-field-initializers>>)
 if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
-  target_compile_options(stoke_compile_options INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-Wno-clobbered>)
+  target_compile_options(stoke_compile_options INTERFACE $<BUILD_INTERFACE:$<$<COMPILE_LANGUAGE:CXX>:-Wno-clobbered>>)
 endif()
 if(STOKE_WERROR)
-  target_compile_options(stoke_compile_options INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-Werror>)
+  target_compile_options(stoke_compile_options INTERFACE $<BUILD_INTERFACE:$<$<COMPILE_LANGUAGE:CXX>:-Werror>>)
 endif()
-target_include_directories(stoke_compile_options INTERFACE ${PROJECT_SOURCE_DIR})
+target_include_directories(stoke_compile_options INTERFACE
+  $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}> $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}/stoke>)
 target_compile_definitions(stoke_compile_options INTERFACE
   STOKE_VERSION="${PROJECT_VERSION}" STOKE_WITH_CUDA=$<BOOL:${STOKE_WITH_CUDA}>
   STOKE_WITH_MPI=$<BOOL:${STOKE_WITH_MPI}> STOKE_WITH_NCCL=$<BOOL:${STOKE_WITH_NCCL}>)
@@ -25,8 +29,8 @@ elseif(NOT STOKE_SANITIZE STREQUAL "")
   message(FATAL_ERROR "STOKE_SANITIZE must be '', 'address', 'thread' or 'fuzzer', not '${STOKE_SANITIZE}'")
 endif()
 if(_stoke_san)
-  target_compile_options(stoke_compile_options INTERFACE $<$<COMPILE_LANGUAGE:CXX>:${_stoke_san}>)
-  target_link_options(stoke_compile_options INTERFACE ${_stoke_san})
+  target_compile_options(stoke_compile_options INTERFACE $<BUILD_INTERFACE:$<$<COMPILE_LANGUAGE:CXX>:${_stoke_san}>>)
+  target_link_options(stoke_compile_options INTERFACE $<BUILD_INTERFACE:${_stoke_san}>)
 endif()
 
 # The source revision, for manifests and logs.
