@@ -589,7 +589,7 @@ double ScaledLr(const TrainConfig& c) {
   return c.optimizer.lr * c.data.batch_size / c.optimizer.base_batch;
 }
 
-prefetch::LoaderOptions TrainLoaderOptions(const TrainConfig& c) {
+prefetch::LoaderOptions TrainLoaderOptions(const TrainConfig& c, int rank, int world) {
   const DataConfig& d = c.data;
   prefetch::LoaderOptions o;
   o.sampler.mode = d.shuffle == "sequential"   ? dataset::ShuffleMode::kSequential
@@ -611,8 +611,12 @@ prefetch::LoaderOptions TrainLoaderOptions(const TrainConfig& c) {
   o.augment.random.brightness = d.brightness;
   o.augment.random.contrast = d.contrast;
   o.augment.random.saturation = d.saturation;
-  o.batch_size = d.batch_size;
+  o.batch_size = d.batch_size / world;
   o.drop_last_batch = true;  // every training step sees a full batch
+  o.sampler.rank = rank;
+  o.sampler.world_size = world;
+  o.sampler.sharding = dataset::Sharding::kGlobalBatch;
+  o.sampler.global_batch = d.batch_size;
   o.threads = d.threads;
   o.ring_size = d.ring;
   o.on_error = d.on_error == "fail" ? prefetch::ErrorPolicy::kFail : prefetch::ErrorPolicy::kSkip;
@@ -621,14 +625,22 @@ prefetch::LoaderOptions TrainLoaderOptions(const TrainConfig& c) {
   return o;
 }
 
-prefetch::LoaderOptions ValLoaderOptions(const TrainConfig& c) {
-  prefetch::LoaderOptions o = TrainLoaderOptions(c);
+prefetch::LoaderOptions ValLoaderOptions(const TrainConfig& c, int rank, int world) {
+  prefetch::LoaderOptions o = TrainLoaderOptions(c, rank, world);
   o.sampler.mode = dataset::ShuffleMode::kSequential;
+  o.sampler.sharding = dataset::Sharding::kExact;  // every record once across the ranks
   o.augment.mode = prefetch::CropMode::kCenter;
   o.augment.resize = std::max(c.data.val_resize, c.data.image_size);
   o.augment.crop = c.data.image_size;
   o.drop_last_batch = false;  // every validation sample counts
   o.epochs = 1;
+  return o;
+}
+
+dist::ReducerOptions ReducerOptionsFromConfig(const TrainConfig& c) {
+  dist::ReducerOptions o;
+  o.bucket_bytes = static_cast<size_t>(c.dist.bucket_mb * (1 << 20));
+  o.first_bucket_bytes = std::min(o.first_bucket_bytes, o.bucket_bytes);
   return o;
 }
 

@@ -9,6 +9,7 @@
 
 #include "augment/transform.h"
 #include "common/status.h"
+#include "dist/reducer.h"
 #include "prefetch/loader.h"
 #include "train/model.h"
 #include "train/network.h"
@@ -107,9 +108,13 @@ Result<TrainConfig> LoadConfig(const std::string& path);
 // The resolved config as YAML (every key, defaults filled in); ParseConfig reads it back.
 std::string ConfigToYaml(const TrainConfig& config);
 
-// What the other modules take, derived from a config.
-prefetch::LoaderOptions TrainLoaderOptions(const TrainConfig& config);
-prefetch::LoaderOptions ValLoaderOptions(const TrainConfig& config);
+// What the other modules take, derived from a config. For rank `rank` of `world`: batches of
+// data.batch_size / world; training takes its slice of every global batch (the same samples and
+// crops on any world size), validation its exact share of the records.
+prefetch::LoaderOptions TrainLoaderOptions(const TrainConfig& config, int rank = 0, int world = 1);
+prefetch::LoaderOptions ValLoaderOptions(const TrainConfig& config, int rank = 0, int world = 1);
+// Gradient buckets of dist.bucket_mb (the first one no larger).
+dist::ReducerOptions ReducerOptionsFromConfig(const TrainConfig& config);
 augment::NormalizeOptions NormalizeFromConfig(const DataConfig& data);
 ModelSpec ModelFromConfig(const ModelConfig& model);
 // The learning rate after the linear scaling rule.

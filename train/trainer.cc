@@ -153,10 +153,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   std::optional<dataset::Dataset> train_set, val_set;
   std::unique_ptr<Network> net;
   int64_t steps_per_epoch = 0;
-  dist::ReducerOptions ro;
-  ro.bucket_bytes = static_cast<size_t>(config.dist.bucket_mb * (1 << 20));
-  ro.first_bucket_bytes = std::min(ro.first_bucket_bytes, ro.bucket_bytes);
-  DataParallel dp(*comm, ro);
+  DataParallel dp(*comm, ReducerOptionsFromConfig(config));
   Status setup = [&]() -> Status {
     STOKE_ASSIGN_OR_RETURN(auto t, dataset::Dataset::Open(config.data.train));
     train_set.emplace(std::move(t));
@@ -254,7 +251,6 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   };
 
   const double peak_lr = ScaledLr(config);
-  const int rank_batch = config.data.batch_size / world;
   Progress progress(run.progress && lead);
 
   // Validation is sharded: each rank evaluates its exact share, the sums are added up.
@@ -262,11 +258,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     STOKE_RETURN_IF_ERROR(must(net->AverageRunningStats()));
     BatchStats total;
     Status local = [&]() -> Status {
-      prefetch::LoaderOptions o = ValLoaderOptions(config);
-      o.batch_size = rank_batch;
-      o.sampler.rank = rank;
-      o.sampler.world_size = world;
-      o.sampler.sharding = dataset::Sharding::kExact;
+      prefetch::LoaderOptions o = ValLoaderOptions(config, rank, world);
       if (net->stream() != nullptr) o.device = prefetch::DeviceMode::kCuda;
       STOKE_ASSIGN_OR_RETURN(auto loader, prefetch::Loader::Create(*val_set, o));
       while (true) {
@@ -317,13 +309,8 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
 
   // ---- the loop
   if (step < summary.total_steps) {
-    prefetch::LoaderOptions lo = TrainLoaderOptions(config);
+    prefetch::LoaderOptions lo = TrainLoaderOptions(config, rank, world);
     if (net->stream() != nullptr) lo.device = prefetch::DeviceMode::kCuda;  // batches copied by the ring
-    lo.batch_size = rank_batch;
-    lo.sampler.rank = rank;
-    lo.sampler.world_size = world;
-    lo.sampler.sharding = dataset::Sharding::kGlobalBatch;  // global batch k: the same samples on any world
-    lo.sampler.global_batch = config.data.batch_size;
     lo.start_epoch = step / steps_per_epoch;
     lo.start_batch = step % steps_per_epoch;
     lo.epochs = config.epochs - lo.start_epoch;

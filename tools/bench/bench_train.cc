@@ -92,10 +92,7 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
   auto created = train::CreateNetwork(c, comm.get());
   STOKE_RETURN_IF_ERROR(agree(created.status()));
   auto net = std::move(*created);
-  dist::ReducerOptions ro;
-  ro.bucket_bytes = static_cast<size_t>(c.dist.bucket_mb * (1 << 20));
-  ro.first_bucket_bytes = std::min(ro.first_bucket_bytes, ro.bucket_bytes);
-  train::DataParallel dp(*comm, ro);
+  train::DataParallel dp(*comm, train::ReducerOptionsFromConfig(c));
   STOKE_RETURN_IF_ERROR(agree(net->SetStepSync(&dp)));
   STOKE_RETURN_IF_ERROR(train::BroadcastState(*comm, *net));
   nlohmann::json model_json = ModelJson(c);
@@ -114,13 +111,8 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
                                       : t.model_json;
     STOKE_RETURN_IF_ERROR(WriteFileAtomic(peer_model, model_json.dump(1) + "\n"));
   }
-  prefetch::LoaderOptions lo = train::TrainLoaderOptions(c);
+  prefetch::LoaderOptions lo = train::TrainLoaderOptions(c, rank, world);
   lo.epochs = 0;  // endless
-  lo.batch_size = c.data.batch_size / world;
-  lo.sampler.rank = rank;
-  lo.sampler.world_size = world;
-  lo.sampler.sharding = dataset::Sharding::kGlobalBatch;
-  lo.sampler.global_batch = c.data.batch_size;
   if (net->stream() != nullptr) lo.device = prefetch::DeviceMode::kCuda;
   auto loader_or = prefetch::Loader::Create(*db, lo);
   STOKE_RETURN_IF_ERROR(agree(loader_or.status()));
