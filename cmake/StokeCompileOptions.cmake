@@ -15,7 +15,8 @@ target_include_directories(stoke_compile_options INTERFACE
   $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}> $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}/stoke>)
 target_compile_definitions(stoke_compile_options INTERFACE
   STOKE_VERSION="${PROJECT_VERSION}" STOKE_WITH_CUDA=$<BOOL:${STOKE_WITH_CUDA}>
-  STOKE_WITH_MPI=$<BOOL:${STOKE_WITH_MPI}> STOKE_WITH_NCCL=$<BOOL:${STOKE_WITH_NCCL}>)
+  STOKE_WITH_MPI=$<BOOL:${STOKE_WITH_MPI}> STOKE_WITH_NCCL=$<BOOL:${STOKE_WITH_NCCL}>
+  STOKE_WITH_ONNX=$<BOOL:${STOKE_WITH_ONNX}>)
 
 if(STOKE_SANITIZE STREQUAL "address")
   set(_stoke_san -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer)

@@ -88,3 +88,18 @@ if(NOT STOKE_PYTHON STREQUAL "OFF" AND STOKE_SANITIZE STREQUAL "")
   endif()
 endif()
 message(STATUS "stoke: Python package ${STOKE_WITH_PYTHON} (${Python_EXECUTABLE})")
+
+# ONNX export (`stoke export`): ONNX's protobuf classes and checker from Debian (libonnx-dev,
+# libprotobuf-dev). Optional like CUDA and MPI; without it the command says it is not in this build.
+set(STOKE_ONNX AUTO CACHE STRING "ONNX export: AUTO, ON or OFF")
+set(STOKE_WITH_ONNX OFF)
+if(NOT STOKE_ONNX STREQUAL "OFF")
+  find_package(Protobuf QUIET)
+  find_package(ONNX CONFIG QUIET)
+  if(ONNX_FOUND AND Protobuf_FOUND AND TARGET onnx)
+    set(STOKE_WITH_ONNX ON)
+  elseif(STOKE_ONNX STREQUAL "ON")
+    message(FATAL_ERROR "STOKE_ONNX=ON but ONNX was not found (apt-get install libonnx-dev libprotobuf-dev)")
+  endif()
+endif()
+message(STATUS "stoke: ONNX export ${STOKE_WITH_ONNX}")

@@ -16,10 +16,14 @@
 #include "tools/inspect/inspect.h"
 #include "tools/pack/packer.h"
 #include "tools/demo/demo.h"
+#include "tools/eval/eval.h"
 #include "tools/synth/synth.h"
 #include "dist/communicator.h"
 #include "train/config.h"
 #include "train/trainer.h"
+#if STOKE_WITH_ONNX
+#include "train/export.h"
+#endif
 
 namespace {
 
@@ -228,6 +232,50 @@ int Run(int argc, char** argv) {
   demo_cmd->add_option("--per-class", demo.per_class, "Images per class")->check(CLI::Range(20, 100000));
   demo_cmd->add_option("--threads", demo.threads, "Threads (0 = all cores)")->check(CLI::NonNegativeNumber);
 
+  // ---- export, eval, predict: a trained model, from its run directory or a checkpoint file
+  stoke::train::TrainedModelSource trained;
+  std::string trained_run, trained_checkpoint, trained_config;
+  auto add_model = [&](CLI::App* cmd) {
+    auto* run = cmd->add_option("--run", trained_run, "Run directory (its newest checkpoint)");
+    auto* ck = cmd->add_option("--checkpoint", trained_checkpoint, "Checkpoint file")->check(CLI::ExistingFile);
+    run->excludes(ck);
+    cmd->add_option("--config", trained_config,
+                    "Config (YAML) describing the model instead of the one stored in the checkpoint")
+        ->check(CLI::ExistingFile);
+  };
+  std::string export_output;
+  bool export_uint8 = false, export_no_fold = false;
+  auto* export_cmd = app.add_subcommand("export", "Write a trained model as ONNX (opset 17) for inference engines");
+  add_model(export_cmd);
+  export_cmd->add_option("-o,--output", export_output, "ONNX file to write")->required();
+  export_cmd->add_flag("--uint8-input", export_uint8,
+                       "Take uint8 N x H x W x 3 RGB pixels and normalise inside the graph (default: float32 "
+                       "N x 3 x H x W, already normalised)");
+  export_cmd->add_flag("--no-fold", export_no_fold, "Keep batch norm as BatchNormalization nodes");
+
+  stoke::evaluate::EvalOptions eval;
+  bool eval_json = false;
+  size_t eval_max_classes = 20;
+  auto* eval_cmd = app.add_subcommand("eval", "Top-1, top-5, loss and per-class confusion of a trained model on a dataset");
+  add_model(eval_cmd);
+  eval_cmd->add_option("--data", eval.data, "Packed dataset to evaluate on")->required();
+  eval_cmd->add_option("--batch", eval.batch, "Samples per batch (default: the config's)")->check(CLI::PositiveNumber);
+  eval_cmd->add_option("--threads", eval.threads, "Threads (0 = all cores)")->check(CLI::NonNegativeNumber);
+  eval_cmd->add_option("--backend", eval.backend, "Backend")->check(CLI::IsMember({"cpu", "cuda", "auto"}));
+  eval_cmd->add_option("--classes", eval_max_classes, "Classes listed, least accurate first (0 = all)");
+  eval_cmd->add_flag("--json", eval_json, "Machine-readable output");
+
+  stoke::evaluate::PredictOptions predict;
+  bool predict_json = false;
+  auto* predict_cmd = app.add_subcommand("predict", "Top classes of image files, through the validation crop");
+  add_model(predict_cmd);
+  predict_cmd->add_option("IMAGES", predict.inputs, "Image files or folders")->required();
+  predict_cmd->add_option("-k,--top", predict.top_k, "Classes per image")->check(CLI::PositiveNumber);
+  predict_cmd->add_option("--batch", predict.batch, "Images per batch")->check(CLI::PositiveNumber);
+  predict_cmd->add_option("--threads", predict.threads, "Threads (0 = all cores)")->check(CLI::NonNegativeNumber);
+  predict_cmd->add_option("--backend", predict.backend, "Backend")->check(CLI::IsMember({"cpu", "cuda", "auto"}));
+  predict_cmd->add_flag("--json", predict_json, "Machine-readable output");
+
   CLI11_PARSE(app, argc, argv);
   stoke::InitLogging(verbose ? stoke::LogLevel::kDebug : stoke::LogLevel::kInfo);
 
@@ -312,6 +360,73 @@ int Run(int argc, char** argv) {
     if (summary->stopped && summary->steps < summary->total_steps) {
       std::printf("stopped at step %lld; continue with: stoke train --config %s --resume\n",
                   static_cast<long long>(summary->steps), train_config.c_str());
+    }
+    return 0;
+  }
+  if (export_cmd->parsed() || eval_cmd->parsed() || predict_cmd->parsed()) {
+    if (trained_run.empty() && trained_checkpoint.empty()) {
+      return Fail(stoke::InvalidArgumentError("give the model with --run RUN_DIR or --checkpoint FILE"));
+    }
+    trained = {.run_dir = trained_run, .checkpoint = trained_checkpoint, .config = trained_config};
+  }
+  if (export_cmd->parsed()) {
+#if STOKE_WITH_ONNX
+    auto model = stoke::train::LoadTrainedModel(trained);
+    if (!model.ok()) return Fail(model.status());
+    const stoke::train::TrainConfig& c = model->config;
+    stoke::train::ExportSource source{.model = stoke::train::ModelFromConfig(c.model),
+                                      .image_width = c.data.image_size,
+                                      .image_height = c.data.image_size,
+                                      .normalize = stoke::train::NormalizeFromConfig(c.data),
+                                      .bn_epsilon = c.model.bn_epsilon,
+                                      .classes = model->classes,
+                                      .state = model->checkpoint.tensors,
+                                      .val_resize = std::max(c.data.val_resize, c.data.image_size),
+                                      .step = model->checkpoint.step,
+                                      .origin = stoke::train::Describe(*model)};
+    auto report = stoke::train::WriteOnnx(
+        source, {.uint8_input = export_uint8, .fold_batchnorm = !export_no_fold}, export_output);
+    if (!report.ok()) return Fail(report.status());
+    std::printf("%s -> %s\n  %d nodes, %lld parameters, input '%s' %s, output '%s' N x %d\n"
+                "  batch norm: %d folded into the layer before, %d kept; %d dropout removed\n",
+                source.origin.c_str(), export_output.c_str(), report->nodes,
+                static_cast<long long>(report->parameters), report->input_name.c_str(),
+                export_uint8 ? "uint8 N x H x W x 3" : "float32 N x 3 x H x W", report->output_name.c_str(),
+                c.model.classes, report->folded_batchnorms, report->kept_batchnorms, report->removed_dropouts);
+    return 0;
+#else
+    return Fail(stoke::UnavailableError("this build of stoke has no ONNX export (install libonnx-dev and "
+                                        "libprotobuf-dev, then rebuild)"));
+#endif
+  }
+  if (eval_cmd->parsed()) {
+    eval.model = trained;
+    eval.progress = !eval_json;
+    eval.stop = &g_stop;
+    std::signal(SIGINT, OnInterrupt);
+    auto report = stoke::evaluate::Evaluate(eval);
+    if (!report.ok()) return Fail(report.status());
+    if (eval_json) {
+      std::cout << stoke::evaluate::EvalReportJson(*report).dump(2, ' ', false, nlohmann::json::error_handler_t::replace)
+                << "\n";
+    } else {
+      std::cout << stoke::evaluate::FormatEvalReport(*report, eval_max_classes);
+    }
+    return 0;
+  }
+  if (predict_cmd->parsed()) {
+    predict.model = trained;
+    auto predictions = stoke::evaluate::Predict(predict);
+    if (!predictions.ok()) return Fail(predictions.status());
+    if (predict_json) {
+      std::cout << stoke::evaluate::PredictionsJson(*predictions).dump(2, ' ', false,
+                                                                       nlohmann::json::error_handler_t::replace)
+                << "\n";
+    } else {
+      std::cout << stoke::evaluate::FormatPredictions(*predictions);
+    }
+    for (const auto& p : *predictions) {
+      if (!p.error.empty()) return 3;  // 3: some inputs could not be read (the others ran)
     }
     return 0;
   }

@@ -38,13 +38,11 @@ std::vector<std::byte> SerializeCheckpoint(const Checkpoint& c) {
     tensors.push_back({{"name", t.name}, {"dims", t.dims}, {"offset", offset}, {"count", t.values.size()}});
     offset += t.values.size();
   }
-  const std::string header = nlohmann::json{{"step", c.step},
-                                            {"steps_per_epoch", c.steps_per_epoch},
-                                            {"seed", c.seed},
-                                            {"backend", c.backend},
-                                            {"config", c.config_yaml},
-                                            {"tensors", tensors}}
-                                 .dump();
+  nlohmann::json head{{"step", c.step},       {"steps_per_epoch", c.steps_per_epoch},
+                    {"seed", c.seed},       {"backend", c.backend},
+                    {"config", c.config_yaml}, {"tensors", tensors}};
+  if (!c.classes.empty()) head["classes"] = c.classes;  // optional: older checkpoints lack it
+  const std::string header = head.dump();
   std::vector<std::byte> out;
   out.reserve(kFixed + header.size() + offset * sizeof(float) + sizeof(uint32_t));
   for (char ch : kMagic) out.push_back(static_cast<std::byte>(ch));
@@ -90,6 +88,7 @@ Result<Checkpoint> ParseCheckpoint(std::span<const std::byte> bytes, const std::
     c.seed = static_cast<uint64_t>(seed);
     c.backend = header.at("backend").get<std::string>();
     c.config_yaml = header.at("config").get<std::string>();
+    if (header.contains("classes")) c.classes = header.at("classes").get<std::vector<std::string>>();
     const auto data_floats = static_cast<int64_t>((body - kFixed - header_len) / sizeof(float));
     const std::byte* data = bytes.data() + kFixed + header_len;
     const nlohmann::json& tensors = header.at("tensors");

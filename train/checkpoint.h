@@ -2,7 +2,7 @@
 // rename) so a crash or a full disk leaves the previous checkpoint as it was.
 //
 // Layout: "STOKECKP", u32 format version, u64 header length, the header (JSON: step, steps per
-// epoch, seed, backend, the resolved config, and each tensor's name/shape/offset), the tensors as
+// epoch, seed, backend, the resolved config, the class names, and each tensor's name/shape/offset), the tensors as
 // little-endian float32, and a CRC-32C of everything before it.
 //
 // Every source of randomness in a run is keyed by (seed, epoch, sample) or (seed, step), so the
@@ -28,6 +28,7 @@ struct Checkpoint {
   uint64_t seed = 0;
   std::string backend;
   std::string config_yaml;
+  std::vector<std::string> classes;  // the training dataset's class names (may be empty: older files)
   std::vector<NamedTensor> tensors;  // Network::State()
 };
 

@@ -295,7 +295,8 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
       if (!lead) return OkStatus();
       STOKE_ASSIGN_OR_RETURN(auto tensors, net->State());
       Checkpoint ck{.step = step, .steps_per_epoch = steps_per_epoch, .seed = config.seed,
-                    .backend = summary.backend, .config_yaml = config_yaml, .tensors = std::move(tensors)};
+                    .backend = summary.backend, .config_yaml = config_yaml,
+                    .classes = train_set->manifest().classes, .tensors = std::move(tensors)};
       const auto path = CheckpointPath(run_dir, step);
       STOKE_RETURN_IF_ERROR(SaveCheckpoint(path, ck));
       PruneCheckpoints(run_dir, config.checkpoint.keep);

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# `stoke eval`, `stoke export` and `stoke predict` as a user runs them on a run `stoke demo` trained:
+# eval agrees with the trainer's own evaluation, export writes a model (or says the build has no
+# ONNX), predict names bad images and still runs the others, and damaged or mismatched inputs are
+# refused by name. Usage: cli_export_test.sh path/to/stoke
+set -u
+stoke=$1
+source "$(dirname "$0")/../tools/cli_lib.sh"
+src=$(cd "$(dirname "$0")/../.." && pwd)
+
+"$stoke" demo --dir "$work/demo" --per-class 40 --epochs 3 --threads 2 >"$work/demo.txt" 2>&1 ||
+  { cat "$work/demo.txt"; exit 1; }
+run=$work/demo/run
+val=$work/demo/train_val.lmdb
+# The trainer's last evaluation, as the demo printed it: "validation: loss L, top-1 T%, ..."
+want_top1=$(sed -n 's/^validation: loss [0-9.]*, top-1 \([0-9.]*\)%.*/\1/p' "$work/demo.txt")
+check eval_matches_training 0 "top-1 ${want_top1//./\\.}%" -- "$stoke" eval --run "$run" --data "$val" --threads 2
+check eval_json 0 '"top5": ' -- "$stoke" eval --run "$run" --data "$val" --threads 2 --json
+check eval_per_class 0 "most often mistaken for" -- "$stoke" eval --run "$run" --data "$val" --classes 0
+check eval_needs_model 1 "give the model with --run RUN_DIR or --checkpoint FILE" -- "$stoke" eval --data "$val"
+check eval_missing_data 1 "nowhere.lmdb" -- "$stoke" eval --run "$run" --data "$work/nowhere.lmdb"
+check eval_empty_run 1 "holds no checkpoints" -- "$stoke" eval --run "$work" --data "$val"
+
+if "$stoke" export --help >/dev/null 2>&1 && "$stoke" export --run "$run" -o "$work/m.onnx" >"$work/export.txt" 2>&1; then
+  check export_report 0 "output 'logits' N x 10" -- cat "$work/export.txt"
+  check export_folds 0 "batch norm: [1-9][0-9]* folded" -- cat "$work/export.txt"
+  check export_uint8 0 "input 'image' uint8" -- "$stoke" export --run "$run" -o "$work/m8.onnx" --uint8-input
+  check export_file 0 "" -- test -s "$work/m8.onnx"
+else
+  check export_unavailable 1 "no ONNX export" -- cat "$work/export.txt"
+fi
+
+# Predict: two good images, a text file, a truncated JPEG; the good ones still get their classes.
+img0=$(ls "$work/demo/images/class_00" | head -1)
+img3=$(ls "$work/demo/images/class_03" | head -1)
+cp "$work/demo/images/class_00/$img0" "$work/good0.jpg"
+cp "$work/demo/images/class_03/$img3" "$work/good3.jpg"
+echo "not an image" >"$work/notes.txt"
+head -c 700 "$work/good0.jpg" >"$work/cut.jpg"
+check predict_good 0 "good0.jpg: class_[0-9]+ [01]\.[0-9]{4}, " -- "$stoke" predict --run "$run" "$work/good0.jpg" "$work/good3.jpg" -k 3
+check predict_bad_named 3 "notes.txt: error: .*not a JPEG" -- \
+  "$stoke" predict --run "$run" "$work/good0.jpg" "$work/notes.txt" "$work/cut.jpg" "$work/good3.jpg"
+check predict_truncated_named 3 "cut.jpg: error: " -- \
+  "$stoke" predict --run "$run" "$work/good0.jpg" "$work/notes.txt" "$work/cut.jpg" "$work/good3.jpg"
+check predict_others_still_run 3 "good3.jpg: class_" -- \
+  "$stoke" predict --run "$run" "$work/good0.jpg" "$work/notes.txt" "$work/cut.jpg" "$work/good3.jpg"
+check predict_folder_json 0 '"probability": ' -- "$stoke" predict --run "$run" "$work/demo/images/class_02" --json -k 2
+check predict_missing 1 "nothing.jpg: no such file" -- "$stoke" predict --run "$run" "$work/nothing.jpg"
+# The demo's images are predicted as their class (the model reached high accuracy).
+check predict_right_class 0 "good3.jpg: class_03 " -- "$stoke" predict --run "$run" "$work/good3.jpg"
+
+# A truncated checkpoint and a config of another model are refused, naming the files.
+ck=$(ls "$run"/checkpoints/*.ckpt | tail -1)
+head -c 5000 "$ck" >"$work/cut.ckpt"
+check eval_truncated_checkpoint 1 "cut.ckpt.*(truncated|damaged)" -- "$stoke" eval --checkpoint "$work/cut.ckpt" --data "$val"
+check predict_truncated_checkpoint 1 "cut.ckpt" -- "$stoke" predict --checkpoint "$work/cut.ckpt" "$work/good0.jpg"
+check export_truncated_checkpoint 1 "cut.ckpt" -- "$stoke" export --checkpoint "$work/cut.ckpt" -o "$work/x.onnx"
+check eval_config_mismatch 1 "config .*residual_layers.yaml does not match checkpoint .*$(basename "$ck")" -- \
+  "$stoke" eval --checkpoint "$ck" --config "$src/configs/residual_layers.yaml" --data "$val"
+check export_config_mismatch 1 "residual_layers.yaml does not match" -- \
+  "$stoke" export --checkpoint "$ck" --config "$src/configs/residual_layers.yaml" -o "$work/x.onnx"
+check export_no_partial_file 1 "" -- test -e "$work/x.onnx"
+finish

@@ -1,0 +1,354 @@
+#include "tools/eval/eval.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <random>
+
+#include <fmt/format.h>
+
+#include "common/logging.h"
+#include "dataset/dataset.h"
+#include "prefetch/loader.h"
+#include "tools/pack/packer.h"
+#include "train/config.h"
+
+namespace stoke::evaluate {
+namespace fs = std::filesystem;
+namespace {
+
+// Indices of the k largest values, largest first (ties: the lower index first).
+std::vector<int> TopK(std::span<const float> v, int k) {
+  std::vector<int> order(v.size());
+  std::iota(order.begin(), order.end(), 0);
+  k = std::min<int>(k, static_cast<int>(v.size()));
+  std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int a, int b) {
+    return v[static_cast<size_t>(a)] > v[static_cast<size_t>(b)] ||
+           (v[static_cast<size_t>(a)] == v[static_cast<size_t>(b)] && a < b);
+  });
+  order.resize(static_cast<size_t>(k));
+  return order;
+}
+
+int Threads(int threads) { return threads > 0 ? threads : static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN))); }
+
+// A scratch directory removed when it goes out of scope.
+struct ScratchDir {
+  fs::path path;
+  ~ScratchDir() {
+    std::error_code ec;
+    if (!path.empty()) fs::remove_all(path, ec);
+  }
+};
+
+}  // namespace
+
+Result<EvalReport> Evaluate(const EvalOptions& options) {
+  STOKE_ASSIGN_OR_RETURN(train::TrainedModel model, train::LoadTrainedModel(options.model));
+  STOKE_ASSIGN_OR_RETURN(dataset::Dataset data, dataset::Dataset::Open(options.data));
+  const std::vector<std::string>& data_classes = data.manifest().classes;
+  if (static_cast<int>(data_classes.size()) > model.config.model.classes) {
+    return InvalidArgumentError(fmt::format("{} has {} classes; the model of {} has {}", options.data,
+                                            data_classes.size(), train::Describe(model), model.config.model.classes));
+  }
+  for (size_t c = 0; c < data_classes.size(); ++c) {
+    if (data_classes[c] != model.classes[c]) {
+      return InvalidArgumentError(fmt::format(
+          "{}: class {} is '{}', but the model of {} calls class {} '{}'; evaluate on a dataset packed with the "
+          "training dataset's classes",
+          options.data, c, data_classes[c], train::Describe(model), c, model.classes[c]));
+    }
+  }
+  if (data.size() == 0) return InvalidArgumentError(fmt::format("{} holds no records", options.data));
+
+  const int threads = Threads(options.threads);
+  const int batch = static_cast<int>(std::min<int64_t>(options.batch > 0 ? options.batch : model.config.data.batch_size,
+                                                       data.size()));
+  STOKE_ASSIGN_OR_RETURN(auto net, train::CreateTrainedNetwork(model, options.backend, batch, threads));
+  prefetch::LoaderOptions lo = train::ValLoaderOptions(model.config);
+  lo.batch_size = batch;
+  lo.threads = threads;
+  lo.device = net->stream() != nullptr ? prefetch::DeviceMode::kCuda : prefetch::DeviceMode::kHost;
+  STOKE_ASSIGN_OR_RETURN(auto loader, prefetch::Loader::Create(data, lo));
+
+  EvalReport report;
+  report.model = train::Describe(model);
+  report.data = options.data;
+  report.backend = std::string(net->backend());
+  const int classes = model.config.model.classes;
+  report.classes.resize(static_cast<size_t>(classes));
+  for (int c = 0; c < classes; ++c) report.classes[static_cast<size_t>(c)].name = model.classes[static_cast<size_t>(c)];
+  std::vector<int64_t> confusion(static_cast<size_t>(classes) * static_cast<size_t>(classes), 0);
+  train::BatchStats total;
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t batches = loader->batches_per_epoch();
+  while (true) {
+    if (options.stop != nullptr && options.stop->load()) return UnavailableError("stopped (interrupted)");
+    STOKE_ASSIGN_OR_RETURN(auto lease, loader->Next());
+    if (!lease) break;
+    STOKE_ASSIGN_OR_RETURN(train::BatchStats s, net->Evaluate(*lease));
+    total += s;
+    const std::vector<float> logits = net->LastLogits();
+    for (int i = 0; i < lease->size; ++i) {
+      const std::span<const float> row(logits.data() + static_cast<size_t>(i) * static_cast<size_t>(classes),
+                                       static_cast<size_t>(classes));
+      const auto label = static_cast<size_t>(lease->labels[static_cast<size_t>(i)]);
+      const std::vector<int> top = TopK(row, 5);
+      ClassResult& r = report.classes[label];
+      ++r.samples;
+      r.top1 += top[0] == static_cast<int>(label);
+      r.top5 += std::find(top.begin(), top.end(), static_cast<int>(label)) != top.end();
+      ++report.classes[static_cast<size_t>(top[0])].predicted;
+      ++confusion[label * static_cast<size_t>(classes) + static_cast<size_t>(top[0])];
+    }
+    const int64_t done = lease->number + 1;
+    lease.Release(net->stream());
+    if (options.progress) std::fprintf(stderr, "\reval: batch %lld/%lld", static_cast<long long>(done),
+                                       static_cast<long long>(batches));
+  }
+  if (options.progress) std::fprintf(stderr, "\n");
+  report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  report.samples = total.count;
+  report.loss = total.loss();
+  report.top1 = total.top1_rate();
+  report.top5 = total.top5_rate();
+  report.images_per_s = report.seconds > 0 ? static_cast<double>(total.count) / report.seconds : 0;
+  for (int c = 0; c < classes; ++c) {
+    ClassResult& r = report.classes[static_cast<size_t>(c)];
+    for (int p = 0; p < classes; ++p) {
+      const int64_t n = confusion[static_cast<size_t>(c) * static_cast<size_t>(classes) + static_cast<size_t>(p)];
+      if (p != c && n > r.confused_count) {
+        r.confused_count = n;
+        r.confused_with = p;
+      }
+    }
+  }
+  for (const prefetch::BadRecord& b : loader->bad_records()) report.bad_records.push_back(b.reason);
+  return report;
+}
+
+std::string FormatEvalReport(const EvalReport& r, size_t max_classes) {
+  std::string out = fmt::format("{}\n  on {} ({} backend): {} samples, {:.1f} img/s\n", r.model, r.data, r.backend,
+                                r.samples, r.images_per_s);
+  out += fmt::format("  top-1 {:.2f}%  top-5 {:.2f}%  loss {:.4f}\n", 100 * r.top1, 100 * r.top5, r.loss);
+  std::vector<const ClassResult*> rows;
+  for (const ClassResult& c : r.classes) {
+    if (c.samples > 0) rows.push_back(&c);
+  }
+  std::stable_sort(rows.begin(), rows.end(), [](const ClassResult* a, const ClassResult* b) {
+    return a->top1 * b->samples < b->top1 * a->samples;  // lower accuracy first
+  });
+  const size_t shown = max_classes == 0 ? rows.size() : std::min(rows.size(), max_classes);
+  if (shown > 0) {
+    out += fmt::format("  per class ({} of {} with samples, least accurate first):\n", shown, rows.size());
+    out += fmt::format("    {:<24} {:>8} {:>8} {:>8} {:>10}  {}\n", "class", "samples", "top-1", "top-5", "predicted",
+                       "most often mistaken for");
+    for (size_t i = 0; i < shown; ++i) {
+      const ClassResult& c = *rows[i];
+      std::string confused = "-";
+      if (c.confused_with >= 0) {
+        confused = fmt::format("{} ({})", r.classes[static_cast<size_t>(c.confused_with)].name, c.confused_count);
+      }
+      out += fmt::format("    {:<24} {:>8} {:>7.1f}% {:>7.1f}% {:>10}  {}\n", c.name, c.samples,
+                         100.0 * static_cast<double>(c.top1) / static_cast<double>(c.samples),
+                         100.0 * static_cast<double>(c.top5) / static_cast<double>(c.samples), c.predicted, confused);
+    }
+  }
+  if (!r.bad_records.empty()) {
+    out += fmt::format("  skipped {} bad record(s):\n", r.bad_records.size());
+    for (size_t i = 0; i < std::min<size_t>(r.bad_records.size(), 10); ++i) out += "    " + r.bad_records[i] + "\n";
+  }
+  return out;
+}
+
+nlohmann::json EvalReportJson(const EvalReport& r) {
+  nlohmann::json classes = nlohmann::json::array();
+  for (const ClassResult& c : r.classes) {
+    nlohmann::json j{{"name", c.name}, {"samples", c.samples}, {"top1", c.top1}, {"top5", c.top5},
+                     {"predicted", c.predicted}};
+    if (c.confused_with >= 0) {
+      j["confused_with"] = r.classes[static_cast<size_t>(c.confused_with)].name;
+      j["confused_count"] = c.confused_count;
+    }
+    classes.push_back(std::move(j));
+  }
+  return {{"model", r.model},     {"data", r.data},         {"backend", r.backend},
+          {"samples", r.samples}, {"top1", r.top1},         {"top5", r.top5},
+          {"loss", r.loss},       {"seconds", r.seconds},   {"images_per_s", r.images_per_s},
+          {"classes", classes},   {"bad_records", r.bad_records}};
+}
+
+Result<std::vector<Prediction>> Predict(const PredictOptions& options) {
+  // Inputs in the order given; folders expand to every regular file below them, sorted.
+  std::vector<fs::path> files;
+  for (const std::string& in : options.inputs) {
+    std::error_code ec;
+    const fs::path p(in);
+    if (fs::is_directory(p, ec)) {
+      std::vector<fs::path> found;
+      for (auto it = fs::recursive_directory_iterator(p, fs::directory_options::skip_permission_denied, ec);
+           !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+        if (it->is_regular_file(ec)) found.push_back(it->path());
+      }
+      if (ec) return IoError(fmt::format("{}: {}", in, ec.message()));
+      std::sort(found.begin(), found.end());
+      files.insert(files.end(), found.begin(), found.end());
+    } else if (fs::exists(p, ec)) {
+      files.push_back(p);
+    } else {
+      return NotFoundError(fmt::format("{}: no such file or folder", in));
+    }
+  }
+  if (files.empty()) return InvalidArgumentError("no image files among the inputs");
+  if (options.top_k < 1) return InvalidArgumentError(fmt::format("--top {} must be >= 1", options.top_k));
+  STOKE_ASSIGN_OR_RETURN(train::TrainedModel model, train::LoadTrainedModel(options.model));
+
+  std::vector<Prediction> out(files.size());
+  std::unordered_map<std::string, size_t> by_path;  // absolute path -> input position
+  ScratchDir scratch;
+  {
+    std::random_device rd;
+    scratch.path = fs::temp_directory_path() / fmt::format("stoke-predict-{}-{:08x}", getpid(), rd());
+    std::error_code ec;
+    fs::create_directories(scratch.path, ec);
+    if (ec) return IoError(fmt::format("{}: {}", scratch.path.string(), ec.message()));
+  }
+  // The images go through `stoke pack` (validation, orientation, other formats) into a scratch
+  // dataset, then through the validation loader: exactly what evaluation sees.
+  std::ofstream list(scratch.path / "inputs.txt");
+  size_t listed = 0;
+  for (size_t i = 0; i < files.size(); ++i) {
+    std::error_code ec;
+    const fs::path abs = fs::absolute(files[i], ec).lexically_normal();
+    out[i].path = files[i].string();
+    if (abs.string().find_first_of("\r\n") != std::string::npos) {
+      out[i].error = "the path holds a line break, which the list of inputs cannot carry";
+      continue;
+    }
+    if (by_path.count(abs.string())) {
+      out[i].error = "listed twice";  // replaced by the first one's result below
+      continue;
+    }
+    by_path[abs.string()] = i;
+    list << abs.string() << " 0\n";
+    ++listed;
+  }
+  list.close();
+  if (!list) return IoError(fmt::format("{}: cannot write the list of inputs", (scratch.path / "inputs.txt").string()));
+
+  pack::PackOptions po;
+  po.source = "/";
+  po.list_file = scratch.path / "inputs.txt";
+  po.output = scratch.path / "inputs.lmdb";
+  po.threads = options.threads;
+  po.progress = false;
+  po.on_error = pack::OnError::kSkip;
+  auto packed = listed > 0 ? pack::Pack(po) : Result<pack::PackSummary>(pack::PackSummary{});
+  if (!packed.ok()) return Status(packed.status().code(), fmt::format("preparing the images: {}", packed.status().message()));
+  for (const pack::BadInput& bad : packed->bad) {
+    std::error_code ec;
+    auto it = by_path.find(fs::absolute(bad.path, ec).lexically_normal().string());
+    if (it != by_path.end()) out[it->second].error = bad.reason;
+  }
+  const int64_t records = packed->splits.empty() ? 0 : packed->splits[0].records;
+  if (records > 0) {
+    STOKE_ASSIGN_OR_RETURN(dataset::Dataset data, dataset::Dataset::Open(po.output));
+    STOKE_ASSIGN_OR_RETURN(dataset::Reader reader, data.NewReader());
+    const int threads = Threads(options.threads);
+    const int batch = static_cast<int>(std::min<int64_t>(std::max(1, options.batch), data.size()));
+    STOKE_ASSIGN_OR_RETURN(auto net, train::CreateTrainedNetwork(model, options.backend, batch, threads));
+    prefetch::LoaderOptions lo = train::ValLoaderOptions(model.config);
+    lo.batch_size = batch;
+    lo.threads = threads;
+    lo.max_skip_fraction = 1;
+    lo.device = net->stream() != nullptr ? prefetch::DeviceMode::kCuda : prefetch::DeviceMode::kHost;
+    STOKE_ASSIGN_OR_RETURN(auto loader, prefetch::Loader::Create(data, lo));
+    const int classes = model.config.model.classes;
+    auto position = [&](int64_t record) -> Result<size_t> {
+      STOKE_ASSIGN_OR_RETURN(std::string path, reader.SourcePath(record));
+      auto it = by_path.find(path);
+      if (it == by_path.end()) return InternalError(fmt::format("record {} comes from {}, not an input", record, path));
+      return it->second;
+    };
+    while (true) {
+      STOKE_ASSIGN_OR_RETURN(auto lease, loader->Next());
+      if (!lease) break;
+      STOKE_RETURN_IF_ERROR(net->Evaluate(*lease).status());
+      const std::vector<float> logits = net->LastLogits();
+      for (int i = 0; i < lease->size; ++i) {
+        STOKE_ASSIGN_OR_RETURN(const size_t at, position(lease->indices[static_cast<size_t>(i)]));
+        const std::span<const float> row(logits.data() + static_cast<size_t>(i) * static_cast<size_t>(classes),
+                                         static_cast<size_t>(classes));
+        // Softmax in double, shifted by the maximum.
+        const float max = *std::max_element(row.begin(), row.end());
+        double sum = 0;
+        for (float v : row) sum += std::exp(static_cast<double>(v) - max);
+        Prediction& p = out[at];
+        p.top = TopK(row, options.top_k);
+        for (int c : p.top) {
+          p.probabilities.push_back(std::exp(static_cast<double>(row[static_cast<size_t>(c)]) - max) / sum);
+          p.names.push_back(model.classes[static_cast<size_t>(c)]);
+        }
+      }
+      lease.Release(net->stream());
+    }
+    for (const prefetch::BadRecord& b : loader->bad_records()) {
+      if (auto at = position(b.index); at.ok()) out[*at].error = b.reason;
+    }
+  }
+  // Repeated inputs share the first one's result.
+  for (size_t i = 0; i < files.size(); ++i) {
+    if (out[i].error != "listed twice") continue;
+    std::error_code ec;
+    const Prediction& first = out[by_path.at(fs::absolute(files[i], ec).lexically_normal().string())];
+    const std::string path = out[i].path;
+    out[i] = first;
+    out[i].path = path;
+  }
+  for (Prediction& p : out) {
+    if (p.error.empty() && p.top.empty()) p.error = "not prepared (no reason given)";
+  }
+  return out;
+}
+
+std::string FormatPredictions(const std::vector<Prediction>& predictions) {
+  std::string out;
+  for (const Prediction& p : predictions) {
+    if (!p.error.empty()) {
+      out += fmt::format("{}: error: {}\n", p.path, p.error);
+      continue;
+    }
+    out += p.path + ":";
+    for (size_t k = 0; k < p.top.size(); ++k) {
+      out += fmt::format("{} {} {:.4f}", k == 0 ? "" : ",", p.names[k], p.probabilities[k]);
+    }
+    out += "\n";
+  }
+  return out;
+}
+
+nlohmann::json PredictionsJson(const std::vector<Prediction>& predictions) {
+  nlohmann::json all = nlohmann::json::array();
+  for (const Prediction& p : predictions) {
+    nlohmann::json j{{"path", p.path}};
+    if (!p.error.empty()) {
+      j["error"] = p.error;
+    } else {
+      nlohmann::json top = nlohmann::json::array();
+      for (size_t k = 0; k < p.top.size(); ++k) {
+        top.push_back({{"class", p.names[k]}, {"index", p.top[k]}, {"probability", p.probabilities[k]}});
+      }
+      j["top"] = std::move(top);
+    }
+    all.push_back(std::move(j));
+  }
+  return all;
+}
+
+}  // namespace stoke::evaluate

@@ -1,0 +1,142 @@
+#include "train/trained_model.h"
+
+#include <set>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "dataset/dataset.h"
+#include "train/trainer.h"
+
+namespace stoke::train {
+namespace {
+
+// The parameters and running statistics a model holds (not the optimizer's buffers), plain dims.
+std::vector<std::pair<std::string, std::vector<int64_t>>> ModelTensors(const ModelSpec& model,
+                                                                      const std::vector<Shape>& shapes,
+                                                                      Shape input) {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> wanted;
+  std::unordered_map<std::string, size_t> index;
+  for (size_t i = 0; i < model.layers.size(); ++i) {
+    const LayerSpec& l = model.layers[i];
+    Shape in = i == 0 ? input : shapes[i - 1];
+    if (!l.inputs.empty()) in = l.inputs[0] == "input" ? input : shapes[index.at(l.inputs[0])];
+    index[l.name] = i;
+    switch (l.type) {
+      case LayerType::kConv:
+        wanted.push_back({l.name + ".weight", {l.out, in.c, l.kernel, l.kernel}});
+        if (l.bias) wanted.push_back({l.name + ".bias", {l.out}});
+        break;
+      case LayerType::kLinear:
+        wanted.push_back({l.name + ".weight", in.vector ? std::vector<int64_t>{l.out, in.c}
+                                                         : std::vector<int64_t>{l.out, in.c, in.h, in.w}});
+        if (l.bias) wanted.push_back({l.name + ".bias", {l.out}});
+        break;
+      case LayerType::kBatchNorm:
+        for (const char* s : {".weight", ".bias", ".running_mean", ".running_var"}) {
+          wanted.push_back({l.name + s, {shapes[i].c}});
+        }
+        break;
+      default:
+        break;
+    }
+  }
+  return wanted;
+}
+
+}  // namespace
+
+std::string Describe(const TrainedModel& m) {
+  if (m.config_path.empty()) return fmt::format("checkpoint {}", m.checkpoint_path.string());
+  return fmt::format("checkpoint {} with config {}", m.checkpoint_path.string(), m.config_path.string());
+}
+
+Result<TrainedModel> LoadTrainedModel(const TrainedModelSource& source) {
+  TrainedModel m;
+  if (!source.checkpoint.empty()) {
+    m.checkpoint_path = source.checkpoint;
+  } else {
+    if (source.run_dir.empty()) return InvalidArgumentError("give a run directory or a checkpoint file");
+    std::error_code ec;
+    if (!std::filesystem::is_directory(source.run_dir, ec)) {
+      return NotFoundError(fmt::format("run directory {} does not exist", source.run_dir.string()));
+    }
+    auto all = ListCheckpoints(source.run_dir);
+    if (all.empty()) {
+      return NotFoundError(fmt::format("{} holds no checkpoints (looked in {}/checkpoints)", source.run_dir.string(),
+                                       source.run_dir.string()));
+    }
+    m.checkpoint_path = all.back();
+  }
+  STOKE_ASSIGN_OR_RETURN(m.checkpoint, LoadCheckpoint(m.checkpoint_path));
+  if (!source.config.empty()) {
+    m.config_path = source.config;
+    STOKE_ASSIGN_OR_RETURN(m.config, LoadConfig(source.config.string()));
+  } else {
+    auto config = ParseConfig(m.checkpoint.config_yaml, m.checkpoint_path.string() + " (its stored config)");
+    if (!config.ok()) {
+      return CorruptError(fmt::format("checkpoint {}: its stored config does not parse: {}", m.checkpoint_path.string(),
+                                      config.status().message()));
+    }
+    m.config = std::move(config).value();
+  }
+
+  // The config's model must be the checkpoint's: same layers, same tensors, nothing left over.
+  ModelSpec model = ModelFromConfig(m.config.model);
+  const Shape input{3, m.config.data.image_size, m.config.data.image_size};
+  auto shapes = ResolveModel(model, input);
+  if (!shapes.ok()) {
+    return InvalidArgumentError(fmt::format("{}: {}", m.config_path.empty() ? m.checkpoint_path.string()
+                                                                             : m.config_path.string(),
+                                            shapes.status().message()));
+  }
+  const auto wanted = ModelTensors(model, *shapes, input);
+  auto found = FindState(m.checkpoint.tensors, wanted);
+  std::string mismatch = found.ok() ? "" : found.status().message();
+  if (mismatch.empty()) {
+    std::set<std::string> names;
+    for (const auto& [name, dims] : wanted) names.insert(name);
+    for (const NamedTensor& t : m.checkpoint.tensors) {
+      if (!names.count(t.name) && !(t.name.ends_with(".momentum") && names.count(t.name.substr(0, t.name.size() - 9)))) {
+        mismatch = fmt::format("the checkpoint holds tensor '{}', which the model has no place for", t.name);
+        break;
+      }
+    }
+  }
+  if (!mismatch.empty()) {
+    if (m.config_path.empty()) {
+      return CorruptError(fmt::format("checkpoint {} does not match its own stored config: {}",
+                                      m.checkpoint_path.string(), mismatch));
+    }
+    return InvalidArgumentError(fmt::format("config {} does not match checkpoint {}: {}", m.config_path.string(),
+                                            m.checkpoint_path.string(), mismatch));
+  }
+
+  // Class names: the checkpoint's (written since 0.3), else the training dataset's manifest.
+  m.classes = m.checkpoint.classes;
+  if (m.classes.empty()) {
+    if (auto ds = dataset::Dataset::Open(m.config.data.train); ds.ok()) m.classes = ds->manifest().classes;
+  }
+  if (static_cast<int>(m.classes.size()) > m.config.model.classes) {
+    return InvalidArgumentError(fmt::format("{}: {} class names for a model of {} classes", Describe(m),
+                                            m.classes.size(), m.config.model.classes));
+  }
+  for (auto c = static_cast<int>(m.classes.size()); c < m.config.model.classes; ++c) {
+    m.classes.push_back(std::to_string(c));
+  }
+  return m;
+}
+
+Result<std::unique_ptr<Network>> CreateTrainedNetwork(const TrainedModel& model, const std::string& backend,
+                                                      int batch, int threads) {
+  TrainConfig c = model.config;
+  c.data.batch_size = batch;
+  if (!backend.empty()) c.backend = backend;
+  if (threads > 0) c.compute_threads = threads;
+  STOKE_ASSIGN_OR_RETURN(auto net, CreateNetwork(c));
+  Status s = net->LoadState(model.checkpoint.tensors);
+  if (!s.ok()) return Status(s.code(), fmt::format("{}: {}", Describe(model), s.message()));
+  return net;
+}
+
+}  // namespace stoke::train
