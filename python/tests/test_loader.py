@@ -235,3 +235,71 @@ def test_pack_verify_and_progress(data, tmp_path):
         stoke.pack(images, str(tmp_path / "q.lmdb"), on_error="maybe")
     with pytest.raises(Exception, match="already"):
         stoke.pack(images, str(tmp_path / "p.lmdb"))  # an existing dataset is never overwritten silently
+
+
+@pytest.fixture(scope="session")
+def slow_data(tmp_path_factory):
+    """16 large noise JPEGs (2400 x 1800, quality 95): every coefficient costs entropy decoding, so one
+    thread needs a good fraction of a second for a batch of them."""
+    Image = pytest.importorskip("PIL.Image", reason="python3-pil is not installed")
+    d = tmp_path_factory.mktemp("slow")
+    rng = np.random.default_rng(3)
+    for i in range(16):
+        (d / "images" / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+        pixels = rng.integers(0, 256, size=(1800, 2400, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(d / "images" / f"c{i % 2}" / f"{i:02d}.jpg", quality=95)
+    subprocess.run([STOKE, "pack", str(d / "images"), str(d / "slow.lmdb"), "-q", "--index", "none"], check=True,
+                   stdout=subprocess.DEVNULL)
+    return str(d / "slow.lmdb")
+
+
+def test_ctrl_c_interrupts_a_waiting_next(slow_data):
+    import signal
+    import threading
+    import time
+
+    gc.collect()
+    t0 = threads()
+    loader = Loader(slow_data, batch_size=16, size=224, threads=1, ring=2, train=False)
+    it = iter(loader)
+    fired = []
+
+    def interrupt():
+        fired.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Timer(0.1, interrupt)
+    started = time.monotonic()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        next(it)  # the first batch needs every image decoded on one thread: still waiting at 0.1 s
+    raised = time.monotonic()
+    timer.join()
+    assert fired, "the interrupt came after next() had already returned"
+    # next() waits in slices of 50 ms with the GIL released and checks for signals between them.
+    assert raised - fired[0] < 0.5, f"KeyboardInterrupt {raised - fired[0]:.2f} s after Ctrl-C"
+    assert raised - started < 5
+    loader.close()
+    gc.collect()
+    assert threads() == t0, "the interrupted pipeline's threads were not joined"
+    # The loader still works afterwards.
+    with Loader(slow_data, batch_size=4, size=64, threads=1, train=False) as again:
+        assert sum(b["images"].shape[0] for b in again) == 16
+
+
+def test_the_type_stub_matches_the_native_module():
+    import ast
+    import pathlib
+
+    stub = pathlib.Path(_stoke.__file__).with_name("_stoke.pyi")
+    assert stub.exists() and stub.with_name("py.typed").exists()
+    tree = ast.parse(stub.read_text())
+    declared = {n.name: n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+    native = {name for name in dir(_stoke) if not name.startswith("__")}
+    assert set(declared) == native
+    for name, node in declared.items():
+        if isinstance(node, ast.ClassDef):
+            members = {m.name for m in node.body if isinstance(m, ast.FunctionDef)}
+            members |= {m.target.id for m in node.body if isinstance(m, ast.AnnAssign)}
+            real = {m for m in dir(getattr(_stoke, name)) if not m.startswith("_")}
+            assert real <= members, f"{name}: {sorted(real - members)} missing from the stub"

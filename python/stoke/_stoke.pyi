@@ -1,0 +1,60 @@
+"""Types of stoke's native module (python/src/module.cc). Use it through `stoke` and `stoke.torch`."""
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+class RecordBytes:
+    """A record's encoded bytes inside the dataset's read-only map (buffer protocol)."""
+    def __len__(self) -> int: ...
+
+class Dataset:
+    def __init__(self, path: str) -> None: ...
+    def __len__(self) -> int: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def classes(self) -> List[str]: ...
+    @property
+    def class_counts(self) -> List[int]: ...
+    @property
+    def format_version(self) -> int: ...
+    def record(self, index: int) -> Dict[str, Any]:
+        """index, label, width, height, source, bytes (a read-only memoryview)."""
+    def verify(self, threads: int = 0) -> List[Tuple[int, str, str]]: ...
+
+class EpochOptions:
+    batch_size: int
+    train: bool
+    size: int
+    resize: int
+    scale_min: float
+    scale_max: float
+    flip: float
+    seed: int
+    threads: int
+    ring: int
+    drop_last: bool
+    on_error: str
+    rank: int
+    world_size: int
+    epoch: int
+    start_batch: int
+    epochs: int
+    normalize: bool
+    mean: List[float]
+    std: List[float]
+    dtype: str
+    def __init__(self) -> None: ...
+
+class EpochLoader:
+    def __init__(self, dataset: Dataset, options: EpochOptions) -> None: ...
+    def batches(self) -> int:
+        """Batches in this epoch for this rank (from the first, not the start)."""
+    def next(self) -> Optional[Tuple[Any, Any, Any, int, int, int]]:
+        """(images, labels, indices, epoch, number, replaced) as DLPack capsules and ints, or None
+        at the end of the epoch. Waits with the GIL released; Ctrl-C raises KeyboardInterrupt."""
+    def close(self) -> None: ...
+    def stats(self) -> Dict[str, Any]: ...
+    def bad_records(self) -> List[Tuple[int, str]]: ...
+
+def _pack(source: str, output: str, options: Dict[str, Any], progress: Optional[Callable[[int], Any]]) -> Dict[str, Any]: ...
+def _verify(path: str, threads: int) -> List[Tuple[int, str, str]]: ...
+def _reference_batches(dataset: Dataset, options: EpochOptions, max_batches: int) -> List[Tuple[bytes, List[int], List[int]]]: ...
