@@ -29,7 +29,7 @@ install(EXPORT stokeTargets NAMESPACE stoke:: DESTINATION ${STOKE_INSTALL_CMAKED
 string(REPLACE ";" ", " STOKE_MODULES_LIST "${STOKE_MODULES}")
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/stokeConfig.cmake.in
   ${PROJECT_BINARY_DIR}/stokeConfig.cmake INSTALL_DESTINATION ${STOKE_INSTALL_CMAKEDIR})
-# 0.x: a minor version may change the API, so 0.2 accepts 0.2.*, not 0.3.
+# 0.x: a minor version may change the API, so 0.3 accepts 0.3.*, not 0.4.
 write_basic_package_version_file(${PROJECT_BINARY_DIR}/stokeConfigVersion.cmake
   VERSION ${PROJECT_VERSION} COMPATIBILITY SameMinorVersion)
 install(FILES ${PROJECT_BINARY_DIR}/stokeConfig.cmake ${PROJECT_BINARY_DIR}/stokeConfigVersion.cmake
@@ -80,6 +80,9 @@ set(_stoke_deb_depends
   "libgomp1" "libstdc++6" "libc6")
 if(STOKE_WITH_MPI)
   list(APPEND _stoke_deb_depends "libopenmpi3")
+endif()
+if(STOKE_WITH_ONNX)
+  list(APPEND _stoke_deb_depends "libonnx1" "libprotobuf32")  # stoke export
 endif()
 list(JOIN _stoke_deb_depends ", " CPACK_DEBIAN_PACKAGE_DEPENDS)
 if(STOKE_WITH_CUDA)
