@@ -119,43 +119,27 @@ Result<ExportReport> ExportOnnx(const ExportSource& source, const ExportOptions&
                                             source.classes.size(), model.classes));
   }
 
+  // Every tensor the model needs, with its shape, before anything is built.
+  const auto found = FindState(source.state, ModelTensors(model, shapes, input_shape));
+  if (!found.ok()) {
+    return InvalidArgumentError(fmt::format("cannot export {}: {}", source.origin, found.status().message()));
+  }
+  std::unordered_map<std::string, const NamedTensor*> by_name;
+  for (const NamedTensor* t : *found) by_name[t->name] = t;
+  auto tensor = [&](size_t layer, const char* suffix) { return by_name.at(model.layers[layer].name + suffix); };
+
   // The layers each layer reads (-1: the network input), and how many layers read each one.
-  std::unordered_map<std::string, int> index;
+  std::unordered_map<std::string, int> index{{"input", -1}};
   std::vector<std::vector<int>> inputs(n_layers);
   std::vector<int> consumers(n_layers, 0);
   for (size_t i = 0; i < n_layers; ++i) {
-    const LayerSpec& l = model.layers[i];
-    if (l.inputs.empty()) {
-      inputs[i].push_back(static_cast<int>(i) - 1);
-    } else {
-      for (const std::string& name : l.inputs) inputs[i].push_back(name == "input" ? -1 : index.at(name));
-    }
-    for (int k : inputs[i]) {
+    for (const std::string& name : model.layers[i].inputs) {
+      const int k = index.at(name);
+      inputs[i].push_back(k);
       if (k >= 0) ++consumers[static_cast<size_t>(k)];
     }
-    index[l.name] = static_cast<int>(i);
+    index[model.layers[i].name] = static_cast<int>(i);
   }
-
-  // Tensors by name, each checked against the shape the model gives it.
-  std::unordered_map<std::string, const NamedTensor*> by_name;
-  for (const NamedTensor& t : source.state) by_name[t.name] = &t;
-  auto tensor = [&](size_t layer, const std::string& suffix,
-                    const std::vector<int64_t>& dims) -> Result<const NamedTensor*> {
-    const std::string name = model.layers[layer].name + "." + suffix;
-    auto it = by_name.find(name);
-    const std::string where = fmt::format("layer {} '{}' ({})", layer, model.layers[layer].name,
-                                          LayerTypeName(model.layers[layer].type));
-    if (it == by_name.end()) {
-      return InvalidArgumentError(fmt::format("cannot export {}: {} needs tensor '{}', which it does not hold",
-                                              source.origin, where, name));
-    }
-    if (it->second->dims != dims) {
-      return InvalidArgumentError(fmt::format("cannot export {}: tensor '{}' of {} is {}, the model needs {}",
-                                              source.origin, name, where, fmt::join(it->second->dims, "x"),
-                                              fmt::join(dims, "x")));
-    }
-    return it->second;
-  };
 
   ExportReport report;
   onnx::ModelProto proto;
@@ -219,23 +203,11 @@ Result<ExportReport> ExportOnnx(const ExportSource& source, const ExportOptions&
       case LayerType::kConv:
       case LayerType::kLinear: {
         const bool conv = l.type == LayerType::kConv;
-        const Shape in_shape = inputs[i][0] < 0 ? input_shape : shapes[static_cast<size_t>(inputs[i][0])];
-        std::vector<int64_t> w_dims;
-        if (conv) {
-          w_dims = {l.out, in_shape.c, l.kernel, l.kernel};
-        } else if (in_shape.vector) {
-          w_dims = {l.out, in_shape.c};
-        } else {
-          w_dims = {l.out, in_shape.c, in_shape.h, in_shape.w};
-        }
-        STOKE_ASSIGN_OR_RETURN(const NamedTensor* w, tensor(i, "weight", w_dims));
+        const NamedTensor* w = tensor(i, ".weight");
         std::vector<float> weight = w->values;
         std::vector<float> bias(static_cast<size_t>(l.out), 0.f);
         bool has_bias = l.bias;
-        if (l.bias) {
-          STOKE_ASSIGN_OR_RETURN(const NamedTensor* bt, tensor(i, "bias", {l.out}));
-          bias = bt->values;
-        }
+        if (l.bias) bias = tensor(i, ".bias")->values;
         std::string output = out;
         size_t target = i;  // the layer whose tensor this node computes
         // A batch norm that is the only reader of this layer folds into it:
@@ -244,11 +216,8 @@ Result<ExportReport> ExportOnnx(const ExportSource& source, const ExportOptions&
           for (size_t j = i + 1; j < n_layers; ++j) {
             if (inputs[j].size() == 1 && inputs[j][0] == static_cast<int>(i) &&
                 model.layers[j].type == LayerType::kBatchNorm) {
-              const std::vector<int64_t> c_dims{l.out};
-              STOKE_ASSIGN_OR_RETURN(const NamedTensor* gamma, tensor(j, "weight", c_dims));
-              STOKE_ASSIGN_OR_RETURN(const NamedTensor* beta, tensor(j, "bias", c_dims));
-              STOKE_ASSIGN_OR_RETURN(const NamedTensor* mean, tensor(j, "running_mean", c_dims));
-              STOKE_ASSIGN_OR_RETURN(const NamedTensor* var, tensor(j, "running_var", c_dims));
+              const NamedTensor *gamma = tensor(j, ".weight"), *beta = tensor(j, ".bias");
+              const NamedTensor *mean = tensor(j, ".running_mean"), *var = tensor(j, ".running_var");
               const size_t per_out = weight.size() / static_cast<size_t>(l.out);
               for (size_t o = 0; o < static_cast<size_t>(l.out); ++o) {
                 const double k = static_cast<double>(gamma->values[o]) / std::sqrt(static_cast<double>(var->values[o]) + eps);
@@ -269,7 +238,7 @@ Result<ExportReport> ExportOnnx(const ExportSource& source, const ExportOptions&
         }
         const std::string wname = l.name + ".weight", bname = l.name + ".bias";
         if (conv) {
-          b.Initializer(wname, w_dims, weight);
+          b.Initializer(wname, w->dims, weight);
           if (has_bias) b.Initializer(bname, {l.out}, bias);
           std::vector<std::string> ins{x.name, wname};
           if (has_bias) ins.push_back(bname);
@@ -300,12 +269,9 @@ Result<ExportReport> ExportOnnx(const ExportSource& source, const ExportOptions&
         break;
       }
       case LayerType::kBatchNorm: {
-        const std::vector<int64_t> c_dims{shapes[i].c};
-        STOKE_ASSIGN_OR_RETURN(const NamedTensor* gamma, tensor(i, "weight", c_dims));
-        STOKE_ASSIGN_OR_RETURN(const NamedTensor* beta, tensor(i, "bias", c_dims));
-        STOKE_ASSIGN_OR_RETURN(const NamedTensor* mean, tensor(i, "running_mean", c_dims));
-        STOKE_ASSIGN_OR_RETURN(const NamedTensor* var, tensor(i, "running_var", c_dims));
-        for (const NamedTensor* t : {gamma, beta, mean, var}) b.Initializer(t->name, c_dims, t->values);
+        const NamedTensor *gamma = tensor(i, ".weight"), *beta = tensor(i, ".bias");
+        const NamedTensor *mean = tensor(i, ".running_mean"), *var = tensor(i, ".running_var");
+        for (const NamedTensor* t : {gamma, beta, mean, var}) b.Initializer(t->name, t->dims, t->values);
         onnx::NodeProto* n = b.Node("BatchNormalization", {x.name, gamma->name, beta->name, mean->name, var->name},
                                     out, l.name);
         GraphBuilder::Float(n, "epsilon", static_cast<float>(eps));

@@ -303,6 +303,28 @@ std::vector<bool> LayersNeedingGradient(const ModelSpec& model) {
   return needs;
 }
 
+std::vector<std::pair<std::string, std::vector<int64_t>>> ModelTensors(const ModelSpec& model,
+                                                                      const std::vector<Shape>& shapes, Shape input) {
+  std::map<std::string, Shape> by_name{{"input", input}};
+  std::vector<std::pair<std::string, std::vector<int64_t>>> wanted;
+  for (size_t i = 0; i < model.layers.size(); ++i) {
+    const LayerSpec& l = model.layers[i];
+    const Shape x = by_name[l.inputs[0]];
+    if (l.type == LayerType::kConv || l.type == LayerType::kLinear) {
+      std::vector<int64_t> w{l.out, x.c, l.kernel, l.kernel};  // conv: O x I x K x K
+      if (l.type == LayerType::kLinear) w = x.vector ? std::vector<int64_t>{l.out, x.c} : std::vector<int64_t>{l.out, x.c, x.h, x.w};
+      wanted.push_back({l.name + ".weight", w});
+      if (l.bias) wanted.push_back({l.name + ".bias", {l.out}});
+    } else if (l.type == LayerType::kBatchNorm) {
+      for (const char* suffix : {".weight", ".bias", ".running_mean", ".running_var"}) {
+        wanted.push_back({l.name + suffix, {x.c}});
+      }
+    }
+    by_name[l.name] = shapes[i];
+  }
+  return wanted;
+}
+
 int64_t CountParameters(const ModelSpec& model, const std::vector<Shape>& shapes, Shape input) {
   std::map<std::string, Shape> by_name{{"input", input}};
   int64_t total = 0;

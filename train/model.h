@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -84,6 +85,12 @@ struct InitialParameters {
   std::vector<float> bias;  // empty when the layer has none
 };
 InitialParameters InitialWeights(const LayerSpec& layer, const std::vector<int64_t>& weight_dims, uint64_t seed);
+
+// The tensors a resolved model holds, apart from the optimizer's buffers: "<layer>.weight" and
+// ".bias" of convolutions and linear layers, and batch norm's ".weight", ".bias", ".running_mean",
+// ".running_var", with their plain dims (as Network::State() gives them), in layer order.
+std::vector<std::pair<std::string, std::vector<int64_t>>> ModelTensors(const ModelSpec& model,
+                                                                      const std::vector<Shape>& shapes, Shape input);
 
 // Learnable parameters of a resolved model (for reports): weights + biases + BN scale/shift.
 int64_t CountParameters(const ModelSpec& model, const std::vector<Shape>& shapes, Shape input);

@@ -1,7 +1,6 @@
 #include "train/trained_model.h"
 
 #include <set>
-#include <utility>
 
 #include <fmt/format.h>
 
@@ -9,42 +8,6 @@
 #include "train/trainer.h"
 
 namespace stoke::train {
-namespace {
-
-// The parameters and running statistics a model holds (not the optimizer's buffers), plain dims.
-std::vector<std::pair<std::string, std::vector<int64_t>>> ModelTensors(const ModelSpec& model,
-                                                                      const std::vector<Shape>& shapes,
-                                                                      Shape input) {
-  std::vector<std::pair<std::string, std::vector<int64_t>>> wanted;
-  std::unordered_map<std::string, size_t> index;
-  for (size_t i = 0; i < model.layers.size(); ++i) {
-    const LayerSpec& l = model.layers[i];
-    Shape in = i == 0 ? input : shapes[i - 1];
-    if (!l.inputs.empty()) in = l.inputs[0] == "input" ? input : shapes[index.at(l.inputs[0])];
-    index[l.name] = i;
-    switch (l.type) {
-      case LayerType::kConv:
-        wanted.push_back({l.name + ".weight", {l.out, in.c, l.kernel, l.kernel}});
-        if (l.bias) wanted.push_back({l.name + ".bias", {l.out}});
-        break;
-      case LayerType::kLinear:
-        wanted.push_back({l.name + ".weight", in.vector ? std::vector<int64_t>{l.out, in.c}
-                                                         : std::vector<int64_t>{l.out, in.c, in.h, in.w}});
-        if (l.bias) wanted.push_back({l.name + ".bias", {l.out}});
-        break;
-      case LayerType::kBatchNorm:
-        for (const char* s : {".weight", ".bias", ".running_mean", ".running_var"}) {
-          wanted.push_back({l.name + s, {shapes[i].c}});
-        }
-        break;
-      default:
-        break;
-    }
-  }
-  return wanted;
-}
-
-}  // namespace
 
 std::string Describe(const TrainedModel& m) {
   if (m.config_path.empty()) return fmt::format("checkpoint {}", m.checkpoint_path.string());

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -37,6 +38,18 @@ std::vector<int> TopK(std::span<const float> v, int k) {
 }
 
 int Threads(int threads) { return threads > 0 ? threads : static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN))); }
+
+// The validation loader of `model` over `data` (resize, centre crop), in batches of `batch` for `net`.
+Result<std::unique_ptr<prefetch::Loader>> ValidationLoader(const train::TrainedModel& model, const train::Network& net,
+                                                           const dataset::Dataset& data, int batch, int threads,
+                                                           double max_skip_fraction) {
+  prefetch::LoaderOptions lo = train::ValLoaderOptions(model.config);
+  lo.batch_size = batch;
+  lo.threads = threads;
+  lo.max_skip_fraction = max_skip_fraction;
+  lo.device = net.stream() != nullptr ? prefetch::DeviceMode::kCuda : prefetch::DeviceMode::kHost;
+  return prefetch::Loader::Create(data, lo);
+}
 
 // A scratch directory removed when it goes out of scope.
 struct ScratchDir {
@@ -71,11 +84,8 @@ Result<EvalReport> Evaluate(const EvalOptions& options) {
   const int batch = static_cast<int>(std::min<int64_t>(options.batch > 0 ? options.batch : model.config.data.batch_size,
                                                        data.size()));
   STOKE_ASSIGN_OR_RETURN(auto net, train::CreateTrainedNetwork(model, options.backend, batch, threads));
-  prefetch::LoaderOptions lo = train::ValLoaderOptions(model.config);
-  lo.batch_size = batch;
-  lo.threads = threads;
-  lo.device = net->stream() != nullptr ? prefetch::DeviceMode::kCuda : prefetch::DeviceMode::kHost;
-  STOKE_ASSIGN_OR_RETURN(auto loader, prefetch::Loader::Create(data, lo));
+  STOKE_ASSIGN_OR_RETURN(auto loader, ValidationLoader(model, *net, data, batch, threads,
+                                                        model.config.data.max_skip_fraction));
 
   EvalReport report;
   report.model = train::Describe(model);
@@ -211,6 +221,7 @@ Result<std::vector<Prediction>> Predict(const PredictOptions& options) {
 
   std::vector<Prediction> out(files.size());
   std::unordered_map<std::string, size_t> by_path;  // absolute path -> input position
+  std::vector<size_t> same_as(files.size(), SIZE_MAX);  // a repeated input: its first position
   ScratchDir scratch;
   {
     std::random_device rd;
@@ -231,8 +242,8 @@ Result<std::vector<Prediction>> Predict(const PredictOptions& options) {
       out[i].error = "the path holds a line break, which the list of inputs cannot carry";
       continue;
     }
-    if (by_path.count(abs.string())) {
-      out[i].error = "listed twice";  // replaced by the first one's result below
+    if (auto first = by_path.find(abs.string()); first != by_path.end()) {
+      same_as[i] = first->second;  // gets the first one's result below
       continue;
     }
     by_path[abs.string()] = i;
@@ -263,12 +274,8 @@ Result<std::vector<Prediction>> Predict(const PredictOptions& options) {
     const int threads = Threads(options.threads);
     const int batch = static_cast<int>(std::min<int64_t>(std::max(1, options.batch), data.size()));
     STOKE_ASSIGN_OR_RETURN(auto net, train::CreateTrainedNetwork(model, options.backend, batch, threads));
-    prefetch::LoaderOptions lo = train::ValLoaderOptions(model.config);
-    lo.batch_size = batch;
-    lo.threads = threads;
-    lo.max_skip_fraction = 1;
-    lo.device = net->stream() != nullptr ? prefetch::DeviceMode::kCuda : prefetch::DeviceMode::kHost;
-    STOKE_ASSIGN_OR_RETURN(auto loader, prefetch::Loader::Create(data, lo));
+    // Every image is reported on its own, however many are bad.
+    STOKE_ASSIGN_OR_RETURN(auto loader, ValidationLoader(model, *net, data, batch, threads, 1.0));
     const int classes = model.config.model.classes;
     auto position = [&](int64_t record) -> Result<size_t> {
       STOKE_ASSIGN_OR_RETURN(std::string path, reader.SourcePath(record));
@@ -304,11 +311,9 @@ Result<std::vector<Prediction>> Predict(const PredictOptions& options) {
   }
   // Repeated inputs share the first one's result.
   for (size_t i = 0; i < files.size(); ++i) {
-    if (out[i].error != "listed twice") continue;
-    std::error_code ec;
-    const Prediction& first = out[by_path.at(fs::absolute(files[i], ec).lexically_normal().string())];
+    if (same_as[i] == SIZE_MAX) continue;
     const std::string path = out[i].path;
-    out[i] = first;
+    out[i] = out[same_as[i]];
     out[i].path = path;
   }
   for (Prediction& p : out) {
