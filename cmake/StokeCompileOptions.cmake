@@ -16,7 +16,8 @@ target_include_directories(stoke_compile_options INTERFACE
 target_compile_definitions(stoke_compile_options INTERFACE
   STOKE_VERSION="${PROJECT_VERSION}" STOKE_WITH_CUDA=$<BOOL:${STOKE_WITH_CUDA}>
   STOKE_WITH_MPI=$<BOOL:${STOKE_WITH_MPI}> STOKE_WITH_NCCL=$<BOOL:${STOKE_WITH_NCCL}>
-  STOKE_WITH_ONNX=$<BOOL:${STOKE_WITH_ONNX}>)
+  STOKE_WITH_ONNX=$<BOOL:${STOKE_WITH_ONNX}> STOKE_WITH_TENSORBOARD=$<BOOL:${STOKE_WITH_TENSORBOARD}>
+  STOKE_WITH_MONITOR=$<BOOL:${STOKE_WITH_MONITOR}>)
 
 if(STOKE_SANITIZE STREQUAL "address")
   set(_stoke_san -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer)

@@ -103,3 +103,33 @@ if(NOT STOKE_ONNX STREQUAL "OFF")
   endif()
 endif()
 message(STATUS "stoke: ONNX export ${STOKE_WITH_ONNX}")
+
+# TensorBoard event files written by every training run: TensorBoard's Event/Summary messages
+# compiled by protoc (protobuf-compiler, libprotobuf-dev). Without them a run writes metrics.jsonl only.
+set(STOKE_TENSORBOARD AUTO CACHE STRING "TensorBoard event files: AUTO, ON or OFF")
+set(STOKE_WITH_TENSORBOARD OFF)
+if(NOT STOKE_TENSORBOARD STREQUAL "OFF")
+  find_package(Protobuf QUIET)
+  if(Protobuf_FOUND AND Protobuf_PROTOC_EXECUTABLE AND TARGET protobuf::libprotobuf)
+    set(STOKE_WITH_TENSORBOARD ON)
+  elseif(STOKE_TENSORBOARD STREQUAL "ON")
+    message(FATAL_ERROR "STOKE_TENSORBOARD=ON but protobuf was not found (apt-get install libprotobuf-dev protobuf-compiler)")
+  endif()
+endif()
+message(STATUS "stoke: TensorBoard event files ${STOKE_WITH_TENSORBOARD}")
+
+# The live monitor (`stoke monitor`, `stoke train --monitor`): cpp-httplib from Debian
+# (libcpp-httplib-dev, a compiled library) and Chart.js (libjs-chart.js), embedded into the binary.
+set(STOKE_MONITOR AUTO CACHE STRING "stoke monitor: AUTO, ON or OFF")
+set(STOKE_WITH_MONITOR OFF)
+if(NOT STOKE_MONITOR STREQUAL "OFF")
+  pkg_check_modules(HTTPLIB QUIET IMPORTED_TARGET cpp-httplib)
+  find_file(STOKE_CHARTJS chart.umd.js chart.min.js PATHS /usr/share/javascript/chart.js NO_DEFAULT_PATH)
+  if(HTTPLIB_FOUND AND STOKE_CHARTJS)
+    set(STOKE_WITH_MONITOR ON)
+  elseif(STOKE_MONITOR STREQUAL "ON")
+    message(FATAL_ERROR "STOKE_MONITOR=ON but cpp-httplib or Chart.js was not found "
+                        "(apt-get install libcpp-httplib-dev libjs-chart.js)")
+  endif()
+endif()
+message(STATUS "stoke: monitor ${STOKE_WITH_MONITOR} (${STOKE_CHARTJS})")

@@ -45,6 +45,9 @@ set(STOKE_PC_REQUIRES_PRIVATE "lmdb libturbojpeg libjpeg opencv4 tbb fmt spdlog 
 if(STOKE_WITH_MPI)
   string(APPEND STOKE_PC_REQUIRES_PRIVATE " ompi-c")
 endif()
+if(STOKE_WITH_TENSORBOARD)
+  string(APPEND STOKE_PC_REQUIRES_PRIVATE " protobuf-lite")
+endif()
 set(STOKE_PC_WITH_CUDA 0)
 set(STOKE_PC_WITH_MPI 0)
 if(STOKE_WITH_CUDA)
@@ -83,6 +86,12 @@ if(STOKE_WITH_MPI)
 endif()
 if(STOKE_WITH_ONNX)
   list(APPEND _stoke_deb_depends "libonnx1" "libprotobuf32")  # stoke export
+endif()
+if(STOKE_WITH_TENSORBOARD)
+  list(APPEND _stoke_deb_depends "libprotobuf-lite32")  # TensorBoard event files
+endif()
+if(STOKE_WITH_MONITOR)
+  list(APPEND _stoke_deb_depends "libcpp-httplib0.11")  # stoke monitor
 endif()
 list(JOIN _stoke_deb_depends ", " CPACK_DEBIAN_PACKAGE_DEPENDS)
 if(STOKE_WITH_CUDA)

@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <iostream>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -23,6 +25,9 @@
 #include "train/trainer.h"
 #if STOKE_WITH_ONNX
 #include "train/export.h"
+#endif
+#if STOKE_WITH_MONITOR
+#include "tools/monitor/monitor.h"
 #endif
 
 namespace {
@@ -221,6 +226,23 @@ int Run(int argc, char** argv) {
   train_cmd->add_option("--max-steps", train_run.max_steps, "Stop (with a checkpoint) after this many steps")
       ->check(CLI::PositiveNumber);
   train_cmd->add_flag("-q,--quiet", train_quiet, "No progress line");
+  std::string train_monitor;
+  train_cmd->add_option("--monitor", train_monitor,
+                        "Serve the live monitor page of this run on [HOST:]PORT while it trains (HOST: 127.0.0.1)");
+
+  // ---- monitor
+  std::vector<std::string> monitor_runs;
+  std::string monitor_host = "127.0.0.1";
+  int monitor_port = 8080, monitor_poll_ms = 1000;
+  auto* monitor_cmd = app.add_subcommand(
+      "monitor", "Serve a live page of one or more runs: curves, epoch/step/ETA, config, dataset, skipped records");
+  monitor_cmd->add_option("RUN_DIR", monitor_runs, "Run directories (run_dir of their configs)")->required();
+  monitor_cmd->add_option("--port", monitor_port, "Port (0: any free port)")->check(CLI::Range(0, 65535))->default_str("8080");
+  monitor_cmd->add_option("--host", monitor_host,
+                          "Address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the network)")
+      ->default_str("127.0.0.1");
+  monitor_cmd->add_option("--poll-ms", monitor_poll_ms, "How often the page asks for new metrics")
+      ->check(CLI::Range(100, 600000));
 
   // ---- demo
   stoke::demo::DemoOptions demo;
@@ -345,6 +367,26 @@ int Run(int argc, char** argv) {
     // mpirun forwards SIGUSR1 to every rank (and kills on SIGINT): `kill -USR1 <mpirun>` stops a
     // data-parallel run with a checkpoint, like Ctrl-C on one process.
     std::signal(SIGUSR1, OnInterrupt);
+#if STOKE_WITH_MONITOR
+    std::unique_ptr<stoke::monitor::Monitor> monitor;
+    if (!train_monitor.empty() && rank == 0) {
+      auto address = stoke::monitor::ParseListenAddress(train_monitor, "127.0.0.1");
+      if (!address.ok()) return Fail(stoke::Status(address.status().code(), "--monitor " + address.status().message()));
+      std::error_code ec;
+      std::filesystem::create_directories(config->run_dir, ec);
+      auto started = stoke::monitor::Monitor::Start(
+          {.run_dirs = {config->run_dir}, .host = address->first, .port = address->second});
+      if (!started.ok()) return Fail(started.status());
+      monitor = std::move(*started);
+      std::fprintf(stderr, "monitor: %s\n", monitor->url().c_str());
+    }
+#else
+    if (!train_monitor.empty()) {
+      return Fail(stoke::UnavailableError(
+          "--monitor: this build has no monitor (cpp-httplib or Chart.js was not found at build time: "
+          "apt-get install libcpp-httplib-dev libjs-chart.js, then rebuild)"));
+    }
+#endif
     auto summary = stoke::train::Train(*config, train_run);
     if (!summary.ok()) {
       // Every rank holds the same agreed error; rank 0 reports it, naming the rank it came from.
@@ -362,6 +404,29 @@ int Run(int argc, char** argv) {
                   static_cast<long long>(summary->steps), train_config.c_str());
     }
     return 0;
+  }
+  if (monitor_cmd->parsed()) {
+#if STOKE_WITH_MONITOR
+    auto monitor = stoke::monitor::Monitor::Start(
+        {.run_dirs = monitor_runs, .host = monitor_host, .port = monitor_port, .poll_ms = monitor_poll_ms});
+    if (!monitor.ok()) return Fail(monitor.status());
+    std::signal(SIGINT, OnInterrupt);
+    std::signal(SIGTERM, OnInterrupt);
+    std::printf("stoke monitor: %zu run%s at %s (Ctrl-C stops)\n", monitor_runs.size(),
+                monitor_runs.size() == 1 ? "" : "s", (*monitor)->url().c_str());
+    std::fflush(stdout);
+    while (!g_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    (*monitor)->Stop();
+    const auto st = (*monitor)->stats();
+    std::printf("stoke monitor: stopped after %lld requests (%lld not found, %lld refused)\n",
+                static_cast<long long>(st.requests), static_cast<long long>(st.not_found),
+                static_cast<long long>(st.refused));
+    return 0;
+#else
+    return Fail(stoke::UnavailableError(
+        "monitor: this build has no monitor (cpp-httplib or Chart.js was not found at build time: "
+        "apt-get install libcpp-httplib-dev libjs-chart.js, then rebuild)"));
+#endif
   }
   if (export_cmd->parsed() || eval_cmd->parsed() || predict_cmd->parsed()) {
     if (trained_run.empty() && trained_checkpoint.empty()) {

@@ -6,6 +6,7 @@
 #include <climits>
 #include <chrono>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -22,6 +23,7 @@
 #include "train/cuda_network.h"
 #endif
 #include "train/schedule.h"
+#include "train/tensorboard.h"
 
 namespace stoke::train {
 namespace {
@@ -191,6 +193,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   // ---- where the run starts: rank 0 reads the checkpoint, every rank gets its step and state
   int64_t step = 0;
   std::ofstream metrics;
+  std::unique_ptr<EventWriter> events;
   Status start = [&]() -> Status {
     if (!lead) return OkStatus();
     std::error_code ec;
@@ -231,6 +234,10 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     STOKE_RETURN_IF_ERROR(WriteFileAtomic(run_dir / "config.yaml", config_yaml));
     metrics.open(metrics_path, std::ios::app);
     if (!metrics) return IoError(fmt::format("cannot append to {}", metrics_path.string()));
+    // The TensorBoard files replay the metrics kept (none on a fresh start), then follow them.
+    if (run.tensorboard && EventWriter::Available()) {
+      STOKE_ASSIGN_OR_RETURN(events, RebuildEvents(metrics_path, run_dir / "tensorboard", WallTime()));
+    }
     return OkStatus();
   }();
   STOKE_RETURN_IF_ERROR(agree(start));
@@ -243,11 +250,32 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   // A metrics line that cannot be written (disk full) ends the run rather than losing data. Only
   // rank 0 writes; its failure reaches the other ranks at the next step's agreement.
   Status pending = OkStatus();
+  // Every line carries its wall time (seconds since the Unix epoch) for the monitor's time axis.
   auto record = [&](nlohmann::json j) {
     if (!lead || !pending.ok()) return;
-    metrics << j.dump() << "\n";
+    j["time"] = WallTime();
+    const std::string line = j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    metrics << line << "\n";
     metrics.flush();
     if (!metrics) pending = IoError(fmt::format("{}: write failed (is the disk full?)", metrics_path.string()));
+    if (events && pending.ok()) {
+      MetricsScalars m = ScalarsOfMetricsLine(line, 0);
+      if (!m.scalars.empty()) pending = events->Write(m.step, m.wall_time, m.scalars);
+    }
+  };
+  record({{"type", "start"}, {"step", step}, {"total_steps", summary.total_steps},
+          {"steps_per_epoch", steps_per_epoch}, {"epochs", config.epochs}, {"batch_size", config.data.batch_size},
+          {"world", world}, {"backend", summary.backend}, {"train_records", train_set->size()},
+          {"val_records", val_set ? val_set->size() : 0}});
+  // Records the loader skipped (on_error: skip) appear in metrics.jsonl as they happen, once each.
+  std::set<int64_t> reported_bad;
+  auto record_bad_records = [&](const prefetch::Loader& loader) {
+    if (!lead || loader.stats().bad_records == static_cast<int64_t>(reported_bad.size())) return;
+    for (const prefetch::BadRecord& b : loader.bad_records()) {
+      if (reported_bad.insert(b.index).second) {
+        record({{"type", "bad_record"}, {"step", step}, {"index", b.index}, {"reason", b.reason}});
+      }
+    }
   };
 
   const double peak_lr = ScaledLr(config);
@@ -394,6 +422,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
 
       const bool epoch_end = step % steps_per_epoch == 0;
       if (step % config.log_every_steps == 0 || epoch_end) {
+        record_bad_records(*loader);
         const double secs = Seconds(Clock::now() - interval_start);
         const double ips = secs > 0 ? static_cast<double>(interval.count) / secs : 0;
         const double wait_frac = secs > 0 ? interval_wait / secs : 0;
@@ -438,6 +467,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     summary.images_per_s = summary.seconds > 0 ? static_cast<double>(samples_total) / summary.seconds : 0;
     summary.data_wait = summary.seconds > 0 ? wait_total / summary.seconds : 0;
     summary.bad_records = loader->stats().bad_records;
+    record_bad_records(*loader);
     summary.comm_s = dp.stats().comm_s;
     summary.overlapped_s = dp.stats().overlapped_s;
     summary.comm_wait_s = dp.stats().wait_s;
@@ -454,6 +484,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   summary.steps = step;
   if (!summary.stopped && eval_step != step) STOKE_RETURN_IF_ERROR(run_eval());
   if (saved_step != step) STOKE_RETURN_IF_ERROR(save());
+  record({{"type", "end"}, {"step", step}, {"stopped", summary.stopped}});
   STOKE_RETURN_IF_ERROR(agree(pending));
   if (metrics.is_open()) metrics.close();
   if (run.plot && lead) {

@@ -1,7 +1,8 @@
 // The training loop: the prefetch loader feeds a backend; every step records how long it waited
 // for its batch. Writes into run_dir: config.yaml (the resolved config), metrics.jsonl (one JSON
-// object per line: train intervals, epochs, evaluations), checkpoints/step-N.ckpt and, at the
-// end, curves.svg (loss and accuracy against step).
+// object per line, each with its step and wall time: start, train intervals, epochs, evaluations,
+// skipped records, end), tensorboard/ (the same scalars as TensorBoard event files),
+// checkpoints/step-N.ckpt and, at the end, curves.svg (loss and accuracy against step).
 #pragma once
 
 #include <atomic>
@@ -24,6 +25,7 @@ struct TrainRunOptions {
   int64_t max_steps = 0;  // > 0: stop (with a checkpoint) once the run has taken this many steps
   bool progress = true;   // the live progress line on stderr
   bool plot = true;       // curves.svg at the end
+  bool tensorboard = true;  // TensorBoard event files in run_dir/tensorboard/ (when the build has them)
   // Data-parallel: this process is one rank of `comm` (nullptr: a world of one). Every rank calls
   // Train with the same config; data.batch_size is the global batch, each rank takes 1/world of
   // it; only rank 0 writes run_dir. See docs/DISTRIBUTED.md.

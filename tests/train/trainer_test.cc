@@ -13,6 +13,7 @@
 #include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/schedule.h"
+#include "train/tensorboard.h"
 #include "train/trainer.h"
 
 namespace stoke::train {
@@ -281,6 +282,55 @@ TEST_F(TrainLoop, ResumeGivesIdenticalWeights) {
       EXPECT_EQ(got[i].values, want[i].values) << name << ": " << want[i].name << " differs";
     }
     EXPECT_NEAR(b.val.loss(), full.val.loss(), 1e-12);
+  }
+}
+
+TEST_F(TrainLoop, TensorBoardEventsHoldTheMetricsAcrossAResume) {
+  if (!EventWriter::Available()) GTEST_SKIP() << "this build has no TensorBoard event files (no protobuf)";
+  TrainRunOptions first;
+  first.progress = false;
+  first.plot = false;
+  first.max_steps = 11;  // checkpoints at 8 (the epoch's end) and 11 (the stop)
+  ASSERT_OK(Train(Config("tb", 2), first).status());
+  // Resuming from step 8 (as after a crash past it) replaces what followed: steps 9-11.
+  const auto run_dir = dir_->path() / "tb";
+  TrainRunOptions second = first;
+  second.max_steps = 0;
+  second.resume = CheckpointPath(run_dir, 8).string();
+  ASSERT_OK(Train(Config("tb", 2), second).status());
+
+  std::vector<std::filesystem::path> files;
+  for (const auto& e : std::filesystem::directory_iterator(run_dir / "tensorboard")) files.push_back(e.path());
+  ASSERT_EQ(files.size(), 1u) << "a resume replaces the event files";
+  ASSERT_OK_AND_ASSIGN(auto events, ReadScalarEvents(files[0]));
+  // The same scalars as metrics.jsonl, in the same order, at the same steps and times.
+  std::vector<ScalarEvent> want;
+  std::ifstream in(run_dir / "metrics.jsonl");
+  std::string line;
+  int starts = 0, ends = 0;
+  while (std::getline(in, line)) {
+    starts += line.find(R"("type":"start")") != std::string::npos ? 1 : 0;
+    ends += line.find(R"("type":"end")") != std::string::npos ? 1 : 0;
+    MetricsScalars m = ScalarsOfMetricsLine(line, -1);
+    EXPECT_NE(m.wall_time, -1) << "every line has its time: " << line;
+    for (const Scalar& sc : m.scalars) want.push_back({m.step, m.wall_time, sc.tag, sc.value});
+  }
+  EXPECT_EQ(starts, 2);
+  EXPECT_EQ(ends, 1);  // the stop at step 11 came after the checkpoint resumed from: trimmed with steps 9-11
+  ASSERT_EQ(events.size(), want.size());
+  ASSERT_GT(events.size(), 20u);
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(events[i].step, want[i].step) << i;
+    EXPECT_EQ(events[i].tag, want[i].tag) << i;
+    EXPECT_EQ(events[i].value, want[i].value) << i;
+    EXPECT_EQ(events[i].wall_time, want[i].wall_time) << i;
+  }
+  // Step 9's training line was written twice (before the stop and after the resume): it appears once.
+  int64_t last = -1;
+  for (const ScalarEvent& e : events) {
+    if (e.tag != "train/loss") continue;
+    EXPECT_GT(e.step, last) << "steps after the resumed checkpoint appear once";
+    last = e.step;
   }
 }
 

@@ -1,0 +1,343 @@
+// The monitor's server, over real sockets: what it serves, what it refuses (traversal, absolute
+// paths, symlinks out of a run, other methods, oversized requests), metrics files that are
+// malformed or cut short, and 200 clients at once. Also TensorBoard's record framing.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <fstream>
+#include <map>
+#include <thread>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "tests/testing/test_util.h"
+#include "tools/monitor/assets.h"
+#include "tools/monitor/monitor.h"
+#include "train/tensorboard.h"
+
+namespace stoke::monitor {
+
+void WriteText(const std::filesystem::path& p, const std::string& text) {
+  std::ofstream out(p, std::ios::binary | std::ios::trunc);
+  out << text;
+}
+
+struct Reply {
+  int status = 0;  // 0: no answer (connection closed or failed)
+  std::string head, body;
+};
+
+// Sends `request` as it is (no normalisation of the path) and reads until the server closes.
+Reply Send(int port, const std::string& request) {
+  Reply r;
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    ::close(fd);
+    return r;
+  }
+  timeval tv{30, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  size_t sent = 0;
+  while (sent < request.size()) {
+    const ssize_t n = ::send(fd, request.data() + sent, request.size() - sent, MSG_NOSIGNAL);
+    if (n <= 0) break;  // the server may stop reading an oversized request and answer at once
+    sent += static_cast<size_t>(n);
+  }
+  std::string all;
+  char buf[65536];
+  while (true) {
+    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) break;
+    all.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  const size_t split = all.find("\r\n\r\n");
+  if (all.rfind("HTTP/1.1 ", 0) != 0 || split == std::string::npos) return r;
+  r.status = std::stoi(all.substr(9, 3));
+  r.head = all.substr(0, split);
+  r.body = all.substr(split + 4);
+  return r;
+}
+
+Reply Get(int port, const std::string& target) {
+  return Send(port, fmt::format("GET {} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n", target));
+}
+
+namespace {
+
+class MonitorServer : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    run_ = dir_.path() / "run-a";
+    std::filesystem::create_directories(run_ / "sub");
+    WriteText(run_ / "config.yaml", "data:\n  train: /nonexistent/train.lmdb\nepochs: 2\n");
+    WriteText(run_ / "sub" / "note.txt", "inside\n");
+    WriteText(dir_.path() / "secret.txt", "outside\n");
+    std::filesystem::create_directories(dir_.path() / "run-ab");
+    WriteText(dir_.path() / "run-ab" / "x.txt", "sibling\n");
+    std::filesystem::create_symlink(dir_.path() / "secret.txt", run_ / "link-out");
+    std::filesystem::create_symlink("../run-ab/x.txt", run_ / "link-sibling");
+    std::filesystem::create_symlink("sub/note.txt", run_ / "link-in");
+    WriteText(run_ / "metrics.jsonl",
+              R"({"type":"start","step":0,"total_steps":20,"steps_per_epoch":10,"epochs":2,"time":100.0})"
+              "\n"
+              R"({"type":"train","step":5,"loss":2.5,"top1":0.1,"lr":0.1,"images_per_s":900,"data_wait":0.01,"time":101.0})"
+              "\n"
+              "{not json at all\n"
+              R"({"type":"train","step":10,"loss":2.0,"top1":0.2,"lr":0.1,"images_per_s":950,"data_wait":0.02,"time":102.0})"
+              "\n"
+              R"({"type":"val","step":10,"loss":1.9,"top1":0.3,"top5":0.8,"time":103.0})"
+              "\n"
+              R"({"type":"train","step":15,"lo)");  // cut short: a writer mid-line, or a crash
+    ASSERT_OK_AND_ASSIGN(monitor_, Monitor::Start({.run_dirs = {run_.string()}, .port = 0, .threads = 4,
+                                                   .max_queued = 64}));
+    port_ = monitor_->port();
+    ASSERT_GT(port_, 0);
+  }
+
+  testing::TempDir dir_;
+  std::filesystem::path run_;
+  std::unique_ptr<Monitor> monitor_;
+  int port_ = 0;
+};
+
+TEST_F(MonitorServer, ServesThePageItsScriptsAndTheRuns) {
+  Reply page = Get(port_, "/");
+  ASSERT_EQ(page.status, 200);
+  EXPECT_NE(page.body.find("stoke monitor"), std::string::npos);
+  EXPECT_NE(page.head.find("Content-Security-Policy"), std::string::npos);
+  Reply chart = Get(port_, "/chart.js");
+  ASSERT_EQ(chart.status, 200);
+  EXPECT_EQ(chart.body.size(), ChartJs().size());
+  EXPECT_NE(chart.body.find("Chart"), std::string::npos);
+  EXPECT_EQ(Get(port_, "/app.js").body, std::string(AppJs()));
+
+  Reply runs = Get(port_, "/api/runs");
+  ASSERT_EQ(runs.status, 200);
+  auto j = nlohmann::json::parse(runs.body);
+  ASSERT_EQ(j["runs"].size(), 1u);
+  EXPECT_EQ(j["runs"][0]["name"], "run-a");
+  EXPECT_NE(j["runs"][0]["config"].get<std::string>().find("epochs: 2"), std::string::npos);
+  // The dataset it names does not exist: said, not fatal.
+  EXPECT_NE(j["runs"][0]["datasets"]["train"]["error"].get<std::string>().find("/nonexistent/train.lmdb"),
+            std::string::npos);
+  Reply file = Get(port_, "/runs/0/sub/note.txt");
+  EXPECT_EQ(file.status, 200);
+  EXPECT_EQ(file.body, "inside\n");
+  EXPECT_EQ(Get(port_, "/runs/0/link-in").body, "inside\n");  // a symlink that stays inside
+}
+
+TEST_F(MonitorServer, RefusesEverythingOutsideTheRuns) {
+  for (const char* target :
+       {"/runs/0/../secret.txt", "/runs/0/%2e%2e/secret.txt", "/runs/0/..%2fsecret.txt", "/runs/0//etc/passwd",
+        "/runs/0/%2fetc%2fpasswd", "/runs/0/link-out", "/runs/0/link-sibling", "/runs/0/sub", "/runs/0/",
+        "/runs/0/./config.yaml", "/runs/1/config.yaml", "/runs/-1/config.yaml", "/runs/00000000001/x",
+        "/runs/0/sub/../config.yaml", "/etc/passwd", "/../../etc/passwd", "/api/runs/1/metrics",
+        "/api/runs/0/other", "/runs/0/config.yaml%00.txt", "/nothing"}) {
+    Reply r = Get(port_, target);
+    EXPECT_EQ(r.status, 404) << target;
+    EXPECT_EQ(r.body.find("outside"), std::string::npos) << target;
+    EXPECT_EQ(r.body.find("sibling"), std::string::npos) << target;
+    EXPECT_EQ(r.body.find("root:"), std::string::npos) << target;
+  }
+  // Read-only.
+  for (const char* method : {"POST", "PUT", "DELETE", "PATCH"}) {
+    Reply r = Send(port_, fmt::format("{} /runs/0/config.yaml HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+                                      "Connection: close\r\n\r\nhi",
+                                      method));
+    EXPECT_EQ(r.status, 405) << method;
+  }
+  EXPECT_GE(monitor_->stats().not_found, 20);
+}
+
+TEST_F(MonitorServer, OversizedRequestsAreRefusedAndServingGoesOn) {
+  // A request line over 8 KiB, a large body, too many header lines, endless header bytes.
+  EXPECT_EQ(Get(port_, "/" + std::string(9000, 'a')).status, 414);
+  Reply body = Send(port_, "POST /api/runs HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\nConnection: close\r\n\r\n" +
+                               std::string(100000, 'b'));
+  EXPECT_EQ(body.status, 405);  // refused before its body is read
+  std::string many = "GET /api/runs HTTP/1.1\r\nHost: x\r\nConnection: close\r\n";
+  for (int i = 0; i < 150; ++i) many += fmt::format("X-Header-{}: {}\r\n", i, i);
+  EXPECT_EQ(Send(port_, many + "\r\n").status, 431);
+  std::string flood = "GET /api/runs HTTP/1.1\r\nHost: x\r\n";
+  for (int i = 0; i < 2000; ++i) flood += fmt::format("X-Flood-{}: {}\r\n", i, std::string(1000, 'c'));
+  EXPECT_EQ(Send(port_, flood + "\r\n").status, 400);  // stopped reading at 80 KiB
+  EXPECT_EQ(Get(port_, "/api/runs").status, 200);
+}
+
+TEST_F(MonitorServer, MalformedAndTruncatedMetricsAreSkippedAndCounted) {
+  Reply r = Get(port_, "/api/runs/0/metrics?from=0");
+  ASSERT_EQ(r.status, 200);
+  auto j = nlohmann::json::parse(r.body);
+  EXPECT_EQ(j["records"].size(), 4u);
+  EXPECT_EQ(j["malformed"], 1);
+  EXPECT_EQ(j["records"][3]["type"], "val");
+  const int64_t size = j["size"];
+  const int64_t offset = j["offset"];
+  EXPECT_EQ(j["partial"], size - offset);  // the cut line is not consumed: it may still be finished
+  EXPECT_GT(j["partial"].get<int64_t>(), 0);
+
+  // The writer finishes the line and adds another: the next poll returns just those.
+  {
+    std::ofstream out(run_ / "metrics.jsonl", std::ios::app);
+    out << R"(ss":1.5,"top1":0.4,"time":104.0})" << "\n" << R"({"type":"end","step":20,"stopped":false})" << "\n";
+  }
+  auto next = nlohmann::json::parse(Get(port_, fmt::format("/api/runs/0/metrics?from={}", offset)).body);
+  ASSERT_EQ(next["records"].size(), 2u);
+  EXPECT_EQ(next["records"][0]["step"], 15);
+  EXPECT_EQ(next["records"][1]["type"], "end");
+  EXPECT_EQ(next["malformed"], 0);
+  EXPECT_EQ(next["offset"], next["size"]);
+
+  // Truncated below the client's offset (a resume rewrote it): the answer says start again.
+  WriteText(run_ / "metrics.jsonl", R"({"type":"train","step":1,"loss":3})" "\n");
+  auto reset = nlohmann::json::parse(Get(port_, fmt::format("/api/runs/0/metrics?from={}", offset)).body);
+  EXPECT_TRUE(reset["reset"].get<bool>());
+  ASSERT_EQ(reset["records"].size(), 1u);
+  EXPECT_EQ(reset["records"][0]["step"], 1);
+  EXPECT_EQ(Get(port_, "/api/runs/0/metrics?from=abc").status, 400);
+
+  // Binary garbage and an empty file are lines that are not JSON, never a crash.
+  std::string garbage(5000, '\0');
+  for (size_t i = 0; i < garbage.size(); ++i) garbage[i] = static_cast<char>((i * 131) % 256);
+  WriteText(run_ / "metrics.jsonl", garbage + "\n");
+  auto g = nlohmann::json::parse(Get(port_, "/api/runs/0/metrics?from=0").body);
+  EXPECT_EQ(g["records"].size(), 0u);
+  EXPECT_GE(g["malformed"].get<int>(), 1);
+  std::filesystem::remove(run_ / "metrics.jsonl");
+  auto gone = nlohmann::json::parse(Get(port_, "/api/runs/0/metrics?from=0").body);
+  EXPECT_FALSE(gone["exists"].get<bool>());
+}
+
+TEST_F(MonitorServer, TwoHundredConcurrentClients) {
+  // 200 idle connections held open, then 200 clients at once: every one is answered in full.
+  std::vector<int> idle;
+  for (int i = 0; i < 200; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port_));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    idle.push_back(fd);
+  }
+  std::atomic<int> ok{0}, complete{0};
+  std::vector<std::thread> clients;
+  for (int i = 0; i < 200; ++i) {
+    clients.emplace_back([&, i] {
+      Reply r = Get(port_, i % 2 ? "/chart.js" : "/api/runs/0/metrics?from=0");
+      if (r.status == 200) ok++;
+      if (i % 2 == 1 && r.body.size() == ChartJs().size()) complete++;
+    });
+  }
+  for (auto& t : clients) t.join();
+  EXPECT_EQ(ok.load(), 200);
+  EXPECT_EQ(complete.load(), 100);
+  for (int fd : idle) ::close(fd);
+  EXPECT_EQ(Get(port_, "/api/runs").status, 200);
+}
+
+TEST(MonitorStart, RefusesMissingRunsAndBusyPorts) {
+  auto missing = Monitor::Start({.run_dirs = {"/nonexistent/run"}, .port = 0});
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("/nonexistent/run"), std::string::npos);
+  testing::TempDir dir;
+  ASSERT_OK_AND_ASSIGN(auto first, Monitor::Start({.run_dirs = {dir.path().string()}, .port = 0}));
+  auto second = Monitor::Start({.run_dirs = {dir.path().string()}, .port = first->port()});
+  ASSERT_FALSE(second.ok());
+  EXPECT_NE(second.status().message().find(std::to_string(first->port())), std::string::npos);
+  first->Stop();
+  first->Stop();  // idempotent
+}
+
+TEST(MonitorAddress, Parses) {
+  ASSERT_OK_AND_ASSIGN(auto a, ParseListenAddress("8080", "127.0.0.1"));
+  EXPECT_EQ(a, std::make_pair(std::string("127.0.0.1"), 8080));
+  ASSERT_OK_AND_ASSIGN(auto b, ParseListenAddress("0.0.0.0:9000", "127.0.0.1"));
+  EXPECT_EQ(b, std::make_pair(std::string("0.0.0.0"), 9000));
+  ASSERT_OK_AND_ASSIGN(auto c, ParseListenAddress("[::1]:0", "127.0.0.1"));
+  EXPECT_EQ(c, std::make_pair(std::string("::1"), 0));
+  for (const char* bad : {"", "x", "80a", "65536", "-1", ":80", "host:"}) {
+    auto r = ParseListenAddress(bad, "127.0.0.1");
+    EXPECT_FALSE(r.ok()) << bad;
+    if (!r.ok()) {
+      EXPECT_NE(r.status().message().find("[HOST:]PORT"), std::string::npos) << bad;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace stoke::monitor
+
+namespace stoke::train {
+namespace {
+
+using monitor::WriteText;
+
+TEST(TensorBoard, FramingMatchesTheFormat) {
+  // The masked CRC-32C of TFRecord framing: CRC-32C("123456789") is 0xe3069283.
+  const uint32_t crc = 0xe3069283u;
+  EXPECT_EQ(MaskedCrc32c("123456789"), ((crc >> 15) | (crc << 17)) + 0xa282ead8u);
+  const std::string framed = FrameRecord("abc");
+  ASSERT_EQ(framed.size(), 8u + 4 + 3 + 4);
+  EXPECT_EQ(static_cast<unsigned char>(framed[0]), 3);
+  for (int i = 1; i < 8; ++i) EXPECT_EQ(framed[i], 0);
+  EXPECT_EQ(framed.substr(12, 3), "abc");
+}
+
+TEST(TensorBoard, MetricsLinesBecomeScalars) {
+  auto m = ScalarsOfMetricsLine(R"({"type":"val","step":30,"loss":1.5,"top1":0.5,"top5":0.9,"samples":10,"time":7.5})", 1);
+  EXPECT_EQ(m.step, 30);
+  EXPECT_EQ(m.wall_time, 7.5);
+  ASSERT_EQ(m.scalars.size(), 3u);
+  EXPECT_EQ(m.scalars[0].tag, "val/loss");
+  EXPECT_EQ(m.scalars[2].value, 0.9f);
+  EXPECT_TRUE(ScalarsOfMetricsLine(R"({"type":"start","step":0})", 1).scalars.empty());
+  EXPECT_TRUE(ScalarsOfMetricsLine("{broken", 1).scalars.empty());
+  EXPECT_TRUE(ScalarsOfMetricsLine(R"({"type":"train","loss":1})", 1).scalars.empty());  // no step
+}
+
+TEST(TensorBoard, WritesAndReadsBackAndFindsDamage) {
+  if (!EventWriter::Available()) GTEST_SKIP() << "this build has no TensorBoard event files (no protobuf)";
+  testing::TempDir dir;
+  ASSERT_OK_AND_ASSIGN(auto w, EventWriter::Create(dir.path() / "tb", 1000.0));
+  ASSERT_OK(w->Write(5, 1001.0, {{"train/loss", 2.5f}, {"train/top1", 0.25f}}));
+  ASSERT_OK(w->Write(10, 1002.0, {{"val/top5", 0.75f}}));
+  const auto path = w->path();
+  w.reset();
+  EXPECT_NE(path.filename().string().find("events.out.tfevents.1000."), std::string::npos);
+  ASSERT_OK_AND_ASSIGN(auto events, ReadScalarEvents(path));
+  ASSERT_EQ(events.size(), 3u);
+  EXPECT_EQ(events[0].tag, "train/loss");
+  EXPECT_EQ(events[0].value, 2.5f);
+  EXPECT_EQ(events[2].step, 10);
+  EXPECT_EQ(events[2].wall_time, 1002.0);
+
+  // A flipped byte in the last record is found; a record cut short at the end is not an error.
+  std::string bytes;
+  {
+    std::ifstream in(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  std::string damaged = bytes;
+  damaged[damaged.size() - 6] ^= 0x40;
+  WriteText(path, damaged);
+  auto bad = ReadScalarEvents(path);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("checksum"), std::string::npos);
+  WriteText(path, bytes.substr(0, bytes.size() - 3));
+  ASSERT_OK_AND_ASSIGN(auto cut, ReadScalarEvents(path));
+  EXPECT_EQ(cut.size(), 2u);
+}
+
+}  // namespace
+}  // namespace stoke::train

@@ -1,0 +1,698 @@
+#include "tools/monitor/monitor.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <charconv>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include <fmt/format.h>
+#include <httplib.h>
+#include <yaml-cpp/yaml.h>
+#include <nlohmann/json.hpp>
+
+#include "common/logging.h"
+#include "dataset/dataset.h"
+#include "tools/monitor/assets.h"
+
+namespace stoke::monitor {
+namespace {
+
+constexpr size_t kMaxMetricsChunk = 4 << 20;  // bytes of metrics.jsonl per answer
+constexpr size_t kMaxConfigBytes = 1 << 20;   // config.yaml shown on the page
+constexpr size_t kMaxHeaderLines = 100;
+constexpr size_t kMaxHeaderBytes = 64 << 10;
+constexpr size_t kMaxRequestBytes = 80 << 10;  // request line + headers + body, read per request
+constexpr int kListenBacklog = 512;
+constexpr int kKeepAliveRequests = 100;
+constexpr int kReadTimeoutMs = 5000, kWriteTimeoutMs = 5000, kKeepAliveTimeoutMs = 5000;
+constexpr int kRequestDeadlineMs = 10000;
+constexpr size_t kMaxParked = 4096;  // idle connections waiting for their next request
+
+bool WaitFor(int fd, short events, int timeout_ms) {
+  pollfd p{fd, events, 0};
+  int r;
+  do {
+    r = ::poll(&p, 1, timeout_ms);
+  } while (r < 0 && errno == EINTR);
+  return r > 0;
+}
+
+// Connection workers with a bounded queue of connections ready to be served. When the queue is
+// full, enqueue() blocks its caller (the listener, or Parking), so further connections wait in the
+// kernel's backlog instead of growing memory here.
+class BoundedPool : public httplib::TaskQueue {
+ public:
+  BoundedPool(int threads, int max_queued) : max_queued_(static_cast<size_t>(max_queued)) {
+    for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { Work(); });
+  }
+  void enqueue(std::function<void()> fn) override {
+    std::unique_lock lock(mu_);
+    not_full_.wait(lock, [&] { return stopping_ || jobs_.size() < max_queued_; });
+    jobs_.push_back(std::move(fn));  // even when stopping: the job closes its socket
+    ready_.notify_one();
+  }
+  void shutdown() override {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    ready_.notify_all();
+    not_full_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+
+ private:
+  void Work() {
+    while (true) {
+      std::function<void()> job;
+      {
+        std::unique_lock lock(mu_);
+        ready_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
+        if (jobs_.empty()) return;  // stopping, and nothing left to serve
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      not_full_.notify_one();
+      job();
+    }
+  }
+  const size_t max_queued_;
+  std::mutex mu_;
+  std::condition_variable ready_, not_full_;
+  std::deque<std::function<void()>> jobs_;  // guarded by mu_
+  bool stopping_ = false;                   // guarded by mu_
+  std::vector<std::thread> workers_;
+};
+
+// A connection's socket as cpp-httplib reads and writes it, except that each request may read at
+// most kMaxRequestBytes: past that, reads fail and cpp-httplib answers 400 and closes. (Its own
+// header reader keeps every header line it is sent, so without this a client could grow the
+// server's memory without limit.) Reads are buffered: the parser reads a line at a time.
+class BoundedStream : public httplib::Stream {
+ public:
+  explicit BoundedStream(int fd) : fd_(fd) {}
+  void NewRequest() {
+    budget_ = kMaxRequestBytes;
+    deadline_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(kRequestDeadlineMs);
+  }
+  bool Exhausted() const { return budget_ == 0; }
+  bool HasBuffered() const { return begin_ < end_; }
+
+  bool is_readable() const override { return HasBuffered() || WaitFor(fd_, POLLIN, kReadTimeoutMs); }
+  bool is_writable() const override { return WaitFor(fd_, POLLOUT, kWriteTimeoutMs); }
+  ssize_t read(char* ptr, size_t size) override {
+    if (budget_ == 0) return -1;
+    if (!HasBuffered()) {
+      // A request must arrive whole within kRequestDeadlineMs, however slowly it trickles in.
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ - std::chrono::steady_clock::now());
+      if (left.count() <= 0 || !WaitFor(fd_, POLLIN, std::min<int>(kReadTimeoutMs, static_cast<int>(left.count())))) {
+        return -1;
+      }
+      ssize_t n;
+      do {
+        n = ::recv(fd_, buf_, sizeof buf_, 0);
+      } while (n < 0 && errno == EINTR);
+      if (n <= 0) return n;
+      begin_ = 0;
+      end_ = static_cast<size_t>(n);
+    }
+    const size_t n = std::min({size, end_ - begin_, budget_});
+    std::memcpy(ptr, buf_ + begin_, n);
+    begin_ += n;
+    budget_ -= n;
+    return static_cast<ssize_t>(n);
+  }
+  ssize_t write(const char* ptr, size_t size) override {
+    if (!is_writable()) return -1;
+    ssize_t n;
+    do {
+      n = ::send(fd_, ptr, size, MSG_NOSIGNAL);
+    } while (n < 0 && errno == EINTR);
+    return n;
+  }
+  void get_remote_ip_and_port(std::string& ip, int& port) const override { Address(true, ip, port); }
+  void get_local_ip_and_port(std::string& ip, int& port) const override { Address(false, ip, port); }
+  socket_t socket() const override { return fd_; }
+
+ private:
+  void Address(bool peer, std::string& ip, int& port) const {
+    sockaddr_storage addr{};
+    socklen_t len = sizeof addr;
+    ip.clear();
+    port = 0;
+    if ((peer ? ::getpeername(fd_, reinterpret_cast<sockaddr*>(&addr), &len)
+              : ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len)) != 0) {
+      return;
+    }
+    char text[INET6_ADDRSTRLEN] = "";
+    if (addr.ss_family == AF_INET) {
+      const auto* a = reinterpret_cast<const sockaddr_in*>(&addr);
+      inet_ntop(AF_INET, &a->sin_addr, text, sizeof text);
+      port = ntohs(a->sin_port);
+    } else if (addr.ss_family == AF_INET6) {
+      const auto* a = reinterpret_cast<const sockaddr_in6*>(&addr);
+      inet_ntop(AF_INET6, &a->sin6_addr, text, sizeof text);
+      port = ntohs(a->sin6_port);
+    }
+    ip = text;
+  }
+  const int fd_;
+  char buf_[4096];
+  size_t begin_ = 0, end_ = 0;
+  size_t budget_ = kMaxRequestBytes;
+  std::chrono::steady_clock::time_point deadline_ = std::chrono::steady_clock::now();
+};
+
+// Idle connections (accepted, or kept alive between requests) wait here, on one epoll thread,
+// rather than each holding a worker: a worker takes a connection only once it has bytes to read.
+// A connection that stays idle past its deadline is closed, and so is the oldest one when more
+// than kMaxParked wait.
+class Parking {
+ public:
+  explicit Parking(std::function<void(int)> dispatch) : dispatch_(std::move(dispatch)), epoll_(::epoll_create1(EPOLL_CLOEXEC)) {
+    thread_ = std::thread([this] { Loop(); });
+  }
+  ~Parking() { Stop(); }
+  void Park(int fd, int timeout_ms) {
+    std::lock_guard lock(mu_);
+    if (stopping_) return Close(fd);
+    if (deadlines_.size() >= kMaxParked) {
+      auto oldest = std::min_element(deadlines_.begin(), deadlines_.end(),
+                                     [](const auto& a, const auto& b) { return a.second < b.second; });
+      ::epoll_ctl(epoll_, EPOLL_CTL_DEL, oldest->first, nullptr);
+      Close(oldest->first);
+      deadlines_.erase(oldest);
+    }
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT;
+    ev.data.fd = fd;
+    if (::epoll_ctl(epoll_, EPOLL_CTL_ADD, fd, &ev) != 0) return Close(fd);
+    deadlines_[fd] = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  }
+  void Stop() {
+    {
+      std::lock_guard lock(mu_);
+      if (stopping_) return;
+      stopping_ = true;
+    }
+    thread_.join();
+    for (const auto& [fd, deadline] : deadlines_) Close(fd);
+    deadlines_.clear();
+    ::close(epoll_);
+  }
+
+ private:
+  static void Close(int fd) {
+    ::shutdown(fd, SHUT_RDWR);
+    ::close(fd);
+  }
+  void Loop() {
+    epoll_event events[64];
+    while (true) {
+      const int n = ::epoll_wait(epoll_, events, 64, 100);
+      std::vector<int> ready;
+      {
+        std::lock_guard lock(mu_);
+        if (stopping_) return;
+        for (int i = 0; i < n; ++i) {
+          const int fd = events[i].data.fd;
+          if (deadlines_.erase(fd) == 0) continue;
+          ::epoll_ctl(epoll_, EPOLL_CTL_DEL, fd, nullptr);
+          ready.push_back(fd);
+        }
+        const auto now = std::chrono::steady_clock::now();
+        for (auto it = deadlines_.begin(); it != deadlines_.end();) {
+          if (it->second > now) {
+            ++it;
+            continue;
+          }
+          ::epoll_ctl(epoll_, EPOLL_CTL_DEL, it->first, nullptr);
+          Close(it->first);
+          it = deadlines_.erase(it);
+        }
+      }
+      for (int fd : ready) dispatch_(fd);  // may wait while every worker is busy: backpressure
+    }
+  }
+  std::function<void(int)> dispatch_;
+  const int epoll_;
+  std::mutex mu_;
+  std::map<int, std::chrono::steady_clock::time_point> deadlines_;  // parked fd -> when to close it; guarded by mu_
+  bool stopping_ = false;                                            // guarded by mu_
+  std::thread thread_;
+};
+
+// cpp-httplib's server with its per-connection loop replaced: keep-alive as before, but over a
+// BoundedStream, and a connection with nothing to read waits in Parking instead of in a worker.
+// The status of the response the current thread wrote last (cpp-httplib's logger sees every one).
+thread_local int t_last_status = 0;
+
+class BoundedServer : public httplib::Server {
+ public:
+  BoundedServer() {
+    set_logger([](const httplib::Request&, const httplib::Response& res) { t_last_status = res.status; });
+    new_task_queue = [this] {
+      auto* pool = new BoundedPool(threads_, max_queued_);
+      pool_.store(pool);
+      return pool;
+    };
+  }
+  void Configure(int threads, int max_queued) {
+    threads_ = threads;
+    max_queued_ = max_queued;
+  }
+  // Before stop(): no parked connection is handed to the pool once it is being shut down.
+  void StopParking() { parking_.Stop(); }
+
+ private:
+  bool process_and_close_socket(socket_t sock) override {
+    BoundedStream stream(sock);
+    bool ok = true;
+    for (int i = 0; i < kKeepAliveRequests && is_running(); ++i) {
+      if (!stream.HasBuffered() && !WaitFor(sock, POLLIN, 0)) {
+        parking_.Park(sock, i == 0 ? kReadTimeoutMs : kKeepAliveTimeoutMs);
+        return ok;
+      }
+      stream.NewRequest();
+      bool closed = false;
+      t_last_status = 0;
+      ok = process_request(stream, i + 1 == kKeepAliveRequests, closed, nullptr);
+      // After an error the rest of the connection cannot be trusted to be a request (an unread
+      // body, an oversized line): close it.
+      if (!ok || closed || stream.Exhausted() || t_last_status >= 400) break;
+    }
+    ::shutdown(sock, SHUT_RDWR);
+    ::close(sock);
+    return ok;
+  }
+  int threads_ = 8, max_queued_ = 256;
+  std::atomic<BoundedPool*> pool_{nullptr};
+  Parking parking_{[this](int fd) {
+    BoundedPool* pool = pool_.load();
+    if (pool == nullptr) {
+      ::shutdown(fd, SHUT_RDWR);
+      ::close(fd);
+      return;
+    }
+    pool->enqueue([this, fd] { process_and_close_socket(fd); });
+  }};
+};
+
+struct Run {
+  std::filesystem::path dir;  // canonical
+  std::string name;
+};
+
+bool ParseIndex(std::string_view text, size_t* out) {
+  if (text.empty() || text.size() > 6) return false;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), *out);
+  return ec == std::errc() && end == text.data() + text.size();
+}
+
+std::string ContentType(const std::filesystem::path& p) {
+  const std::string ext = p.extension().string();
+  if (ext == ".svg") return "image/svg+xml";
+  if (ext == ".png") return "image/png";
+  if (ext == ".json") return "application/json";
+  if (ext == ".yaml" || ext == ".jsonl" || ext == ".txt" || ext == ".log" || ext == ".csv") {
+    return "text/plain; charset=utf-8";
+  }
+  return "application/octet-stream";
+}
+
+std::string ReadPrefix(const std::filesystem::path& path, size_t max_bytes, bool* truncated) {
+  std::ifstream in(path, std::ios::binary);
+  std::string text(max_bytes, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(max_bytes));
+  text.resize(static_cast<size_t>(in.gcount()));
+  *truncated = in.gcount() == static_cast<std::streamsize>(max_bytes) && in.peek() != EOF;
+  return text;
+}
+
+// What the page shows about one dataset named by the run's config: its manifest, or why not.
+nlohmann::json DatasetSummary(const std::string& path) {
+  nlohmann::json j = {{"path", path}};
+  auto ds = dataset::Dataset::Open(path);
+  if (!ds.ok()) {
+    j["error"] = ds.status().ToString();
+    return j;
+  }
+  const dataset::Manifest& m = ds->manifest();
+  j["records"] = m.records;
+  j["format_version"] = m.format_version;
+  j["payload_bytes"] = m.payload_bytes;
+  nlohmann::json classes = nlohmann::json::array();
+  for (size_t i = 0; i < m.classes.size(); ++i) {
+    classes.push_back({{"name", m.classes[i]}, {"records", i < m.class_counts.size() ? m.class_counts[i] : 0}});
+  }
+  j["classes"] = std::move(classes);
+  // What pack skipped, when its record says.
+  for (const char* key : {"skipped", "skipped_inputs", "bad_inputs"}) {
+    if (m.packing.contains(key)) j["pack_skipped"] = m.packing[key];
+  }
+  return j;
+}
+
+nlohmann::json RunInfo(size_t id, const Run& run) {
+  nlohmann::json j = {{"id", id}, {"name", run.name}, {"dir", run.dir.string()}};
+  std::error_code ec;
+  const auto metrics = run.dir / "metrics.jsonl";
+  j["has_metrics"] = std::filesystem::is_regular_file(metrics, ec);
+  if (j["has_metrics"]) {
+    const auto age = std::filesystem::file_time_type::clock::now() - std::filesystem::last_write_time(metrics, ec);
+    j["metrics_age_s"] = ec ? -1.0 : std::chrono::duration<double>(age).count();
+  }
+  const auto config = run.dir / "config.yaml";
+  if (std::filesystem::is_regular_file(config, ec)) {
+    bool truncated = false;
+    const std::string text = ReadPrefix(config, kMaxConfigBytes, &truncated);
+    j["config"] = nlohmann::json(text + (truncated ? "\n... (cut at 1 MiB)\n" : ""));
+    try {
+      YAML::Node root = YAML::Load(text);
+      nlohmann::json datasets = nlohmann::json::object();
+      if (root["data"] && root["data"]["train"]) {
+        datasets["train"] = DatasetSummary(root["data"]["train"].as<std::string>());
+      }
+      if (root["data"] && root["data"]["val"] && !root["data"]["val"].as<std::string>().empty()) {
+        datasets["val"] = DatasetSummary(root["data"]["val"].as<std::string>());
+      }
+      j["datasets"] = std::move(datasets);
+    } catch (const std::exception& e) {
+      j["config_error"] = fmt::format("{}: {}", config.string(), e.what());
+    }
+  }
+  std::vector<std::string> files;
+  for (const char* name : {"curves.svg", "config.yaml", "metrics.jsonl"}) {
+    if (std::filesystem::is_regular_file(run.dir / name, ec)) files.emplace_back(name);
+  }
+  j["files"] = files;
+  return j;
+}
+
+}  // namespace
+
+Result<std::pair<std::string, int>> ParseListenAddress(std::string_view text, std::string_view default_host) {
+  std::string host(default_host);
+  std::string_view port_text = text;
+  if (const size_t colon = text.rfind(':'); colon != std::string_view::npos) {
+    host = std::string(text.substr(0, colon));
+    port_text = text.substr(colon + 1);
+    if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+    if (host.empty()) {
+      return InvalidArgumentError(fmt::format("'{}': expected [HOST:]PORT, e.g. 8080 or 127.0.0.1:8080", text));
+    }
+  }
+  int port = -1;
+  auto [end, ec] = std::from_chars(port_text.data(), port_text.data() + port_text.size(), port);
+  if (ec != std::errc() || end != port_text.data() + port_text.size() || port < 0 || port > 65535) {
+    return InvalidArgumentError(
+        fmt::format("'{}': expected [HOST:]PORT with PORT in 0..65535 (0: any free port), e.g. 8080", text));
+  }
+  return std::make_pair(host, port);
+}
+
+Result<std::filesystem::path> ResolveRunFile(const std::filesystem::path& run_dir, std::string_view relative) {
+  auto refuse = [&] { return NotFoundError(fmt::format("monitor: no such file in {}", run_dir.string())); };
+  if (relative.empty() || relative.front() == '/' || relative.find('\0') != std::string_view::npos ||
+      relative.find('\\') != std::string_view::npos) {
+    return refuse();
+  }
+  size_t start = 0;
+  while (start <= relative.size()) {
+    size_t slash = relative.find('/', start);
+    if (slash == std::string_view::npos) slash = relative.size();
+    const std::string_view part = relative.substr(start, slash - start);
+    if (part.empty() || part == "." || part == "..") return refuse();
+    start = slash + 1;
+  }
+  std::error_code ec;
+  const auto resolved = std::filesystem::canonical(run_dir / std::filesystem::path(relative), ec);
+  if (ec) return refuse();
+  // Component-wise: /runs/a must not admit /runs/ab.
+  auto r = resolved.begin();
+  for (auto d = run_dir.begin(); d != run_dir.end(); ++d, ++r) {
+    if (r == resolved.end() || *r != *d) return refuse();
+  }
+  if (!std::filesystem::is_regular_file(resolved, ec)) return refuse();
+  return resolved;
+}
+
+std::string ReadMetricsChunk(const std::filesystem::path& path, int64_t from, size_t max_bytes) {
+  nlohmann::json out = {{"offset", 0}, {"size", 0}, {"file_id", ""}, {"reset", false},
+                        {"records", nlohmann::json::array()}, {"malformed", 0}, {"partial", 0}};
+  struct stat st{};
+  std::ifstream in(path, std::ios::binary);
+  if (!in || ::stat(path.c_str(), &st) != 0) {
+    out["exists"] = false;
+    return out.dump();
+  }
+  out["exists"] = true;
+  const auto size = static_cast<int64_t>(st.st_size);
+  out["size"] = size;
+  out["file_id"] = fmt::format("{}:{}", st.st_dev, st.st_ino);
+  if (from < 0 || from > size) {
+    out["reset"] = true;
+    from = 0;
+  }
+  const auto want = static_cast<size_t>(std::min<int64_t>(size - from, static_cast<int64_t>(max_bytes)));
+  std::string buf(want, '\0');
+  in.seekg(from);
+  in.read(buf.data(), static_cast<std::streamsize>(want));
+  buf.resize(static_cast<size_t>(in.gcount()));
+  int64_t malformed = 0, consumed = 0;
+  auto& records = out["records"];
+  size_t pos = 0;
+  while (pos < buf.size()) {
+    const size_t nl = buf.find('\n', pos);
+    if (nl == std::string::npos) break;
+    const std::string_view line(buf.data() + pos, nl - pos);
+    if (!line.empty()) {
+      auto j = nlohmann::json::parse(line, nullptr, false);
+      if (j.is_object()) {
+        records.push_back(std::move(j));
+      } else {
+        ++malformed;
+      }
+    }
+    pos = nl + 1;
+    consumed = static_cast<int64_t>(pos);
+  }
+  if (consumed == 0 && buf.size() == max_bytes && max_bytes > 0) {
+    // One line longer than a whole chunk: no metrics line is that long. Skip it as malformed.
+    std::string rest;
+    int64_t skip = static_cast<int64_t>(buf.size());
+    char c;
+    while (in.get(c) && c != '\n') ++skip;
+    if (in) {
+      consumed = skip + 1;
+      ++malformed;
+    }
+  }
+  out["offset"] = from + consumed;
+  out["malformed"] = malformed;
+  out["partial"] = static_cast<int64_t>(buf.size()) - consumed > 0 ? size - (from + consumed) : 0;
+  return out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+struct Monitor::State {
+  MonitorOptions options;
+  std::vector<Run> runs;
+  BoundedServer server;
+  std::thread listener;
+  int port = 0;
+  int listen_fd = -1;
+  std::atomic<int64_t> requests{0}, not_found{0}, refused{0};
+  std::once_flag stopped;
+
+  void NotFound(httplib::Response& res) {
+    not_found++;
+    res.status = 404;
+    res.set_content("404 not found\n", "text/plain; charset=utf-8");
+  }
+
+  void Serve(const httplib::Request& req, httplib::Response& res) {
+    requests++;
+    res.set_header("X-Content-Type-Options", "nosniff");
+    res.set_header("Cache-Control", "no-store");
+    res.set_header("Referrer-Policy", "no-referrer");
+    if (req.method != "GET" && req.method != "HEAD") {
+      refused++;
+      res.status = 405;
+      res.set_header("Allow", "GET, HEAD");
+      res.set_content("405 read-only: GET and HEAD only\n", "text/plain; charset=utf-8");
+      return;
+    }
+    size_t header_bytes = 0;
+    for (const auto& [k, v] : req.headers) header_bytes += k.size() + v.size() + 4;
+    if (req.headers.size() > kMaxHeaderLines || header_bytes > kMaxHeaderBytes) {
+      refused++;
+      res.status = 431;
+      res.set_content("431 too many request headers\n", "text/plain; charset=utf-8");
+      return;
+    }
+    const std::string& path = req.path;
+    if (path == "/" || path == "/index.html") {
+      res.set_header("Content-Security-Policy",
+                     "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+                     "connect-src 'self'");
+      res.set_content(std::string(PageHtml()), "text/html; charset=utf-8");
+      return;
+    }
+    if (path == "/app.js") return res.set_content(std::string(AppJs()), "text/javascript; charset=utf-8");
+    if (path == "/chart.js") return res.set_content(std::string(ChartJs()), "text/javascript; charset=utf-8");
+    if (path == "/api/runs") {
+      nlohmann::json j = {{"poll_ms", options.poll_ms}, {"runs", nlohmann::json::array()}};
+      for (size_t i = 0; i < runs.size(); ++i) j["runs"].push_back(RunInfo(i, runs[i]));
+      return res.set_content(j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
+                             "application/json");
+    }
+    constexpr std::string_view kApi = "/api/runs/", kFiles = "/runs/";
+    if (path.starts_with(kApi)) {
+      const std::string_view rest = std::string_view(path).substr(kApi.size());
+      const size_t slash = rest.find('/');
+      size_t id = 0;
+      if (slash == std::string_view::npos || !ParseIndex(rest.substr(0, slash), &id) || id >= runs.size() ||
+          rest.substr(slash) != "/metrics") {
+        return NotFound(res);
+      }
+      int64_t from = 0;
+      if (req.has_param("from")) {
+        const std::string f = req.get_param_value("from");
+        auto [end, ec] = std::from_chars(f.data(), f.data() + f.size(), from);
+        if (ec != std::errc() || end != f.data() + f.size()) {
+          res.status = 400;
+          return res.set_content("400 from: expected a byte offset\n", "text/plain; charset=utf-8");
+        }
+      }
+      return res.set_content(ReadMetricsChunk(runs[id].dir / "metrics.jsonl", from, kMaxMetricsChunk),
+                             "application/json");
+    }
+    if (path.starts_with(kFiles)) {
+      const std::string_view rest = std::string_view(path).substr(kFiles.size());
+      const size_t slash = rest.find('/');
+      size_t id = 0;
+      if (slash == std::string_view::npos || !ParseIndex(rest.substr(0, slash), &id) || id >= runs.size()) {
+        return NotFound(res);
+      }
+      auto file = ResolveRunFile(runs[id].dir, rest.substr(slash + 1));
+      if (!file.ok()) return NotFound(res);
+      std::error_code ec;
+      const auto size = std::filesystem::file_size(*file, ec);
+      if (ec) return NotFound(res);
+      // Files of a run are data, never a page: no scripts, whatever they hold.
+      res.set_header("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'; sandbox");
+      auto stream = std::make_shared<std::ifstream>(*file, std::ios::binary);
+      res.set_content_provider(
+          static_cast<size_t>(size), ContentType(*file),
+          [stream](size_t offset, size_t length, httplib::DataSink& sink) {
+            char buf[64 << 10];
+            stream->seekg(static_cast<std::streamoff>(offset));
+            stream->read(buf, static_cast<std::streamsize>(std::min(length, sizeof buf)));
+            const auto got = stream->gcount();
+            if (got <= 0) return false;  // the file shrank under us: end the response
+            return sink.write(buf, static_cast<size_t>(got));
+          });
+      return;
+    }
+    NotFound(res);
+  }
+};
+
+Monitor::Monitor(std::unique_ptr<State> state) : state_(std::move(state)) {}
+
+Monitor::~Monitor() { Stop(); }
+
+Result<std::unique_ptr<Monitor>> Monitor::Start(MonitorOptions options) {
+  if (options.run_dirs.empty()) return InvalidArgumentError("monitor: give at least one run directory");
+  if (options.threads < 1 || options.max_queued < 1) {
+    return InvalidArgumentError("monitor: threads and max_queued must be at least 1");
+  }
+  auto state = std::make_unique<State>();
+  std::map<std::string, int> names;
+  for (const std::string& dir : options.run_dirs) {
+    std::error_code ec;
+    if (!std::filesystem::is_directory(dir, ec)) {
+      return NotFoundError(fmt::format("monitor: {}: no such run directory", dir));
+    }
+    Run run{std::filesystem::canonical(dir, ec), ""};
+    if (ec) return NotFoundError(fmt::format("monitor: {}: {}", dir, ec.message()));
+    run.name = run.dir.filename().string();
+    if (run.name.empty()) run.name = run.dir.string();
+    if (const int seen = names[run.name]++; seen > 0) run.name += fmt::format(" ({})", seen + 1);
+    state->runs.push_back(std::move(run));
+  }
+  state->options = std::move(options);
+  const MonitorOptions& o = state->options;
+  BoundedServer& svr = state->server;
+  State* s = state.get();
+  svr.Configure(o.threads, o.max_queued);
+  svr.set_socket_options([s](int fd) {
+    int on = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);
+    s->listen_fd = fd;
+  });
+  svr.set_payload_max_length(1024);
+  svr.set_pre_routing_handler([s](const httplib::Request& req, httplib::Response& res) {
+    try {
+      s->Serve(req, res);
+    } catch (const std::exception& e) {
+      res.status = 500;
+      res.set_content(fmt::format("500 {}\n", e.what()), "text/plain; charset=utf-8");
+    }
+    return httplib::Server::HandlerResponse::Handled;
+  });
+  svr.set_error_handler([](const httplib::Request&, httplib::Response& res) {
+    if (res.body.empty()) res.set_content(fmt::format("{} error\n", res.status), "text/plain; charset=utf-8");
+  });
+  const bool bound = o.port == 0 ? (s->port = svr.bind_to_any_port(o.host)) > 0 : svr.bind_to_port(o.host, o.port);
+  if (!bound) {
+    return UnavailableError(fmt::format("monitor: cannot listen on {}:{} (address in use, or not this machine's?)",
+                                        o.host, o.port));
+  }
+  if (o.port != 0) s->port = o.port;
+  // cpp-httplib listens with a backlog of 5; a page, its scripts and a few hundred clients need more.
+  if (s->listen_fd >= 0) ::listen(s->listen_fd, kListenBacklog);
+  state->listener = std::thread([s] { s->server.listen_after_bind(); });
+  // stop() only reaches a server that has started listening: wait for that before returning.
+  for (int i = 0; i < 5000 && !state->server.is_running(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  return std::unique_ptr<Monitor>(new Monitor(std::move(state)));
+}
+
+void Monitor::Stop() {
+  if (!state_) return;
+  std::call_once(state_->stopped, [&] {
+    state_->server.StopParking();
+    state_->server.stop();
+    if (state_->listener.joinable()) state_->listener.join();
+  });
+}
+
+int Monitor::port() const { return state_->port; }
+
+std::string Monitor::url() const {
+  const std::string& h = state_->options.host;
+  return h.find(':') != std::string::npos ? fmt::format("http://[{}]:{}/", h, port())
+                                          : fmt::format("http://{}:{}/", h, port());
+}
+
+MonitorStats Monitor::stats() const {
+  return {state_->requests.load(), state_->not_found.load(), state_->refused.load()};
+}
+
+}  // namespace stoke::monitor
