@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The monitor in a real browser: `stoke train --monitor` serves the page of its own run while it
 # trains; headless Chromium loads it and must show a step written after it loaded (no reload),
-# with every chart drawn and no console error. The screenshot is kept (SCREENSHOT, default
+# with every chart drawn and no console error. Then `stoke monitor` over that run and a finished
+# one: both overlaid, against step and against wall-clock time. The screenshot is kept (SCREENSHOT, default
 # build/monitor-screenshot.png of the source tree). Exit 77 (skipped) without chromium,
 # chromedriver or python3-selenium (scripts/install-deps installs them).
 # Usage: browser_test.sh path/to/stoke [SCREENSHOT] [MIN_EVALS]
@@ -40,6 +41,17 @@ done
 echo "training, monitor at $url"
 mkdir -p "$(dirname "$shot")"
 /usr/bin/python3 "$here/check_browser.py" "$url" "$work/run/metrics.jsonl" "$shot" --settle-val "$min_evals"
+
+echo "== stoke monitor over two runs: the demo's finished run and this one, still training"
+"$stoke" monitor "$work/demo/run" "$work/run" --port 0 --poll-ms 500 >"$work/monitor.out" &
+mpid=$!
+trap 'kill "$mpid" 2>/dev/null || true; cleanup' EXIT
+for _ in $(seq 100); do grep -q "http://" "$work/monitor.out" && break; sleep 0.1; done
+murl=$(grep -o 'http://[^ ]*' "$work/monitor.out")
+/usr/bin/python3 "$here/check_browser.py" --overlay "$murl" "run" "run (2)"
+kill -INT "$mpid"
+wait "$mpid"
+cat "$work/monitor.out"
 kill -INT "$pid"
 wait "$pid"
 pid=

@@ -1,7 +1,8 @@
 """Loads the monitor page of a run that is still training in headless Chromium (Selenium and
 chromedriver from Debian), waits until the page shows a step that was written to metrics.jsonl
 after the page had loaded, checks that the charts hold points, and saves a screenshot.
-Usage: check_browser.py URL METRICS_JSONL SCREENSHOT.png [--settle-val N]"""
+Usage: check_browser.py URL METRICS_JSONL SCREENSHOT.png [--settle-val N]
+       check_browser.py --overlay URL NAME...   (several runs on one page)"""
 import json
 import sys
 import time
@@ -29,13 +30,17 @@ def read_card(driver):
     return tuple(card) if card else None
 
 
-def main(url, metrics, screenshot, settle_val=0):
+def start_driver():
     opts = webdriver.ChromeOptions()
     opts.binary_location = "/usr/bin/chromium"
     for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1500,1250",
               "--hide-scrollbars", "--force-device-scale-factor=1"):
         opts.add_argument(a)
-    driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
+    return webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
+
+
+def main(url, metrics, screenshot, settle_val=0):
+    driver = start_driver()
     try:
         driver.set_page_load_timeout(60)
         driver.get(url)
@@ -74,6 +79,41 @@ def main(url, metrics, screenshot, settle_val=0):
         driver.quit()
 
 
+def overlay(url, names):
+    """Several runs on one page (`stoke monitor A B`): a card per run with its state, every chart
+    holding a series per run, and the wall-clock axis drawing them too."""
+    driver = start_driver()
+    try:
+        driver.get(url)
+        deadline = time.time() + 60
+        cards = []
+        while time.time() < deadline:
+            cards = driver.execute_script(
+                "return [...document.querySelectorAll('.run')].map(c => [c.dataset.state, Number(c.dataset.step), "
+                "c.querySelector('.name').textContent])")
+            if len(cards) == len(names) and all(c[1] > 0 for c in cards):
+                break
+            time.sleep(0.2)
+        print(f"cards: {cards}")
+        assert [c[2] for c in cards] == names, cards
+        assert cards[0][0] == "finished", cards
+        for axis in ("step", "time"):
+            driver.execute_script(
+                f"const s = document.getElementById('xaxis'); s.value = '{axis}'; s.dispatchEvent(new Event('change'))")
+            per_run = driver.execute_script(
+                "return Chart.getChart('c-loss').data.datasets.filter(d => d.label.endsWith('train loss'))"
+                ".map(d => d.data.length)")
+            print(f"x axis {axis}: train-loss points per run {per_run}")
+            assert len(per_run) == len(names) and all(n > 0 for n in per_run), per_run
+        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+        assert not errors, f"console errors: {errors}"
+    finally:
+        driver.quit()
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--overlay":
+        overlay(sys.argv[2], sys.argv[3:])
+        sys.exit(0)
     settle = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[4] == "--settle-val" else 0
     main(sys.argv[1], sys.argv[2], sys.argv[3], settle)

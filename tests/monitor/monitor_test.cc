@@ -246,6 +246,35 @@ TEST_F(MonitorServer, TwoHundredConcurrentClients) {
   EXPECT_EQ(Get(port_, "/api/runs").status, 200);
 }
 
+TEST(MetricsChunk, ReadsAFileInPiecesAndSkipsOverlongLines) {
+  testing::TempDir dir;
+  const auto path = dir.path() / "metrics.jsonl";
+  std::string text;
+  for (int i = 1; i <= 50; ++i) {
+    text += fmt::format(R"({{"type":"train","step":{},"loss":{}}})", i, 1.0 / i) + "\n";
+    if (i == 20) text += std::string(300, 'x') + "\n";  // longer than a whole chunk
+  }
+  WriteText(path, text);
+  int64_t offset = 0, records = 0, malformed = 0, last_step = 0;
+  for (int polls = 0; polls < 1000 && offset < static_cast<int64_t>(text.size()); ++polls) {
+    auto j = nlohmann::json::parse(ReadMetricsChunk(path, offset, 120));
+    ASSERT_GT(j["offset"].get<int64_t>(), offset) << "every answer makes progress";
+    if (j["offset"].get<int64_t>() < j["size"].get<int64_t>()) {
+      EXPECT_EQ(j["partial"], 0) << "mid-file, the rest is more to read, not a partial line";
+    }
+    for (const auto& r : j["records"]) {
+      EXPECT_EQ(r["step"].get<int64_t>(), last_step + 1);
+      last_step = r["step"];
+      records++;
+    }
+    malformed += j["malformed"].get<int64_t>();
+    offset = j["offset"];
+  }
+  EXPECT_EQ(records, 50);
+  EXPECT_EQ(malformed, 1);
+  EXPECT_EQ(offset, static_cast<int64_t>(text.size()));
+}
+
 TEST(MonitorStart, RefusesMissingRunsAndBusyPorts) {
   auto missing = Monitor::Start({.run_dirs = {"/nonexistent/run"}, .port = 0});
   ASSERT_FALSE(missing.ok());

@@ -495,7 +495,6 @@ std::string ReadMetricsChunk(const std::filesystem::path& path, int64_t from, si
   }
   if (consumed == 0 && buf.size() == max_bytes && max_bytes > 0) {
     // One line longer than a whole chunk: no metrics line is that long. Skip it as malformed.
-    std::string rest;
     int64_t skip = static_cast<int64_t>(buf.size());
     char c;
     while (in.get(c) && c != '\n') ++skip;
@@ -506,7 +505,10 @@ std::string ReadMetricsChunk(const std::filesystem::path& path, int64_t from, si
   }
   out["offset"] = from + consumed;
   out["malformed"] = malformed;
-  out["partial"] = static_cast<int64_t>(buf.size()) - consumed > 0 ? size - (from + consumed) : 0;
+  // Bytes after the last complete line, when this answer reached the end of the file: a line
+  // still being written (or cut short for good). Before the end, the rest is simply more to read.
+  const bool at_end = from + static_cast<int64_t>(buf.size()) >= size;
+  out["partial"] = at_end ? size - (from + consumed) : 0;
   return out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
