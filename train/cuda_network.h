@@ -44,6 +44,10 @@ class CudaNetwork final : public Network {
   void* stream() const override;
   double LastInputWaitSeconds() const override;
   std::vector<float> LastLogits() const override;
+  // Data-parallel with NCCL (loaded at run time; see train/cuda/nccl.h): gradients averaged on
+  // their own stream while backward runs. kUnavailable without NCCL or with model.sync_batchnorm.
+  Status SetStepSync(StepSync* sync) override;
+  Status AverageRunningStats() override;
 
   // For parity tests: forward + backward on a normalised float input (batch x 3 x H x W, plain
   // NCHW, cast to the compute precision) in training mode; parameters unchanged.

@@ -163,4 +163,16 @@ Status SumStats(dist::Communicator& comm, BatchStats& stats) {
   return OkStatus();
 }
 
+Status DataParallel::BroadcastBytes(std::span<std::byte> data, int root) {
+  if (comm_.size() == 1) return OkStatus();
+  return comm_.Broadcast(data.data(), data.size(), root).Wait();
+}
+
+void DataParallel::AddDeviceCommTime(double comm_s, double overlapped_s, double wait_s) {
+  stats_.steps++;
+  stats_.comm_s += comm_s;
+  stats_.overlapped_s += overlapped_s;
+  stats_.wait_s += wait_s;
+}
+
 }  // namespace stoke::train

@@ -44,6 +44,14 @@ class DataParallel final : public StepSync {
   Status CombineMoments(std::span<float> mean, std::span<float> var) override;
   Status SumOverRanks(std::span<float> values) override;
   Status AverageOverRanks(std::span<float> values) override;
+  Status BroadcastBytes(std::span<std::byte> data, int root) override;
+  int local_rank() const override { return comm_.local_rank(); }
+  double timeout_s() const override { return comm_.timeout_s(); }
+  void AddDeviceCommTime(double comm_s, double overlapped_s, double wait_s) override;
+  void DescribeDeviceBuckets(int buckets, double largest_mb) override {
+    stats_.buckets = buckets;
+    stats_.bucket_mb = largest_mb;
+  }
 
   // Fault injection for tests: this rank's next gradient (and statistics) are replaced by NaN as
   // they become ready, before averaging.

@@ -126,6 +126,18 @@ class StepSync {
   // Blocking, in place.
   virtual Status SumOverRanks(std::span<float> values) = 0;
   virtual Status AverageOverRanks(std::span<float> values) = 0;
+  // Rank `root`'s bytes on every rank (a device backend sends its collective library's id this way).
+  virtual Status BroadcastBytes(std::span<std::byte> data, int root) = 0;
+  // This rank's GPU among the ranks of its machine.
+  virtual int local_rank() const { return 0; }
+  // How long a collective may take before the world is declared broken.
+  virtual double timeout_s() const { return 300; }
+  // A device backend that averages on its own (NCCL) reports what it cost: seconds of
+  // communication in the step, how much of it ran while backward still computed, and how long the
+  // step then waited for it.
+  virtual void AddDeviceCommTime(double /*comm_s*/, double /*overlapped_s*/, double /*wait_s*/) {}
+  // ... and how it groups the gradients: buckets, and the largest in MB.
+  virtual void DescribeDeviceBuckets(int /*buckets*/, double /*largest_mb*/) {}
 };
 
 class Network {

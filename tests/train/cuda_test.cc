@@ -3,6 +3,7 @@
 // model ending at close losses, state round trips, float16 loss scaling and training from the
 // prefetch ring's device buffers. Every test skips, saying why, where no GPU is usable, except the
 // cuDNN graph checks, which cuDNN makes on the host.
+#include <cstdlib>
 #include <cmath>
 #include <random>
 
@@ -17,6 +18,7 @@
 #include "train/cuda/cudnn_graph.h"
 #include "train/cuda/layer_graphs.h"
 #include "train/cuda_network.h"
+#include "train/data_parallel.h"
 #include "train/trainer.h"
 
 namespace stoke::train {
@@ -290,6 +292,46 @@ TEST(CudaNetwork, Float16OverflowSkipsTheUpdateAndHalvesTheLossScale) {
   EXPECT_EQ(gpu->loss_scale(), scale / 2);
   ASSERT_OK_AND_ASSIGN(const auto after, gpu->State());
   for (size_t i = 0; i < state.size(); ++i) EXPECT_EQ(after[i].values, state[i].values) << state[i].name;
+}
+
+// NCCL's averaging path at a world of one (STOKE_NCCL_ALWAYS=1): buckets launched while backward
+// runs, statistics summed, the bounded wait; dividing by one rank changes nothing, so ten steps
+// give bit-identical parameters to the same network without it, and the communication is timed.
+TEST(CudaDataParallel, NcclAtAWorldOfOneChangesNothing) {
+  SKIP_WITHOUT_GPU();
+#if !STOKE_WITH_NCCL
+  GTEST_SKIP() << "this build has no NCCL header";
+#else
+  auto comm = dist::Communicator::Single();
+  DataParallel dp(*comm);
+  ::setenv("STOKE_NCCL_ALWAYS", "1", 1);
+  ASSERT_OK_AND_ASSIGN(auto with, CudaNetwork::Create(Options(Cases()[3].layers, Precision::kBFloat16)));
+  Status attached = with->SetStepSync(&dp);
+  ::unsetenv("STOKE_NCCL_ALWAYS");
+  if (attached.code() == StatusCode::kUnavailable && attached.message().find("could not be loaded") != std::string::npos) {
+    GTEST_SKIP() << attached.message();
+  }
+  ASSERT_OK(attached);
+  ASSERT_OK_AND_ASSIGN(auto without, CudaNetwork::Create(Options(Cases()[3].layers, Precision::kBFloat16)));
+  const Task task = MakeTask(2, 8, 16);
+  SgdOptions sgd;
+  sgd.momentum = 0.9;
+  for (int step = 0; step < 10; ++step) {
+    ASSERT_OK_AND_ASSIGN(BatchStats a, with->TrainStep(task.Get(step % 2, 8, 16), 0.05f, sgd, step));
+    ASSERT_OK_AND_ASSIGN(BatchStats b, without->TrainStep(task.Get(step % 2, 8, 16), 0.05f, sgd, step));
+    EXPECT_EQ(a.loss_sum, b.loss_sum) << step;
+    EXPECT_EQ(a.top1, b.top1) << step;
+    EXPECT_EQ(a.count, b.count) << step;
+  }
+  ASSERT_OK_AND_ASSIGN(auto sa, with->State());
+  ASSERT_OK_AND_ASSIGN(auto sb, without->State());
+  for (size_t i = 0; i < sa.size(); ++i) EXPECT_EQ(sa[i].values, sb[i].values) << sa[i].name;
+  EXPECT_EQ(dp.stats().steps, 10);
+  EXPECT_GT(dp.stats().comm_s, 0);
+  std::printf("NCCL at a world of one: %.3f ms of averaging per step, %.0f%% of it during backward\n",
+              1e3 * dp.stats().comm_s / 10, 100 * dp.stats().overlapped_s / dp.stats().comm_s);
+  ASSERT_OK(with->AverageRunningStats());
+#endif
 }
 
 TEST(CudaTrain, LearnsFromTheRingsDeviceBuffersAndMeasuresDataWait) {

@@ -8,6 +8,7 @@
 
 #include "tests/testing/test_util.h"
 #include "tests/train/train_test_util.h"
+#include "train/device_buckets.h"
 #include "train/cpu_network.h"
 
 namespace stoke::train {
@@ -298,6 +299,46 @@ TEST(LayerAdaptation, TrustRatioFollowsTheNorms) {
   EXPECT_NEAR(TrustRatio(sgd, 200.0, 1.0, 0.0, 0.1f), 4.0, 1e-6);
   sgd.trust_coefficient = 0.5;
   EXPECT_NEAR(TrustRatio(sgd, 2.0, 1.0, 0.0, 0.1f), 1.0, 1e-6);
+}
+
+}  // namespace
+namespace {
+
+TEST(DeviceBuckets, CoverEveryParameterOnceInBackwardOrder) {
+  // Two groups: 4-byte and 2-byte elements; layers 0..5; offsets padded to 64.
+  std::vector<DeviceParam> params = {
+      {.group = 0, .offset = 0, .count = 1000, .layer = 0},    {.group = 1, .offset = 0, .count = 10, .layer = 0},
+      {.group = 0, .offset = 1024, .count = 300000, .layer = 2}, {.group = 1, .offset = 64, .count = 10, .layer = 3},
+      {.group = 0, .offset = 301056, .count = 500, .layer = 4},  {.group = 1, .offset = 128, .count = 5000, .layer = 5},
+  };
+  const std::vector<int64_t> sizes = {301568, 5184};
+  const auto buckets = PlanDeviceBuckets(params, sizes, {2, 4}, 400000, 2000);
+  // Every element of both buffers in exactly one bucket.
+  for (int g = 0; g < 2; ++g) {
+    std::vector<int> covered(static_cast<size_t>(sizes[static_cast<size_t>(g)]), 0);
+    for (const auto& b : buckets) {
+      if (b.group != g) continue;
+      for (int64_t i = b.begin; i < b.end; ++i) covered[static_cast<size_t>(i)]++;
+    }
+    for (size_t i = 0; i < covered.size(); ++i) ASSERT_EQ(covered[i], 1) << "group " << g << " element " << i;
+  }
+  int params_in_buckets = 0;
+  for (const auto& b : buckets) params_in_buckets += b.params;
+  EXPECT_EQ(params_in_buckets, 6);
+  // Launch order follows backward (last layer first); the first buckets are small.
+  for (size_t i = 1; i < buckets.size(); ++i) {
+    EXPECT_GE(buckets[i - 1].ready_after_layer, buckets[i].ready_after_layer) << i;
+  }
+  EXPECT_EQ(buckets.front().ready_after_layer, 5);
+  EXPECT_LE((buckets.front().end - buckets.front().begin) * 4, 2000 + 5000 * 4);
+  // Layer 4's small weight does not wait for layer 2's large one.
+  EXPECT_TRUE(std::any_of(buckets.begin(), buckets.end(), [](const DeviceBucket& b) { return b.ready_after_layer == 4; }));
+  // The big layer-2 weight closes its bucket: no bucket holds both it and layer 0's.
+  for (const auto& b : buckets) {
+    if (b.group == 0 && b.begin <= 1024 && b.end > 1024) {
+      EXPECT_GT(b.begin, 0) << "layer 2 shares with layer 0";
+    }
+  }
 }
 
 }  // namespace

@@ -151,7 +151,7 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
       const auto start = Clock::now();
       for (int i = 0; i < steps; ++i) STOKE_RETURN_IF_ERROR(net->TrainStep(fixed, lr, c.optimizer.sgd, step++).status());
       compute_rates.push_back(steps * c.data.batch_size / Since(start));
-      if (world > 1) {
+      if (world > 1 || dp.stats().steps > 0) {  // ranks, or NCCL at a world of one (STOKE_NCCL_ALWAYS=1)
         const train::DataParallelStats& after = dp.stats();
         const double comm_s = after.comm_s - before.comm_s;
         comm_ms.push_back(1e3 * comm_s / steps);
@@ -206,7 +206,7 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
       model, c.model.classes, c.data.image_size, c.data.image_size, c.data.batch_size, net->backend(),
       c.compute_threads, c.data.threads, steps, t.warmup, o.repeats, compute, compute / c.data.batch_size,
       fmt::format("{:.0f}", fmt::join(compute_rates, ", ")), end_to_end, end_to_end / c.data.batch_size, 100 * wait);
-  if (world > 1) {
+  if (!comm_ms.empty()) {
     out += fmt::format(
         "  data-parallel: {} ranks x batch {}: compute only {:.1f} img/s per rank\n"
         "    gradient averaging (rank 0): {:.2f} ms per step in {} buckets of up to {:.1f} MB, {:.0f}% of it overlapped "

@@ -19,6 +19,14 @@
 #include "train/cuda/cudnn_graph.h"
 #include "train/cuda/kernels.h"
 #include "train/cuda/layer_graphs.h"
+#include "train/device_buckets.h"
+#if STOKE_WITH_NCCL
+#include <chrono>
+#include <cstdlib>
+#include <thread>
+
+#include "train/cuda/nccl.h"
+#endif
 
 namespace stoke::train {
 namespace {
@@ -107,6 +115,7 @@ struct ParamInfo {
   bool krsc = false;  // convolution weights: stored K x R x S x C on the device, O x I x KH x KW in checkpoints
   bool decay = true;
   bool copy = false;  // needs a copy in the compute type (convolution and linear weights)
+  int layer = 0;      // the layer that owns it (its backward writes the gradient)
   std::vector<float> init;
 };
 
@@ -171,6 +180,7 @@ class Net {
   float loss_scale = 1, last_grad_scale = 1;
   int good_steps = 0;
   int64_t skipped = 0;
+  int building_layer = 0;  // while layers are made: the one adding parameters
 
   ~Net() {
     if (stream != nullptr) cudaStreamSynchronize(stream);
@@ -210,6 +220,7 @@ class Net {
   }
 
   int AddParam(ParamInfo p) {
+    p.layer = building_layer;
     params.push_back(std::move(p));
     return static_cast<int>(params.size()) - 1;
   }
@@ -857,8 +868,192 @@ Status CudaAvailable() {
   return UnavailableError(probe.reason);
 }
 
+#if STOKE_WITH_NCCL
+// Data-parallel on GPUs: gradients averaged with NCCL on a stream of their own, bucket by bucket
+// as backward completes them (events order the streams; the host never waits for the device
+// mid-step), the step's statistics summed over the ranks on the compute stream, and the host's one
+// wait per step bounded by the world's timeout.
+class DeviceParallel {
+ public:
+  static Result<std::unique_ptr<DeviceParallel>> Create(Net& net, StepSync* sync) {
+    std::unique_ptr<DeviceParallel> dp(new DeviceParallel(net, sync));
+    // Every rank must reach NCCL's collective set-up, or none may: agree on the library first.
+    auto api = cuda::LoadNccl();
+    float failed[1] = {api.ok() ? 0.f : 1.f};
+    STOKE_RETURN_IF_ERROR(sync->SumOverRanks(failed));
+    if (!api.ok()) return api.status();
+    if (failed[0] != 0) return UnavailableError("NCCL could not be loaded on another rank (its error names it)");
+    dp->api_ = *api;
+    ncclUniqueId id{};
+    if (sync->rank() == 0) STOKE_RETURN_IF_ERROR(dp->api_->Check(dp->api_->GetUniqueId(&id), "unique id"));
+    STOKE_RETURN_IF_ERROR(sync->BroadcastBytes(std::span(reinterpret_cast<std::byte*>(&id), sizeof id), 0));
+    STOKE_RETURN_IF_ERROR(
+        dp->api_->Check(dp->api_->CommInitRank(&dp->comm_, sync->world(), id, sync->rank()), "communicator set-up"));
+    STOKE_CUDA_OK(cudaStreamCreateWithFlags(&dp->stream_, cudaStreamNonBlocking));
+    for (cudaEvent_t* e : {&dp->start_, &dp->done_, &dp->backward_done_}) STOKE_CUDA_OK(cudaEventCreate(e));
+
+    std::vector<DeviceParam> params;
+    for (const ParamInfo& p : net.params) {
+      params.push_back({.group = p.group, .offset = p.offset, .count = p.count, .layer = p.layer});
+    }
+    std::vector<int64_t> sizes;
+    std::vector<size_t> elem;
+    for (const Group& g : net.groups) {
+      sizes.push_back(g.size);
+      elem.push_back(cuda::SizeOf(g.grad_type));
+    }
+    dp->buckets_ = PlanDeviceBuckets(params, sizes, elem, size_t{25} << 20, size_t{1} << 20);
+    dp->of_layer_.resize(net.layers.size());
+    dp->initial_.assign(dp->buckets_.size(), 0);
+    for (const ParamInfo& p : net.params) {
+      for (size_t b = 0; b < dp->buckets_.size(); ++b) {
+        const DeviceBucket& k = dp->buckets_[b];
+        if (k.group == p.group && p.offset >= k.begin && p.offset < k.end) {
+          dp->of_layer_[static_cast<size_t>(p.layer)].push_back(static_cast<int>(b));
+          dp->initial_[b]++;
+        }
+      }
+    }
+    double largest = 0;
+    for (const DeviceBucket& k : dp->buckets_) {
+      largest = std::max(largest, static_cast<double>(k.end - k.begin) * elem[static_cast<size_t>(k.group)] / (1 << 20));
+    }
+    sync->DescribeDeviceBuckets(static_cast<int>(dp->buckets_.size()), largest);
+    dp->ready_.resize(dp->buckets_.size());
+    for (auto& e : dp->ready_) STOKE_CUDA_OK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    STOKE_LOG(INFO, "cuda backend: rank {} of {} on GPU {}, NCCL {} ({}), {} gradient buckets", sync->rank(),
+              sync->world(), net.opt.device, dp->api_->version, dp->api_->path, dp->buckets_.size());
+    return dp;
+  }
+
+  ~DeviceParallel() {
+    if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+    if (comm_ != nullptr) (broken_ ? api_->CommAbort(comm_) : api_->CommDestroy(comm_));
+    for (cudaEvent_t e : ready_) cudaEventDestroy(e);
+    for (cudaEvent_t e : {start_, done_, backward_done_}) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  int world() const { return sync_->world(); }
+
+  void BeginStep() {
+    pending_ = initial_;
+    next_ = 0;
+    error_ = OkStatus();
+  }
+  // Layer `layer`'s backward has been queued: its gradients are final once the stream gets there.
+  void LayerDone(int layer) {
+    for (int b : of_layer_[static_cast<size_t>(layer)]) pending_[static_cast<size_t>(b)]--;
+    while (next_ < static_cast<int>(buckets_.size()) && pending_[static_cast<size_t>(next_)] <= 0) Launch(next_++);
+  }
+  // After backward: what is left, then the compute stream waits for the averaging.
+  Status FinishGradients() {
+    STOKE_CUDA_OK(cudaEventRecord(backward_done_, net_.stream));
+    while (next_ < static_cast<int>(buckets_.size())) Launch(next_++);
+    STOKE_CUDA_OK(cudaEventRecord(done_, stream_));
+    STOKE_CUDA_OK(cudaStreamWaitEvent(net_.stream, done_, 0));
+    return error_;
+  }
+  // The step's loss, top-1 and top-5 sums and its non-finite flag, summed over the ranks, in place.
+  Status SumStats(cuda::StepStats* s) {
+    STOKE_RETURN_IF_ERROR(api_->Check(api_->GroupStart(), "group start"));
+    Status r = api_->Check(api_->AllReduce(&s->loss_sum, &s->loss_sum, 1, ncclFloat64, ncclSum, comm_, net_.stream),
+                           "statistics");
+    if (r.ok()) {
+      r = api_->Check(api_->AllReduce(&s->top1, &s->top1, 2, ncclUint64, ncclSum, comm_, net_.stream), "statistics");
+    }
+    if (r.ok()) {
+      r = api_->Check(api_->AllReduce(&s->non_finite, &s->non_finite, 1, ncclInt32, ncclSum, comm_, net_.stream),
+                      "statistics");
+    }
+    Status end = api_->Check(api_->GroupEnd(), "group end");
+    return r.ok() ? end : r;
+  }
+  // The host's wait for `event` (the end of the step): bounded by the world's timeout, and ended
+  // by an asynchronous NCCL error (a rank gone, a network failure) rather than hanging.
+  Status Wait(cudaEvent_t event) {
+    const auto t0 = std::chrono::steady_clock::now();
+    while (true) {
+      const cudaError_t q = cudaEventQuery(event);
+      if (q == cudaSuccess) break;
+      if (q != cudaErrorNotReady) return InternalError(fmt::format("waiting for the step: {}", cudaGetErrorString(q)));
+      ncclResult_t async = ncclSuccess;
+      api_->CommGetAsyncError(comm_, &async);
+      if (async != ncclSuccess && async != ncclInProgress) {
+        broken_ = true;
+        return api_->Check(async, fmt::format("rank {}: gradient averaging failed", sync_->rank()));
+      }
+      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (waited > sync_->timeout_s()) {
+        broken_ = true;
+        return UnavailableError(fmt::format("rank {}: the step's gradient averaging did not finish in {:.0f} s "
+                                            "(a rank has gone?)",
+                                            sync_->rank(), waited));
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    // What the averaging cost, from the events on the two streams (after the step: no stall).
+    float comm_ms = 0, overlap_ms = 0, wait_ms = 0;
+    if (cudaEventElapsedTime(&comm_ms, start_, done_) == cudaSuccess &&
+        cudaEventElapsedTime(&overlap_ms, start_, backward_done_) == cudaSuccess &&
+        cudaEventElapsedTime(&wait_ms, backward_done_, done_) == cudaSuccess) {
+      sync_->AddDeviceCommTime(comm_ms / 1e3, std::clamp(overlap_ms, 0.f, comm_ms) / 1e3, std::max(wait_ms, 0.f) / 1e3);
+    }
+    return OkStatus();
+  }
+
+ private:
+  DeviceParallel(Net& net, StepSync* sync) : net_(net), sync_(sync) {}
+  void Launch(int b) {
+    const DeviceBucket& k = buckets_[static_cast<size_t>(b)];
+    const Group& g = net_.groups[static_cast<size_t>(k.group)];
+    Status s = [&]() -> Status {
+      STOKE_CUDA_OK(cudaEventRecord(ready_[static_cast<size_t>(b)], net_.stream));
+      STOKE_CUDA_OK(cudaStreamWaitEvent(stream_, ready_[static_cast<size_t>(b)], 0));
+      if (b == 0) STOKE_CUDA_OK(cudaEventRecord(start_, stream_));
+      void* p = Offset(g.grad.get(), k.begin, g.grad_type);
+      const ncclDataType_t t = g.grad_type == DType::kF32   ? ncclFloat32
+                               : g.grad_type == DType::kF16 ? ncclFloat16
+                                                            : ncclBfloat16;
+      return api_->Check(
+          api_->AllReduce(p, p, static_cast<size_t>(k.end - k.begin), t, ncclAvg, comm_, stream_),
+          fmt::format("gradient bucket {}", b));
+    }();
+    if (error_.ok() && !s.ok()) error_ = s;
+  }
+
+  Net& net_;
+  StepSync* sync_;
+  const cuda::Nccl* api_ = nullptr;
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t start_ = nullptr, done_ = nullptr, backward_done_ = nullptr;
+  std::vector<DeviceBucket> buckets_;        // in launch order
+  std::vector<std::vector<int>> of_layer_;   // per layer: its parameters' buckets (one entry per parameter)
+  std::vector<int> initial_, pending_;       // per bucket: parameters not yet written this step
+  std::vector<cudaEvent_t> ready_;           // per bucket
+  int next_ = 0;
+  Status error_ = OkStatus();
+  bool broken_ = false;
+};
+#else
+class DeviceParallel {  // not in this build: SetStepSync refuses world > 1
+ public:
+  int world() const { return 1; }
+  void BeginStep() {}
+  void LayerDone(int) {}
+  Status FinishGradients() { return OkStatus(); }
+  Status SumStats(cuda::StepStats*) { return OkStatus(); }
+  Status Wait(cudaEvent_t) { return OkStatus(); }
+};
+#endif
+
 struct CudaNetwork::Impl {
   Net net;
+  std::unique_ptr<DeviceParallel> dp;  // data-parallel: set by SetStepSync
+  StepSync* sync = nullptr;
 
   // Places the parameters in their groups (group 1: linear weights first, for their compute copies;
   // then everything without weight decay), allocates and initialises them.
@@ -960,6 +1155,7 @@ struct CudaNetwork::Impl {
       Node& n = net.nodes[i];
       if (n.zero_diff) STOKE_CUDA_OK(cudaMemsetAsync(n.diff.get(), 0, n.diff.bytes(), net.stream));
       STOKE_RETURN_IF_ERROR(net.layers[i]->Backward(net));
+      if (dp) dp->LayerDone(static_cast<int>(i));
     }
     return OkStatus();
   }
@@ -973,17 +1169,25 @@ struct CudaNetwork::Impl {
                               grad_scale / static_cast<float>(net.opt.batch), net.stats.as<cuda::StepStats>(),
                               net.stream);
     net.last_grad_scale = grad_scale;
+    if (dp) dp->BeginStep();
     STOKE_RETURN_IF_ERROR(Backward());
+    if (dp) STOKE_RETURN_IF_ERROR(dp->FinishGradients());  // every rank now holds the mean gradient
     for (const Group& g : net.groups) {
       cuda::FindNonFinite(g.grad.get(), g.grad_type, g.size, net.stats.as<cuda::StepStats>(), net.stream);
     }
+    // Statistics of the global batch; a non-finite loss or gradient anywhere is seen everywhere.
+    if (dp) STOKE_RETURN_IF_ERROR(dp->SumStats(net.stats.as<cuda::StepStats>()));
     return OkStatus();
   }
   Status Finish() {
     STOKE_CUDA_OK(cudaMemcpyAsync(net.host_stats, net.stats.get(), sizeof(cuda::StepStats), cudaMemcpyDeviceToHost,
                                   net.stream));
     STOKE_CUDA_OK(cudaEventRecord(net.done[static_cast<size_t>(net.cur)], net.stream));
-    STOKE_CUDA_OK(cudaStreamSynchronize(net.stream));
+    if (dp) {
+      STOKE_RETURN_IF_ERROR(dp->Wait(net.done[static_cast<size_t>(net.cur)]));
+    } else {
+      STOKE_CUDA_OK(cudaStreamSynchronize(net.stream));
+    }
     return LastLaunch("a training kernel");
   }
   BatchStats Stats(int rows) const {
@@ -1059,6 +1263,7 @@ Result<std::unique_ptr<CudaNetwork>> CudaNetwork::CreateUnguarded(NetworkOptions
     const int in = index[l.inputs[0]];
     const int in2 = l.inputs.size() > 1 ? index[l.inputs[1]] : -1;
     const uint64_t seed = MixSeed(net.opt.seed, 0x6c61796572ull, i);
+    net.building_layer = static_cast<int>(i);
     STOKE_ASSIGN_OR_RETURN(auto layer, MakeLayer(net, l, static_cast<int>(i), in, in2, seed));
     net.layers.push_back(std::move(layer));
     largest = std::max(largest, net.nodes[i].count());
@@ -1107,7 +1312,7 @@ Result<BatchStats> CudaNetwork::TrainStep(const prefetch::Batch& batch, float lr
     net.have_prev = true;
     net.cur = 1 - net.cur;
 
-    BatchStats stats = impl_->Stats(batch.size);
+    BatchStats stats = impl_->Stats(batch.size * (impl_->dp ? impl_->dp->world() : 1));
     const bool overflow = net.host_stats->non_finite != 0 || !std::isfinite(stats.loss_sum);
     if (net.opt.precision == Precision::kFloat16) {
       // Dynamic loss scaling: halve and skip on overflow, double after 2000 clean steps.
@@ -1248,6 +1453,56 @@ std::vector<float> CudaNetwork::LastLogits() const {
     return {};
   }
   return *std::move(logits);
+}
+
+}  // namespace stoke::train
+
+namespace stoke::train {
+
+Status CudaNetwork::SetStepSync(StepSync* sync) {
+  Net& net = impl_->net;
+  // STOKE_NCCL_ALWAYS=1: NCCL even for a world of one (to measure what its averaging costs).
+  const char* always = std::getenv("STOKE_NCCL_ALWAYS");
+  const bool force = always != nullptr && std::string_view(always) == "1";
+  impl_->dp.reset();
+  impl_->sync = sync;
+  if (sync == nullptr || (sync->world() == 1 && !force)) return OkStatus();
+  if (net.opt.sync_batchnorm && sync->world() > 1) {
+    return UnavailableError("model.sync_batchnorm: the cuda backend has no synchronised batch norm yet "
+                            "(each rank normalises over its own samples without it; use backend: cpu for it)");
+  }
+#if STOKE_WITH_NCCL
+  return CatchExceptions("cuda backend: data-parallel set-up", [&]() -> Status {
+    STOKE_CUDA_OK(cudaSetDevice(net.opt.device));
+    STOKE_ASSIGN_OR_RETURN(impl_->dp, DeviceParallel::Create(net, sync));
+    return OkStatus();
+  });
+#else
+  return UnavailableError("the cuda backend trains data-parallel with NCCL, and this build did not find nccl.h");
+#endif
+}
+
+Status CudaNetwork::AverageRunningStats() {
+  if (!impl_->dp || impl_->dp->world() == 1) return OkStatus();
+  return CatchExceptions("cuda backend: averaging running statistics", [&]() -> Status {
+    Net& net = impl_->net;
+    // Rare (before evaluations and checkpoints): through the host, over the same world as the step.
+    std::vector<float> all;
+    for (const auto& r : net.running) {
+      STOKE_ASSIGN_OR_RETURN(auto v, Download(r->value.get(), DType::kF32, r->c, net.stream));
+      all.insert(all.end(), v.begin(), v.end());
+    }
+    if (all.empty()) return OkStatus();
+    STOKE_RETURN_IF_ERROR(impl_->sync->AverageOverRanks(all));
+    size_t k = 0;
+    for (auto& r : net.running) {
+      STOKE_CUDA_OK(cudaMemcpyAsync(r->value.get(), all.data() + k, static_cast<size_t>(r->c) * sizeof(float),
+                                    cudaMemcpyHostToDevice, net.stream));
+      k += static_cast<size_t>(r->c);
+    }
+    STOKE_CUDA_OK(cudaStreamSynchronize(net.stream));
+    return OkStatus();
+  });
 }
 
 }  // namespace stoke::train
