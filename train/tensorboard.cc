@@ -39,7 +39,7 @@ uint32_t Crc(std::string_view data) {
   return Crc32c(std::span(reinterpret_cast<const std::byte*>(data.data()), data.size()));
 }
 
-uint32_t Unmask(uint32_t masked) {
+[[maybe_unused]] uint32_t Unmask(uint32_t masked) {
   const uint32_t rot = masked - 0xa282ead8u;
   return (rot >> 17) | (rot << 15);
 }
@@ -50,7 +50,7 @@ void PutLe(std::string& out, T v) {
 }
 
 template <typename T>
-T GetLe(const char* p) {
+[[maybe_unused]] T GetLe(const char* p) {
   T v = 0;
   for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<T>(static_cast<unsigned char>(p[i])) << (8 * i);
   return v;

@@ -4,12 +4,14 @@
 #include <fstream>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 #include <gtest/gtest.h>
 
 #include "tests/testing/test_util.h"
 #include "tests/train/train_test_util.h"
 #include "tools/pack/packer.h"
 #include "tools/synth/synth.h"
+#include "tests/prefetch/loader_test_util.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/schedule.h"
@@ -332,6 +334,51 @@ TEST_F(TrainLoop, TensorBoardEventsHoldTheMetricsAcrossAResume) {
     EXPECT_GT(e.step, last) << "steps after the resumed checkpoint appear once";
     last = e.step;
   }
+}
+
+TEST_F(TrainLoop, SkippedRecordsAreWrittenToTheMetricsAsTheyHappen) {
+  const auto data = dir_->path() / "with_bad.lmdb";
+  prefetch::WriteDataset(data, {.records = 64, .bad = {5, 17}});
+  const std::string yaml = fmt::format(R"(data:
+  train: {0}
+  batch_size: 16
+  threads: 2
+  image_size: 16
+  max_skip_fraction: 0.1
+model:
+  classes: 4
+  layers:
+    - {{type: conv, out: 4, kernel: 3}}
+    - {{type: global_avgpool}}
+    - {{type: linear, out: 4}}
+epochs: 2
+backend: cpu
+compute_threads: 2
+run_dir: {1}
+log_every_steps: 1
+)",
+                                       data.string(), (dir_->path() / "bad_run").string());
+  ASSERT_OK_AND_ASSIGN(TrainConfig c, ParseConfig(yaml, "bad.yaml"));
+  TrainRunOptions run;
+  run.progress = false;
+  run.plot = false;
+  ASSERT_OK_AND_ASSIGN(TrainSummary s, Train(c, run));
+  EXPECT_EQ(s.bad_records, 2);
+  std::ifstream in(dir_->path() / "bad_run" / "metrics.jsonl");
+  std::string line;
+  std::vector<int64_t> indices;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j["type"] != "bad_record") continue;
+    indices.push_back(j["index"]);
+    EXPECT_NE(j["reason"].get<std::string>().find(fmt::format("class/{}.jpg", j["index"].get<int64_t>())),
+              std::string::npos)
+        << line;
+    EXPECT_GE(j["step"].get<int64_t>(), 1);
+    EXPECT_LE(j["step"].get<int64_t>(), 4) << "reported within the epoch that met it";
+  }
+  std::sort(indices.begin(), indices.end());
+  EXPECT_EQ(indices, (std::vector<int64_t>{5, 17})) << "each once, though both epochs met them";
 }
 
 TEST_F(TrainLoop, DamagedCheckpointIsRefusedAndThePreviousOneStillWorks) {
