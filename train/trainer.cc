@@ -179,9 +179,11 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
                                               config.data.train));
     }
     STOKE_ASSIGN_OR_RETURN(net, CreateNetwork(config, comm));
-    return net->SetStepSync(&dp);
+    return OkStatus();
   }();
   STOKE_RETURN_IF_ERROR(agree(setup));
+  // Only once every rank has its network: attaching may itself be collective (NCCL's set-up).
+  STOKE_RETURN_IF_ERROR(agree(net->SetStepSync(&dp)));
 
   TrainSummary summary;
   summary.backend = std::string(net->backend());

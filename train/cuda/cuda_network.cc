@@ -927,8 +927,10 @@ class DeviceParallel {
   }
 
   ~DeviceParallel() {
-    if (stream_ != nullptr) cudaStreamSynchronize(stream_);
-    if (comm_ != nullptr) (broken_ ? api_->CommAbort(comm_) : api_->CommDestroy(comm_));
+    // A broken world leaves NCCL's kernels waiting for ranks that are gone: abort them before
+    // anything waits for the stream.
+    if (stream_ != nullptr) cudaStreamSynchronize(stream_);  // a broken world was aborted already
+    if (comm_ != nullptr && !broken_) api_->CommDestroy(comm_);
     for (cudaEvent_t e : ready_) cudaEventDestroy(e);
     for (cudaEvent_t e : {start_, done_, backward_done_}) {
       if (e != nullptr) cudaEventDestroy(e);
@@ -958,6 +960,7 @@ class DeviceParallel {
   }
   // The step's loss, top-1 and top-5 sums and its non-finite flag, summed over the ranks, in place.
   Status SumStats(cuda::StepStats* s) {
+    if (broken_) return UnavailableError("NCCL: the communicator was aborted after an earlier failure");
     STOKE_RETURN_IF_ERROR(api_->Check(api_->GroupStart(), "group start"));
     Status r = api_->Check(api_->AllReduce(&s->loss_sum, &s->loss_sum, 1, ncclFloat64, ncclSum, comm_, net_.stream),
                            "statistics");
@@ -982,12 +985,12 @@ class DeviceParallel {
       ncclResult_t async = ncclSuccess;
       api_->CommGetAsyncError(comm_, &async);
       if (async != ncclSuccess && async != ncclInProgress) {
-        broken_ = true;
+        Break();
         return api_->Check(async, fmt::format("rank {}: gradient averaging failed", sync_->rank()));
       }
       const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (waited > sync_->timeout_s()) {
-        broken_ = true;
+        Break();
         return UnavailableError(fmt::format("rank {}: the step's gradient averaging did not finish in {:.0f} s "
                                             "(a rank has gone?)",
                                             sync_->rank(), waited));
@@ -1006,7 +1009,17 @@ class DeviceParallel {
 
  private:
   DeviceParallel(Net& net, StepSync* sync) : net_(net), sync_(sync) {}
+  // The world is broken: end NCCL's kernels now, so that nothing queued behind them (a checkpoint's
+  // download) waits forever. Later steps fail at their first collective.
+  void Break() {
+    if (comm_ != nullptr && !broken_) api_->CommAbort(comm_);
+    broken_ = true;
+  }
   void Launch(int b) {
+    if (broken_) {
+      if (error_.ok()) error_ = UnavailableError("NCCL: the communicator was aborted after an earlier failure");
+      return;
+    }
     const DeviceBucket& k = buckets_[static_cast<size_t>(b)];
     const Group& g = net_.groups[static_cast<size_t>(k.group)];
     Status s = [&]() -> Status {
