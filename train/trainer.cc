@@ -295,6 +295,9 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
         STOKE_ASSIGN_OR_RETURN(auto lease, loader->Next());
         if (!lease) break;
         STOKE_ASSIGN_OR_RETURN(BatchStats s, net->Evaluate(*lease));
+        // A device backend queued its reads of the batch on its stream: the ring's next copy into
+        // this slot must wait for them, not for the legacy stream.
+        lease.Release(net->stream());
         total += s;
       }
       return OkStatus();

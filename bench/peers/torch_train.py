@@ -67,6 +67,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--channels-last", action="store_true", help="NHWC memory format")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (the warm-up compiles it)")
     a = ap.parse_args()
     spec = json.load(open(a.model))
     torch.set_num_threads(a.threads)
@@ -97,7 +98,12 @@ def main():
         net = net.to(memory_format=torch.channels_last)
         x = x.to(memory_format=torch.channels_last)
     loss_fn = nn.CrossEntropyLoss(label_smoothing=spec["label_smoothing"])
-    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=spec["momentum"], nesterov=spec["nesterov"],
+    params = list(net.parameters())
+    if a.compile:
+        if not hasattr(torch, "compile"):
+            raise SystemExit(f"torch_train.py: --compile needs torch 2.0 or later, this is {torch.__version__}")
+        net = torch.compile(net)
+    opt = torch.optim.SGD(params, lr=0.01, momentum=spec["momentum"], nesterov=spec["nesterov"],
                           weight_decay=spec["weight_decay"])
     net.train()
 
@@ -128,9 +134,9 @@ def main():
         sync()
         rates.append(a.steps * n / (time.perf_counter() - t0))
     print(json.dumps({"img_s": statistics.median(rates), "runs": rates, "threads": a.threads, "batch": n,
-                      "channels_last": a.channels_last, "torch": torch.__version__,
+                      "channels_last": a.channels_last, "compiled": a.compile, "torch": torch.__version__,
                       "device": device, "precision": precision if use_amp else "float32", "model": model_source,
-                      "params": sum(p.numel() for p in net.parameters())}))
+                      "params": sum(p.numel() for p in params)}))
 
 
 if __name__ == "__main__":

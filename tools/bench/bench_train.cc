@@ -1,3 +1,4 @@
+#include <cctype>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -123,6 +124,7 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
   std::vector<double> compute_rates, e2e_rates, waits, torch_nchw, torch_cl;
   std::vector<double> comm_ms, overlap_fraction, blocked_ms;  // data-parallel, per timed compute run
   PeerRun peer_info;
+  std::string peer_error;  // the first failure of the PyTorch peer ("" while it works)
   const double seconds = o.seconds > 0 ? o.seconds : 2.0;
   int steps = t.steps;  // 0 until the first warm-up has timed a step
   BenchProgress progress("bench train", (t.peer ? 4 : 2) * o.repeats, rank == 0 ? stderr : nullptr);
@@ -161,14 +163,25 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
       held.Release(net->stream());
     }
     peer_opts.steps = steps;
-    if (t.peer) {
+    if (t.peer && peer_error.empty()) {
+      // A peer that fails (no torch, out of memory beside stoke, a crash) costs its own figures
+      // only: stoke's, measured already, are still reported, with the peer's error.
       progress.Run("PyTorch, NCHW", r, o.repeats);
       const int threads = c.compute_threads > 0 ? c.compute_threads : static_cast<int>(std::thread::hardware_concurrency());
-      STOKE_ASSIGN_OR_RETURN(peer_info, RunPeer(peer_opts, peer_model, threads, false));
-      torch_nchw.push_back(peer_info.img_s);
-      progress.Run("PyTorch, channels-last", r, o.repeats);
-      STOKE_ASSIGN_OR_RETURN(PeerRun cl, RunPeer(peer_opts, peer_model, threads, true));
-      torch_cl.push_back(cl.img_s);
+      auto nchw = RunPeer(peer_opts, peer_model, threads, false);
+      if (nchw.ok()) {
+        peer_info = *nchw;
+        torch_nchw.push_back(peer_info.img_s);
+        progress.Run("PyTorch, channels-last", r, o.repeats);
+        auto cl = RunPeer(peer_opts, peer_model, threads, true);
+        if (cl.ok()) {
+          torch_cl.push_back(cl->img_s);
+        } else {
+          peer_error = cl.status().ToString();
+        }
+      } else {
+        peer_error = nchw.status().ToString();
+      }
     }
 
     // End to end: batches from the loader, as `stoke train` takes them.
@@ -215,7 +228,12 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
         100 * Median(overlap_fraction), Median(blocked_ms));
   }
   double ratio = 0;
-  if (t.peer) {
+  if (!peer_error.empty()) {
+    while (!peer_error.empty() && std::isspace(static_cast<unsigned char>(peer_error.back()))) peer_error.pop_back();
+    out += fmt::format("  PyTorch peer: FAILED, no ratio ({}); stoke's figures above were measured before it\n",
+                       peer_error);
+  }
+  if (t.peer && peer_error.empty()) {
     const double nchw = Median(torch_nchw), cl = Median(torch_cl), best = std::max(nchw, cl);
     ratio = best > 0 ? compute / best : 0;
     out += fmt::format(
@@ -225,15 +243,16 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
         "PyTorch {}\n",
         peer_info.version, nchw, fmt::join(torch_nchw, ", "), cl, fmt::join(torch_cl, ", "), ratio,
         ratio >= 1.0 ? "met" : "NOT met", model_json["params"].get<int64_t>(), peer_info.params);
-    if (t.model_json.empty()) std::filesystem::remove(peer_model);
   }
+  if (t.peer && t.model_json.empty()) std::filesystem::remove(peer_model);
   if (!o.json_out.empty()) {
     nlohmann::json j{{"config", t.config.string()}, {"batch", c.data.batch_size}, {"backend", net->backend()},
                      {"world", world}, {"allreduce_ms_per_step", comm_ms}, {"overlap_fraction", overlap_fraction},
                      {"blocked_ms_per_step", blocked_ms},
                      {"compute_img_s", compute}, {"compute_runs", compute_rates}, {"e2e_img_s", end_to_end},
                      {"e2e_runs", e2e_rates}, {"data_wait_fraction", wait}};
-    if (t.peer) {
+    if (!peer_error.empty()) j["peer_error"] = peer_error;
+    if (t.peer && peer_error.empty()) {
       j["torch_nchw_img_s"] = torch_nchw;
       j["torch_channels_last_img_s"] = torch_cl;
       j["ratio"] = ratio;

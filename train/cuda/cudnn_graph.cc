@@ -312,14 +312,21 @@ Result<const Plan*> Graphs::PlanFor(const OpSpec& op) {
 
   std::string tried;
   for (cudnnBackendHeurMode_t mode : {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK}) {
+    const char* mode_name = mode == CUDNN_HEUR_MODE_A ? "heuristics A" : "fallback heuristics";
     STOKE_ASSIGN_OR_RETURN(Desc heur, Desc::Make(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR));
     STOKE_RETURN_IF_ERROR(heur.SetDesc(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph));
     STOKE_RETURN_IF_ERROR(heur.Set(CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode));
     STOKE_RETURN_IF_ERROR(heur.SetDesc(CUDNN_ATTR_ENGINEHEUR_DEVICEPROP, device_));
-    if (!heur.Finalize("engine heuristics").ok()) continue;
+    if (Status f = heur.Finalize("engine heuristics"); !f.ok()) {
+      tried += fmt::format(" {}: {};", mode_name, f.message());  // cuDNN's reason, kept for the error
+      continue;
+    }
     int64_t count = 0;
-    if (cudnnBackendGetAttribute(heur.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count,
-                                 nullptr) != CUDNN_STATUS_SUCCESS || count <= 0) {
+    if (const cudnnStatus_t st = cudnnBackendGetAttribute(heur.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS,
+                                                          CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count, nullptr);
+        st != CUDNN_STATUS_SUCCESS || count <= 0) {
+      tried += st != CUDNN_STATUS_SUCCESS ? fmt::format(" {}: results: {};", mode_name, cudnnGetErrorString(st))
+                                          : fmt::format(" {}: no configurations;", mode_name);
       continue;
     }
     std::vector<Desc> configs;
@@ -369,6 +376,13 @@ Result<const Plan*> Graphs::PlanFor(const OpSpec& op) {
       }
       auto p = std::make_unique<Plan>();
       p->plan = std::move(plan);
+      struct Sources {
+        std::unique_ptr<BuiltGraph> graph;
+        Desc heur, engine;
+        std::vector<Desc> configs;
+      };
+      p->sources = std::make_shared<Sources>(Sources{std::move(built), std::move(heur), std::move(engine),
+                                                     std::move(configs)});
       STOKE_CUDNN_RETURN(cudnnBackendGetAttribute(p->plan.get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
                                                   CUDNN_TYPE_INT64, 1, &n, &p->workspace),
                          "plan workspace size");

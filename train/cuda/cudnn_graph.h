@@ -78,6 +78,10 @@ struct Plan {
   Desc plan;
   int64_t workspace = 0;
   std::string engine;  // "engine N" for reports
+  // Every descriptor the plan was made from (tensors, operation, graph, heuristics, engine
+  // configurations), kept for the plan's life as cuDNN's own frontend does: the plan is never
+  // left pointing at a destroyed one.
+  std::shared_ptr<void> sources;
 };
 
 class Graphs {
