@@ -41,6 +41,18 @@ if(NOT STOKE_CUDA STREQUAL "OFF")
 endif()
 message(STATUS "stoke: CUDA backend ${STOKE_WITH_CUDA}")
 
+# The end of an optional feature's check, for STOKE_<NAME> = AUTO | ON | OFF: STOKE_WITH_<NAME> ON
+# when the condition given after `missing` holds; a fatal error naming what is missing when it
+# does not and STOKE_<NAME> is ON.
+#   stoke_optional(ONNX "ONNX was not found (apt-get install ...)" ONNX_FOUND AND TARGET onnx)
+function(stoke_optional name missing)
+  if(${ARGN})
+    set(STOKE_WITH_${name} ON PARENT_SCOPE)
+  elseif(STOKE_${name} STREQUAL "ON")
+    message(FATAL_ERROR "STOKE_${name}=ON but ${missing}")
+  endif()
+endfunction()
+
 # MPI is optional like CUDA: data-parallel training (dist/) is built whenever Open MPI's development
 # files are found (AUTO), required (ON) or never (OFF). NCCL, for the CUDA backend's collectives,
 # comes with the CUDA toolkit under /usr/local/cuda and is used when both CUDA and MPI are built
@@ -50,11 +62,7 @@ set(STOKE_WITH_MPI OFF)
 set(STOKE_WITH_NCCL OFF)
 if(NOT STOKE_MPI STREQUAL "OFF")
   find_package(MPI COMPONENTS C QUIET)
-  if(MPI_C_FOUND)
-    set(STOKE_WITH_MPI ON)
-  elseif(STOKE_MPI STREQUAL "ON")
-    message(FATAL_ERROR "STOKE_MPI=ON but MPI was not found (apt-get install libopenmpi-dev openmpi-bin)")
-  endif()
+  stoke_optional(MPI "MPI was not found (apt-get install libopenmpi-dev openmpi-bin)" MPI_C_FOUND)
 endif()
 if(STOKE_WITH_MPI AND STOKE_WITH_CUDA)
   find_path(STOKE_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/local/cuda/include)
@@ -78,14 +86,11 @@ if(NOT STOKE_PYTHON STREQUAL "OFF" AND STOKE_SANITIZE STREQUAL "")
   find_package(Python COMPONENTS Interpreter Development.Module QUIET)
   find_package(pybind11 CONFIG QUIET)
   find_path(STOKE_DLPACK_INCLUDE_DIR dlpack/dlpack.h)
-  if(Python_FOUND AND pybind11_FOUND AND STOKE_DLPACK_INCLUDE_DIR)
-    set(STOKE_WITH_PYTHON ON)
-    # The libraries are linked into a shared module.
-    set(CMAKE_POSITION_INDEPENDENT_CODE ON)
-  elseif(STOKE_PYTHON STREQUAL "ON")
-    message(FATAL_ERROR "STOKE_PYTHON=ON but pybind11, Python's headers or dlpack.h were not found "
-                        "(apt-get install pybind11-dev python3-dev libdlpack-dev)")
-  endif()
+  stoke_optional(PYTHON "pybind11, Python's headers or dlpack.h were not found (apt-get install pybind11-dev python3-dev libdlpack-dev)"
+                 Python_FOUND AND pybind11_FOUND AND STOKE_DLPACK_INCLUDE_DIR)
+endif()
+if(STOKE_WITH_PYTHON)
+  set(CMAKE_POSITION_INDEPENDENT_CODE ON)  # the libraries are linked into a shared module
 endif()
 message(STATUS "stoke: Python package ${STOKE_WITH_PYTHON} (${Python_EXECUTABLE})")
 
@@ -96,11 +101,8 @@ set(STOKE_WITH_ONNX OFF)
 if(NOT STOKE_ONNX STREQUAL "OFF")
   find_package(Protobuf QUIET)
   find_package(ONNX CONFIG QUIET)
-  if(ONNX_FOUND AND Protobuf_FOUND AND TARGET onnx)
-    set(STOKE_WITH_ONNX ON)
-  elseif(STOKE_ONNX STREQUAL "ON")
-    message(FATAL_ERROR "STOKE_ONNX=ON but ONNX was not found (apt-get install libonnx-dev libprotobuf-dev)")
-  endif()
+  stoke_optional(ONNX "ONNX was not found (apt-get install libonnx-dev libprotobuf-dev)"
+                 ONNX_FOUND AND Protobuf_FOUND AND TARGET onnx)
 endif()
 message(STATUS "stoke: ONNX export ${STOKE_WITH_ONNX}")
 
@@ -110,11 +112,8 @@ set(STOKE_TENSORBOARD AUTO CACHE STRING "TensorBoard event files: AUTO, ON or OF
 set(STOKE_WITH_TENSORBOARD OFF)
 if(NOT STOKE_TENSORBOARD STREQUAL "OFF")
   find_package(Protobuf QUIET)
-  if(Protobuf_FOUND AND Protobuf_PROTOC_EXECUTABLE AND TARGET protobuf::libprotobuf)
-    set(STOKE_WITH_TENSORBOARD ON)
-  elseif(STOKE_TENSORBOARD STREQUAL "ON")
-    message(FATAL_ERROR "STOKE_TENSORBOARD=ON but protobuf was not found (apt-get install libprotobuf-dev protobuf-compiler)")
-  endif()
+  stoke_optional(TENSORBOARD "protobuf was not found (apt-get install libprotobuf-dev protobuf-compiler)"
+                 Protobuf_FOUND AND Protobuf_PROTOC_EXECUTABLE AND TARGET protobuf::libprotobuf)
 endif()
 message(STATUS "stoke: TensorBoard event files ${STOKE_WITH_TENSORBOARD}")
 
@@ -125,11 +124,7 @@ set(STOKE_WITH_MONITOR OFF)
 if(NOT STOKE_MONITOR STREQUAL "OFF")
   pkg_check_modules(HTTPLIB QUIET IMPORTED_TARGET cpp-httplib)
   find_file(STOKE_CHARTJS chart.umd.js chart.min.js PATHS /usr/share/javascript/chart.js NO_DEFAULT_PATH)
-  if(HTTPLIB_FOUND AND STOKE_CHARTJS)
-    set(STOKE_WITH_MONITOR ON)
-  elseif(STOKE_MONITOR STREQUAL "ON")
-    message(FATAL_ERROR "STOKE_MONITOR=ON but cpp-httplib or Chart.js was not found "
-                        "(apt-get install libcpp-httplib-dev libjs-chart.js)")
-  endif()
+  stoke_optional(MONITOR "cpp-httplib or Chart.js was not found (apt-get install libcpp-httplib-dev libjs-chart.js)"
+                 HTTPLIB_FOUND AND STOKE_CHARTJS)
 endif()
 message(STATUS "stoke: monitor ${STOKE_WITH_MONITOR} (${STOKE_CHARTJS})")

@@ -42,6 +42,12 @@ void OnInterrupt(int) {
   std::signal(SIGTERM, SIG_DFL);
 }
 
+#if !STOKE_WITH_MONITOR
+constexpr const char* kNoMonitor =
+    "this build has no monitor (cpp-httplib or Chart.js was not found at build time: apt-get install "
+    "libcpp-httplib-dev libjs-chart.js, then rebuild)";
+#endif
+
 int Fail(const stoke::Status& s) {
   std::fprintf(stderr, "stoke: %s\n", s.ToString().c_str());
   return 1;
@@ -382,9 +388,7 @@ int Run(int argc, char** argv) {
     }
 #else
     if (!train_monitor.empty()) {
-      return Fail(stoke::UnavailableError(
-          "--monitor: this build has no monitor (cpp-httplib or Chart.js was not found at build time: "
-          "apt-get install libcpp-httplib-dev libjs-chart.js, then rebuild)"));
+      return Fail(stoke::UnavailableError(std::string("--monitor: ") + kNoMonitor));
     }
 #endif
     auto summary = stoke::train::Train(*config, train_run);
@@ -423,9 +427,7 @@ int Run(int argc, char** argv) {
                 static_cast<long long>(st.refused));
     return 0;
 #else
-    return Fail(stoke::UnavailableError(
-        "monitor: this build has no monitor (cpp-httplib or Chart.js was not found at build time: "
-        "apt-get install libcpp-httplib-dev libjs-chart.js, then rebuild)"));
+    return Fail(stoke::UnavailableError(std::string("monitor: ") + kNoMonitor));
 #endif
   }
   if (export_cmd->parsed() || eval_cmd->parsed() || predict_cmd->parsed()) {

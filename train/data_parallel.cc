@@ -38,10 +38,7 @@ Status DataParallel::FinishGradients() {
   poison_ = false;
   Status s = reducer_->Finish();
   const dist::ReducerStepStats& st = reducer_->last_step();
-  stats_.steps++;
-  stats_.comm_s += st.comm_s;
-  stats_.overlapped_s += st.overlapped_s;
-  stats_.wait_s += st.wait_s;
+  AddDeviceCommTime(st.comm_s, st.overlapped_s, st.wait_s);
   return s;
 }
 

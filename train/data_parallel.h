@@ -47,6 +47,7 @@ class DataParallel final : public StepSync {
   Status BroadcastBytes(std::span<std::byte> data, int root) override;
   int local_rank() const override { return comm_.local_rank(); }
   double timeout_s() const override { return comm_.timeout_s(); }
+  // One step's communication, from the host reducer (FinishGradients) or a device backend.
   void AddDeviceCommTime(double comm_s, double overlapped_s, double wait_s) override;
   void DescribeDeviceBuckets(int buckets, double largest_mb) override {
     stats_.buckets = buckets;

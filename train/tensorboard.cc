@@ -63,8 +63,11 @@ double WallTime() {
 }
 
 MetricsScalars ScalarsOfMetricsLine(std::string_view line, double fallback_time) {
+  return ScalarsOfMetrics(nlohmann::json::parse(line, nullptr, false), fallback_time);
+}
+
+MetricsScalars ScalarsOfMetrics(const nlohmann::json& j, double fallback_time) {
   MetricsScalars out;
-  auto j = nlohmann::json::parse(line, nullptr, false);
   if (!j.is_object()) return out;
   auto type = j.find("type");
   auto step = j.find("step");

@@ -20,6 +20,8 @@
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "common/status.h"
 
 namespace stoke::train {
@@ -38,6 +40,7 @@ struct MetricsScalars {
   std::vector<Scalar> scalars;
 };
 MetricsScalars ScalarsOfMetricsLine(std::string_view json_line, double fallback_time);
+MetricsScalars ScalarsOfMetrics(const nlohmann::json& line, double fallback_time);  // already parsed
 
 // TFRecord framing of one record, and the checksum it uses.
 uint32_t MaskedCrc32c(std::string_view data);

@@ -261,7 +261,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     metrics.flush();
     if (!metrics) pending = IoError(fmt::format("{}: write failed (is the disk full?)", metrics_path.string()));
     if (events && pending.ok()) {
-      MetricsScalars m = ScalarsOfMetricsLine(line, 0);
+      MetricsScalars m = ScalarsOfMetrics(j, 0);
       if (!m.scalars.empty()) pending = events->Write(m.step, m.wall_time, m.scalars);
     }
   };

@@ -13,19 +13,8 @@ venv=${STOKE_ONNX_VENV:-$here/../../build/onnx-venv}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-if ! "$venv/bin/python" -c 'import onnxruntime' 2>/dev/null; then
-  echo "== installing onnxruntime from PyPI into $venv"
-  rm -rf "$venv"
-  mkdir -p "$(dirname "$venv")"
-  # Debian's numpy (and torch) stay visible; only onnxruntime comes from PyPI.
-  if ! /usr/bin/python3 -m venv --system-site-packages "$venv" ||
-     ! timeout 600 "$venv/bin/pip" install -q --disable-pip-version-check onnxruntime; then
-    echo "SKIP: onnxruntime could not be installed from PyPI (offline?); the ONNX checker tests (export_test) still ran"
-    rm -rf "$venv"
-    exit 77
-  fi
-fi
-python=$venv/bin/python
+source "$here/../testing/pypi_venv.sh"
+pypi_venv "$venv" onnxruntime "the ONNX checker tests (export_test) still ran"
 "$python" -c 'import onnxruntime; print("onnxruntime", onnxruntime.__version__)'
 
 echo "== 1. every model: ONNX Runtime vs the CPU backend"

@@ -11,18 +11,8 @@ venv=${STOKE_TB_VENV:-$here/../../build/tb-venv}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-if ! "$venv/bin/python" -c 'import tensorboard' 2>/dev/null; then
-  echo "== installing tensorboard from PyPI into $venv"
-  rm -rf "$venv"
-  mkdir -p "$(dirname "$venv")"
-  # Debian's numpy stays visible; only tensorboard (and what it needs) comes from PyPI.
-  if ! /usr/bin/python3 -m venv --system-site-packages "$venv" ||
-     ! timeout 600 "$venv/bin/pip" install -q --disable-pip-version-check tensorboard; then
-    echo "SKIP: tensorboard could not be installed from PyPI (offline?); the event-file tests of monitor_test and train_test still ran"
-    rm -rf "$venv"
-    exit 77
-  fi
-fi
+source "$here/../testing/pypi_venv.sh"
+pypi_venv "$venv" tensorboard "the event-file tests of monitor_test and train_test still ran"
 
 echo "== a run: 2 epochs, stopped at step 9, resumed from its oldest checkpoint (the end of epoch 1)"
 "$stoke" demo --dir "$work/demo" --per-class 40 --epochs 1 --threads 2 >/dev/null
@@ -34,4 +24,4 @@ grep -q "log_every_steps" "$cfg" || echo "log_every_steps: 2" >>"$cfg"
 first=$(ls "$work/run/checkpoints" | head -1)
 "$stoke" train --config "$cfg" --resume "$work/run/checkpoints/$first" -q >/dev/null
 echo "resumed from $first"
-"$venv/bin/python" "$here/check_tensorboard.py" "$work/run"
+"$python" "$here/check_tensorboard.py" "$work/run"
