@@ -6,8 +6,9 @@
         --val build/demo/train_val.lmdb --size 64 --batch-size 64 --epochs 2
 
 On a GPU it trains in mixed precision (autocast to bfloat16 where the GPU has it, else float16
-with a gradient scaler), channels-last; on the CPU in float32. The loader's uint8 batches are
-normalised on the device the model runs on.
+with a gradient scaler), channels-last; on the CPU in float32. The loader hands out batches where
+the model runs: on a GPU it copies them there and normalises them with its own kernel, in the
+autocast type, on the current stream.
 """
 import argparse
 import time
@@ -18,8 +19,8 @@ import torchvision
 
 from stoke.torch import Loader
 
-MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
-STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
 
 
 def main() -> None:
@@ -37,22 +38,21 @@ def main() -> None:
 
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
-    loader = Loader(args.train, batch_size=args.batch_size, size=args.size, threads=args.threads, seed=1)
+    # Mixed precision on a GPU only (bfloat16 where it has it); the CPU trains in float32.
+    amp_dtype = torch.float16 if on_gpu and not torch.cuda.is_bf16_supported() else torch.bfloat16
+    input_dtype = amp_dtype if on_gpu else torch.float32
+    loader = Loader(args.train, batch_size=args.batch_size, size=args.size, threads=args.threads, seed=1,
+                    device=device, normalize=(MEAN, STD), dtype=input_dtype)
     classes = len(loader.dataset.classes)
     model = torchvision.models.resnet18(num_classes=classes).to(device, memory_format=torch.channels_last)
     lr = args.lr * args.batch_size / 256
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-5)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=args.epochs * len(loader), pct_start=0.25)
-    # Mixed precision on a GPU only (bfloat16 where it has it); the CPU trains in float32.
-    amp_dtype = torch.float16 if on_gpu and not torch.cuda.is_bf16_supported() else torch.bfloat16
     scaler = torch.cuda.amp.GradScaler(enabled=on_gpu and amp_dtype == torch.float16)
-    mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1)
-    std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
 
     def prepare(batch):
-        # uint8 [B, 3, H, W] channels-last -> normalised float on the device, still channels-last.
-        x = batch["images"].to(device, non_blocking=True).float().sub_(mean).div_(std)
-        return x, batch["labels"].to(device, non_blocking=True)
+        # Normalised [B, 3, H, W] channels-last images and int64 labels, already on `device`.
+        return batch["images"], batch["labels"]
 
     step = 0
     for epoch in range(args.epochs):
@@ -82,7 +82,7 @@ def main() -> None:
         correct = total = 0
         with torch.no_grad(), torch.autocast(device.type, dtype=amp_dtype, enabled=on_gpu):
             for batch in Loader(args.val, batch_size=args.batch_size, size=args.size, train=False,
-                                threads=args.threads):
+                                threads=args.threads, device=device, normalize=(MEAN, STD), dtype=input_dtype):
                 x, y = prepare(batch)
                 correct += (model(x).argmax(1) == y).sum().item()
                 total += y.numel()

@@ -148,10 +148,14 @@ void* BatchMemory::copied_event(int slot) const {
 
 Status BatchMemory::MarkConsumed(int slot, void* stream) {
   if (cuda_ == nullptr) return OkStatus();
+  // The consumer's thread (a framework's, when a tensor's deleter returns the slot) keeps its
+  // current device.
+  int current = -1;
+  STOKE_CUDA_RETURN(cudaGetDevice(&current));
   STOKE_CUDA_RETURN(cudaSetDevice(device_));
-  STOKE_CUDA_RETURN(cudaEventRecord(cuda_->consumed[static_cast<size_t>(slot)],
-                                    static_cast<cudaStream_t>(stream)));
-  return OkStatus();
+  const cudaError_t rc = cudaEventRecord(cuda_->consumed[static_cast<size_t>(slot)], static_cast<cudaStream_t>(stream));
+  STOKE_CUDA_RETURN(cudaSetDevice(current));
+  return rc == cudaSuccess ? OkStatus() : CudaError(rc, "recording the slot's consumed event");
 }
 
 #else  // !STOKE_WITH_CUDA

@@ -66,11 +66,6 @@ Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c, const dist:
   if (c.backend == "cuda" || (c.backend == "auto" && gpu.ok())) {
     if (!gpu.ok()) return UnavailableError(fmt::format("backend 'cuda' was requested: {}", gpu.message()));
     o.normalize.dtype = augment::DType::kFloat32;  // the device normalises; the host never does
-    if (c.optimizer.sgd.adaptation != LayerAdaptation::kNone) {
-      return UnavailableError(fmt::format("{}: optimizer.type {}: the cuda backend has no layer-wise adaptation yet; "
-                                          "use type sgd, or backend: cpu",
-                                          c.source, LayerAdaptationName(c.optimizer.sgd.adaptation)));
-    }
     STOKE_ASSIGN_OR_RETURN(auto net, CudaNetwork::Create(std::move(o)));
     return std::unique_ptr<Network>(std::move(net));
   }

@@ -9,6 +9,7 @@
 
 #include <dlpack/dlpack.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -25,6 +26,8 @@
 #include "augment/transform.h"
 #include "common/status.h"
 #include "dataset/dataset.h"
+#include "prefetch/batch_memory.h"
+#include "prefetch/device_batch.h"
 #include "prefetch/loader.h"
 #include "tools/inspect/inspect.h"
 #include "tools/pack/packer.h"
@@ -82,10 +85,18 @@ std::shared_ptr<PyDataset> OpenDataset(const std::string& path) {
 
 // ---------------------------------------------------------------- DLPack
 
-// What a capsule's tensor keeps alive: the lease on the ring slot (shared by every tensor of the
-// batch), and the shape and strides DLPack points at.
+// A batch on a GPU goes back to the ring on the stream its consumer was given it on: the next
+// copy into the slot waits for the work queued there up to the moment the last tensor went.
+struct DeviceLease {
+  prefetch::BatchLease lease;
+  void* stream = nullptr;
+  ~DeviceLease() { lease.Release(stream); }
+};
+
+// What a capsule's tensor keeps alive: the lease on the ring slot (shared by every tensor viewing
+// the slot), and the shape and strides DLPack points at.
 struct TensorOwner {
-  std::shared_ptr<prefetch::BatchLease> lease;
+  std::shared_ptr<void> lease;
   std::vector<int64_t> shape, strides;
   std::vector<int64_t> values;  // labels and indices (owned here)
   std::vector<std::byte> bytes;  // normalised pixels (owned here)
@@ -97,10 +108,10 @@ void DeleteManaged(DLManagedTensor* t) {
 }
 
 // A "dltensor" capsule; if nothing consumes it, the capsule's destructor frees the tensor.
-py::capsule Capsule(void* data, DLDataType type, std::unique_ptr<TensorOwner> owner) {
+py::capsule Capsule(void* data, DLDataType type, std::unique_ptr<TensorOwner> owner, DLDevice device = {kDLCPU, 0}) {
   auto* t = new DLManagedTensor{};
   t->dl_tensor.data = data;
-  t->dl_tensor.device = {kDLCPU, 0};
+  t->dl_tensor.device = device;
   t->dl_tensor.ndim = static_cast<int32_t>(owner->shape.size());
   t->dl_tensor.dtype = type;
   t->dl_tensor.shape = owner->shape.data();
@@ -146,6 +157,7 @@ struct EpochOptions {
   std::array<float, 3> mean = {0.485f, 0.456f, 0.406f};
   std::array<float, 3> std = {0.229f, 0.224f, 0.225f};
   std::string dtype = "float32";
+  int device = -1;  // >= 0: batches are copied to this GPU (see EpochLoader::Next)
 };
 
 prefetch::LoaderOptions ToLoaderOptions(const EpochOptions& e) {
@@ -178,7 +190,8 @@ prefetch::LoaderOptions ToLoaderOptions(const EpochOptions& e) {
     o.augment.crop = e.size;
     o.augment.resize = e.resize > 0 ? e.resize : (e.size * 256 + 223) / 224;
   }
-  o.device = prefetch::DeviceMode::kHost;
+  o.device = e.device >= 0 ? prefetch::DeviceMode::kCuda : prefetch::DeviceMode::kHost;
+  o.device_id = std::max(e.device, 0);
   o.start_epoch = e.epoch;
   o.start_batch = e.start_batch;
   o.epochs = e.epochs;
@@ -206,7 +219,13 @@ class EpochLoader {
 
   // The next batch as (images, labels, indices, epoch, number, replaced), or None at the end of the
   // epoch. Waits with the GIL released, checking for Ctrl-C every 50 ms.
-  py::object Next() {
+  //
+  // On a GPU, `stream` (a cudaStream_t as an integer, 0: the legacy default stream) is the
+  // consumer's: it waits there for the batch's copy, images (uint8) and labels (int32) are views of
+  // the slot's device memory, and the slot returns to the ring, ordered after the work queued on
+  // `stream`, once the last of those views is freed. Indices stay on the host. Normalisation on
+  // the device is the caller's (NormalizeOnDevice into a tensor of its own, then drop the view).
+  py::object Next(uintptr_t stream) {
     if (!loader_) return py::none();
     while (true) {
       bool ready = false;
@@ -235,6 +254,7 @@ class EpochLoader {
       Raise(s);
     }
     if (!*next) return py::none();
+    if ((*next)->device_images != nullptr) return DeviceBatch(std::move(*next), reinterpret_cast<void*>(stream));
     auto lease = std::make_shared<prefetch::BatchLease>(std::move(*next));
     const prefetch::Batch& b = **lease;
     const int64_t n = b.size, h = b.height, w = b.width;
@@ -277,6 +297,38 @@ class EpochLoader {
     return out;
   }
 
+  py::object DeviceBatch(prefetch::BatchLease got, void* stream) {
+    const prefetch::Batch& b = *got;
+    const int64_t n = b.size, h = b.height, w = b.width;
+    const DLDevice device{kDLCUDA, loader_->options().device_id};
+    if (Status st = prefetch::WaitForCopy(b, stream); !st.ok()) Raise(st);
+    auto shared = std::make_shared<DeviceLease>();
+    shared->lease = std::move(got);
+    shared->stream = stream;
+    const prefetch::Batch& kept = *shared->lease;
+    auto* base = static_cast<uint8_t*>(const_cast<void*>(kept.device_images));
+
+    auto img = std::make_unique<TensorOwner>();
+    img->lease = shared;
+    img->shape = {n, 3, h, w};
+    img->strides = {h * w * 3, 1, w * 3, 3};
+    py::capsule images = Capsule(base, {kDLUInt, 8, 1}, std::move(img), device);
+
+    auto lab = std::make_unique<TensorOwner>();
+    lab->lease = shared;
+    lab->shape = {n};
+    py::capsule labels = Capsule(base + kept.device_labels_offset, {kDLInt, 32, 1}, std::move(lab), device);
+
+    auto idx = std::make_unique<TensorOwner>();
+    idx->values.assign(kept.indices.begin(), kept.indices.end());
+    idx->shape = {n};
+    int64_t* index_data = idx->values.data();
+    py::capsule indices = Capsule(index_data, {kDLInt, 64, 1}, std::move(idx));
+    py::tuple out = py::make_tuple(images, labels, indices, kept.epoch, kept.number, kept.replaced);
+    shared.reset();  // the two device views keep the slot
+    return out;
+  }
+
   // Stops the pipeline and joins its threads; batches still held stay valid.
   void Close() {
     if (!loader_) return;
@@ -308,6 +360,23 @@ class EpochLoader {
   std::optional<augment::NormalizeOptions> normalize_;
   std::unique_ptr<prefetch::Loader> loader_;
 };
+
+// Normalises `count` uint8 HWC images of `pixels` pixels at device address `images` into `out`
+// (float32, float16 or bfloat16, same layout), on `stream`, on the current device.
+void NormalizeOnDevice(uintptr_t images, int count, int64_t pixels, const std::array<float, 3>& mean,
+                       const std::array<float, 3>& std, const std::string& dtype, uintptr_t out, uintptr_t stream) {
+  prefetch::DeviceDType t = prefetch::DeviceDType::kFloat32;
+  if (dtype == "float16") {
+    t = prefetch::DeviceDType::kFloat16;
+  } else if (dtype == "bfloat16") {
+    t = prefetch::DeviceDType::kBFloat16;
+  } else if (dtype != "float32") {
+    throw py::value_error(fmt::format("stoke: dtype {}: expected float32, float16 or bfloat16", dtype));
+  }
+  Status st = prefetch::NormalizeOnDevice(reinterpret_cast<const uint8_t*>(images), count, count, pixels, mean, std,
+                                          t, reinterpret_cast<void*>(out), reinterpret_cast<void*>(stream));
+  if (!st.ok()) Raise(st);
+}
 
 // ---------------------------------------------------------------- pack and verify
 
@@ -526,16 +595,23 @@ PYBIND11_MODULE(_stoke, m) {
       .def_readwrite("normalize", &EpochOptions::normalize)
       .def_readwrite("mean", &EpochOptions::mean)
       .def_readwrite("std", &EpochOptions::std)
-      .def_readwrite("dtype", &EpochOptions::dtype);
+      .def_readwrite("dtype", &EpochOptions::dtype)
+      .def_readwrite("device", &EpochOptions::device);
 
   py::class_<EpochLoader>(m, "EpochLoader")
       .def(py::init<std::shared_ptr<PyDataset>, const EpochOptions&>(), py::arg("dataset"), py::arg("options"))
       .def("batches", &EpochLoader::batches, "Batches in this epoch for this rank (from the first, not the start).")
-      .def("next", &EpochLoader::Next)
+      .def("next", &EpochLoader::Next, py::arg("stream") = 0)
       .def("close", &EpochLoader::Close)
       .def("stats", &EpochLoader::Stats)
       .def("bad_records", &EpochLoader::BadRecords);
 
+  m.def("_normalize_on_device", &NormalizeOnDevice, py::arg("images"), py::arg("count"), py::arg("pixels"),
+        py::arg("mean"), py::arg("std"), py::arg("dtype"), py::arg("out"), py::arg("stream"));
+  m.def("_cuda", [] {
+    const stoke::prefetch::CudaProbe p = stoke::prefetch::ProbeCuda();
+    return py::make_tuple(p.built, p.devices, p.reason);
+  }, "(built with CUDA, usable GPUs, why none) as the loader sees them");
   m.def("_pack", &Pack, py::arg("source"), py::arg("output"), py::arg("options"), py::arg("progress"));
   m.def("_verify", &Verify, py::arg("path"), py::arg("threads"));
   m.def("_reference_batches", &ReferenceBatches, py::arg("dataset"), py::arg("options"), py::arg("max_batches"));

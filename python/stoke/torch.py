@@ -6,8 +6,9 @@ iteration with ``.clone()``. torch is imported when this module is.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 import torch.utils.dlpack
@@ -26,6 +27,28 @@ def _rank_and_world(rank: Optional[int], world_size: Optional[int]) -> Tuple[int
     else:
         r, w = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     return (r if rank is None else rank), (w if world_size is None else world_size)
+
+
+def _device_index(device: Union[str, "torch.device"]) -> int:
+    """-1 for the host, else the GPU the batches go to; a clear error when there is none."""
+    try:
+        d = torch.device(device) if not isinstance(device, torch.device) else device
+    except (RuntimeError, TypeError):
+        d = None
+    if d is not None and d.type == "cpu":
+        return -1
+    if d is None or d.type != "cuda":
+        raise ValueError(f"stoke.torch.Loader: device {str(device)!r}: expected 'cpu', 'cuda' or 'cuda:N'")
+    built, gpus, reason = _stoke._cuda()
+    if not built:
+        raise ValueError(f"stoke.torch.Loader: device {str(device)!r}: this stoke was built without CUDA; "
+                         "use device='cpu' and .to(device, non_blocking=True)")
+    if not torch.cuda.is_available():
+        raise ValueError(f"stoke.torch.Loader: device {str(device)!r}: torch sees no GPU ({reason or 'no CUDA device'})")
+    index = torch.cuda.current_device() if d.index is None else d.index
+    if not 0 <= index < min(gpus, torch.cuda.device_count()):
+        raise ValueError(f"stoke.torch.Loader: device {str(device)!r}: there are {torch.cuda.device_count()} GPUs")
+    return index
 
 
 class _Epoch:
@@ -49,18 +72,30 @@ class _Epoch:
             self._owner._position = (self.epoch + 1, 0)
             self._native = None
             raise StopIteration
-        got = self._native.next()
+        owner = self._owner
+        if owner._device < 0:
+            got = self._native.next()
+        else:
+            stream = torch.cuda.current_stream(owner._device)
+            got = self._native.next(stream.cuda_stream)
         if got is None:
             raise StopIteration
         images, labels, indices, epoch, number, replaced = got
         self.yielded += 1
-        self._owner._position = (self.epoch, self.yielded)
+        owner._position = (self.epoch, self.yielded)
         images = torch.utils.dlpack.from_dlpack(images)
-        if self._owner._cast is not None:
-            images = images.to(self._owner._cast)
+        labels = torch.utils.dlpack.from_dlpack(labels)
+        if owner._device >= 0:
+            # Queued on the consumer's stream after the wait for the copy; dropping the slot's views
+            # afterwards returns the slot on that stream, behind this work.
+            labels = labels.long()
+            if owner._options.normalize:
+                images = owner._normalize_on_device(images, stream)
+        elif owner._cast is not None:
+            images = images.to(owner._cast)
         return {
             "images": images,
-            "labels": torch.utils.dlpack.from_dlpack(labels),
+            "labels": labels,
             "indices": torch.utils.dlpack.from_dlpack(indices),
             "epoch": epoch,
             "batch": number,
@@ -88,6 +123,14 @@ class Loader:
     stoke on the loader's side; those tensors own their memory and the ring buffer is returned at
     once.
 
+    ``device="cuda"`` (or ``"cuda:N"``): the ring's pinned buffers are copied to that GPU while the
+    CPU decodes the next batches, and batches arrive there: ``images`` a uint8 view of the slot's
+    device memory (with ``normalize``, stoke's kernel writes ``dtype`` into a tensor of torch's
+    allocator and the slot goes back at once), ``labels`` int64 on the GPU, ``indices`` on the
+    host. Everything is ordered on the current CUDA stream of that device when the batch is taken:
+    the stream waits for the copy, and a slot freed by its last tensor is refilled only after the
+    work queued on that stream. Using a batch on another stream needs ``record_stream`` as usual.
+
     Training (``train=True``): full shuffle, RandomResizedCrop to ``size`` with ``scale`` and a
     horizontal flip with probability ``flip``. Evaluation: the records in order, the shorter side
     resized to ``resize`` (default ``size * 256 / 224``), centre crop ``size``.
@@ -105,7 +148,7 @@ class Loader:
         ring: int = 4,
         drop_last: bool = False,
         on_error: str = "skip",
-        device: str = "cpu",
+        device: Union[str, "torch.device"] = "cpu",
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         scale: Tuple[float, float] = (0.08, 1.0),
@@ -114,9 +157,7 @@ class Loader:
         normalize: Optional[Tuple[Tuple[float, float, float], Tuple[float, float, float]]] = None,
         dtype: Any = None,
     ) -> None:
-        if device != "cpu":
-            raise ValueError(f"stoke.torch.Loader: device {device!r}: this build hands out CPU tensors only; "
-                             "use device='cpu' and .to(device, non_blocking=True)")
+        self._device = _device_index(device)
         self._dataset = _stoke.Dataset(path)
         r, w = _rank_and_world(rank, world_size)
         if not 0 <= r < w:
@@ -128,17 +169,21 @@ class Loader:
         o.scale_min, o.scale_max = scale
         o.flip, o.resize = flip, resize
         self._cast = None
+        self._dtype = None
         if normalize is not None:
             mean, std = normalize
             o.normalize, o.mean, o.std = True, list(mean), list(std)
             dtype = torch.float32 if dtype is None else dtype
             if dtype not in (torch.float32, torch.float16, torch.bfloat16):
                 raise ValueError(f"stoke.torch.Loader: dtype {dtype}: expected torch.float32, float16 or bfloat16")
-            # stoke normalises to float32 or float16; bfloat16 is a cast of the float32 result.
+            self._dtype = dtype
+            # On the host stoke normalises to float32 or float16 (bfloat16 is a cast of the float32
+            # result); on a GPU its kernel writes any of the three.
             o.dtype = "float16" if dtype == torch.float16 else "float32"
-            self._cast = torch.bfloat16 if dtype == torch.bfloat16 else None
+            self._cast = torch.bfloat16 if dtype == torch.bfloat16 and self._device < 0 else None
         elif dtype is not None:
             raise ValueError("stoke.torch.Loader: dtype= needs normalize=(mean, std); without it batches are uint8")
+        o.device = self._device
         self._options = o
         self._next_epoch = 0
         self._start_batch = 0
@@ -148,9 +193,30 @@ class Loader:
         self._native: Any = None
         self._position: Tuple[int, int] = (-1, -1)
         # Checks every option now (the error names it) and learns the epoch's length.
-        probe = _stoke.EpochLoader(self._dataset, o)
+        with self._on_device():
+            probe = _stoke.EpochLoader(self._dataset, o)
         self._len = probe.batches()
         probe.close()
+
+    def _on_device(self) -> Any:
+        """The loader's GPU as the current device while its native side sets up (it selects it)."""
+        return torch.cuda.device(self._device) if self._device >= 0 else contextlib.nullcontext()
+
+    def _normalize_on_device(self, images: "torch.Tensor", stream: Any) -> "torch.Tensor":
+        """stoke's normalisation kernel, from the slot's uint8 view into a tensor of torch's allocator."""
+        n, _, h, w = images.shape
+        out = torch.empty((n, h, w, 3), dtype=self._dtype, device=images.device)
+        name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[self._dtype]
+        o = self._options
+        with torch.cuda.device(self._device):
+            _stoke._normalize_on_device(images.data_ptr(), n, h * w, o.mean, o.std, name, out.data_ptr(),
+                                        stream.cuda_stream)
+        return out.permute(0, 3, 1, 2)
+
+    @property
+    def device(self) -> "torch.device":
+        """Where the batches are: the host, or the GPU they are copied to."""
+        return torch.device("cpu") if self._device < 0 else torch.device("cuda", self._device)
 
     @property
     def dataset(self) -> Any:
@@ -180,7 +246,8 @@ class Loader:
             self._close_native()
             o = self._options
             o.epoch, o.start_batch, o.epochs = wanted[0], wanted[1], 0
-            self._native = _stoke.EpochLoader(self._dataset, o)
+            with self._on_device():
+                self._native = _stoke.EpochLoader(self._dataset, o)
             self._position = wanted
         self._current = _Epoch(self, self._native, *wanted)
         self._next_epoch, self._start_batch = wanted[0] + 1, 0

@@ -3,6 +3,7 @@ exact resume, no threads or memory left behind, and clear errors."""
 import gc
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -218,6 +219,107 @@ def test_normalize_gives_floats_of_the_same_pixels(data):
     raw.close()
     with pytest.raises(ValueError, match="normalize"):
         Loader(data["train"], batch_size=8, dtype=torch.float16)
+
+
+def _gpu_reason():
+    built, gpus, reason = _stoke._cuda()
+    if not built:
+        return "stoke was built without CUDA"
+    if not torch.cuda.is_available() or gpus == 0:
+        return f"no GPU: {reason or 'torch sees none'}"
+    return None
+
+
+needs_gpu = pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+
+
+def test_device_names_are_checked(data):
+    with pytest.raises(ValueError, match="device 'tpu'.*expected 'cpu', 'cuda' or 'cuda:N'"):
+        Loader(data["train"], batch_size=8, device="tpu")
+    if _gpu_reason() is not None:
+        with pytest.raises(ValueError, match=r"device 'cuda:0'.*(without CUDA|no GPU)"):
+            Loader(data["train"], batch_size=8, device="cuda:0")
+    else:
+        with pytest.raises(ValueError, match="GPUs"):
+            Loader(data["train"], batch_size=8, device=f"cuda:{torch.cuda.device_count()}")
+
+
+@needs_gpu
+def test_gpu_batches_are_the_host_batches(data):
+    host = Loader(data["train"], batch_size=8, size=32, seed=3, threads=2)
+    gpu = Loader(data["train"], batch_size=8, size=32, seed=3, threads=2, device="cuda")
+    assert gpu.device.type == "cuda" and len(gpu) == len(host)
+    for h, g in zip(host, gpu):
+        assert g["images"].is_cuda and g["images"].dtype == torch.uint8
+        assert g["images"].shape == h["images"].shape
+        assert g["images"].is_contiguous(memory_format=torch.channels_last)
+        assert g["labels"].is_cuda and g["labels"].dtype == torch.int64
+        assert torch.equal(g["images"].cpu(), h["images"])
+        assert torch.equal(g["labels"].cpu(), h["labels"])
+        assert torch.equal(g["indices"], h["indices"]) and not g["indices"].is_cuda
+    host.close()
+    gpu.close()
+
+
+@needs_gpu
+def test_gpu_normalize_is_the_host_normalize(data):
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-2), (torch.bfloat16, 5e-2)):
+        host = Loader(data["train"], batch_size=8, size=32, seed=2, normalize=(mean, std))
+        gpu = Loader(data["train"], batch_size=8, size=32, seed=2, normalize=(mean, std), dtype=dtype, device="cuda")
+        want, got = next(iter(host))["images"], next(iter(gpu))["images"]
+        assert got.is_cuda and got.dtype == dtype and got.shape == (8, 3, 32, 32)
+        assert got.is_contiguous(memory_format=torch.channels_last)
+        assert torch.allclose(got.float().cpu(), want, atol=tol), dtype
+        host.close()
+        gpu.close()
+
+
+@needs_gpu
+def test_gpu_slots_return_on_the_consumers_stream(data):
+    """A ring of 2 on the GPU for 1,000 batches, consumed on a side stream with work queued behind
+    each batch: every slot comes back (the deleter), and no batch is overwritten while in use."""
+    loader = Loader(data["train"], batch_size=4, size=32, ring=2, threads=2, device="cuda", train=False)
+    reference = [b["images"].clone() for b in loader]
+    side = torch.cuda.Stream()
+    done = 0
+    with torch.cuda.stream(side):
+        while done < 1000:
+            for i, b in enumerate(loader):
+                x = b["images"].float()
+                for _ in range(4):
+                    x = x * 1.0001  # keeps the stream busy while the next batch is copied
+                assert torch.equal(b["images"], reference[i].to(b["images"].device))
+                done += 1
+                if done == 1000:
+                    break
+    torch.cuda.synchronize()
+    loader.close()
+
+
+@needs_gpu
+def test_gpu_holding_more_batches_than_the_ring_says_to_clone(data):
+    loader = Loader(data["train"], batch_size=4, size=32, ring=2, device="cuda")
+    it = iter(loader)
+    kept = [next(it)["images"], next(it)["images"]]
+    with pytest.raises(RuntimeError, match=r"\.clone\(\)"):
+        next(it)
+    del kept
+    gc.collect()
+    assert next(it)["images"].shape[0] == 4
+    loader.close()
+
+
+def test_the_torchvision_example_trains(data):
+    """examples/train_torchvision.py for a few steps, on the GPU when there is one."""
+    pytest.importorskip("torchvision", reason="torchvision is not installed")
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "train_torchvision.py")
+    device = "cuda" if _gpu_reason() is None else "cpu"
+    run = subprocess.run([sys.executable, example, data["train"], "--val", data["train"], "--size", "32",
+                          "--batch-size", "16", "--epochs", "1", "--max-steps", "4", "--threads", "2",
+                          "--device", device], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "epoch 0: loss" in run.stdout and "validation: top-1" in run.stdout
 
 
 def test_pack_verify_and_progress(data, tmp_path):

@@ -18,12 +18,15 @@
 #include "dataset/writer.h"
 #include "decode/jpeg_decoder.h"
 #include "prefetch/batch_memory.h"
+#include "prefetch/device_batch.h"
 #include "prefetch/loader.h"
 #include "tests/prefetch/loader_test_util.h"
 #include "tests/testing/test_util.h"
 #include "tools/inspect/inspect.h"
 
 #if STOKE_WITH_CUDA
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #endif
 
@@ -545,6 +548,72 @@ TEST(LoaderDevice, BatchesArriveOnTheGpu) {
     ++k;
   }
   EXPECT_EQ(k, host_run.size());
+  cudaStreamDestroy(stream);
+#endif
+}
+
+TEST(LoaderDevice, DeviceWorkOnAHostBatchOrWithBadArgumentsIsRefusedWithoutAGpu) {
+  Batch host;  // no device copy: nothing to wait for
+  EXPECT_OK(WaitForCopy(host, nullptr));
+  Status bad = NormalizeOnDevice(nullptr, 1, 1, 4, {0, 0, 0}, {1, 0, 1}, DeviceDType::kFloat32, nullptr, nullptr);
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("std[1]"), std::string::npos) << bad.ToString();
+  bad = NormalizeOnDevice(nullptr, 3, 2, 4, {0, 0, 0}, {1, 1, 1}, DeviceDType::kFloat32, nullptr, nullptr);
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad.ToString();
+}
+
+// The device normalisation (the CUDA trainer's first step, the Python package's device batches)
+// against the host's augment::Normalize: float32 within rounding, float16 and bfloat16 within
+// their precision, and the images past `valid` zero.
+TEST(LoaderDevice, NormalizeOnDeviceIsTheHostNormalize) {
+  const CudaProbe probe = ProbeCuda();
+  if (probe.devices == 0) GTEST_SKIP() << "no GPU: " << probe.reason;
+#if STOKE_WITH_CUDA
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {}));
+  ASSERT_OK(ds.status());
+  LoaderOptions o = SmallOptions(2);
+  o.device = DeviceMode::kCuda;
+  auto loader = Loader::Create(*ds, o);
+  ASSERT_OK(loader.status());
+  auto lease = (*loader)->Next();
+  ASSERT_OK(lease.status());
+  ASSERT_TRUE(*lease);
+  const Batch& b = **lease;
+  augment::NormalizeOptions n;
+  n.mean = {0.5f, 0.4f, 0.3f};
+  n.std = {0.2f, 0.25f, 0.3f};
+  n.layout = augment::Layout::kNHWC;
+  std::vector<std::byte> want_bytes(augment::NormalizedBytes(b.size, b.width, b.height, augment::DType::kFloat32));
+  ASSERT_OK(augment::Normalize(b.images, b.size, b.width, b.height, n, want_bytes));
+  const auto* want = reinterpret_cast<const float*>(want_bytes.data());
+  const int64_t pixels = int64_t{b.width} * b.height, values = b.size * pixels * 3;
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  ASSERT_OK(WaitForCopy(b, stream));
+  void* out = nullptr;
+  ASSERT_EQ(cudaMalloc(&out, (values + pixels * 3) * 4), cudaSuccess);
+  for (DeviceDType t : {DeviceDType::kFloat32, DeviceDType::kFloat16, DeviceDType::kBFloat16}) {
+    const size_t width = t == DeviceDType::kFloat32 ? 4 : 2;
+    ASSERT_EQ(cudaMemsetAsync(out, 0xff, (values + pixels * 3) * width, stream), cudaSuccess);
+    ASSERT_OK(NormalizeOnDevice(static_cast<const uint8_t*>(b.device_images), b.size, b.size + 1, pixels, n.mean,
+                                n.std, t, out, stream));
+    std::vector<std::byte> got((values + pixels * 3) * width);
+    ASSERT_EQ(cudaMemcpyAsync(got.data(), out, got.size(), cudaMemcpyDeviceToHost, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    auto value = [&](int64_t i) -> float {
+      if (t == DeviceDType::kFloat32) return reinterpret_cast<const float*>(got.data())[i];
+      if (t == DeviceDType::kFloat16) return __half2float(reinterpret_cast<const __half*>(got.data())[i]);
+      return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(got.data())[i]);
+    };
+    const float tol = t == DeviceDType::kFloat32 ? 1e-5f : t == DeviceDType::kFloat16 ? 4e-3f : 3e-2f;
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < values; ++i) wrong += std::abs(value(i) - want[i]) > tol * std::max(1.f, std::abs(want[i]));
+    for (int64_t i = values; i < values + pixels * 3; ++i) wrong += value(i) != 0.f;
+    EXPECT_EQ(wrong, 0) << "dtype " << static_cast<int>(t);
+  }
+  lease->Release(stream);
+  cudaFree(out);
   cudaStreamDestroy(stream);
 #endif
 }

@@ -16,6 +16,7 @@
 #include "common/logging.h"
 #include "common/random.h"
 #include "prefetch/batch_memory.h"
+#include "prefetch/device_batch.h"
 #include "train/cuda/cudnn_graph.h"
 #include "train/cuda/kernels.h"
 #include "train/cuda/layer_graphs.h"
@@ -1111,6 +1112,85 @@ struct CudaNetwork::Impl {
   }
 
   // Plain values of one parameter into `base` (a group's master or momentum).
+  // Layer-wise adaptation's layout of each group (chunks and segments of its tensors), made at the
+  // first step that asks for LARS or LARC.
+  struct LarsGroup {
+    DeviceBuffer chunks, segments, partials, ratios;
+    int num_chunks = 0, num_segments = 0;
+  };
+  std::array<LarsGroup, 2> lars;
+  bool lars_ready = false;
+
+  Status PrepareLars() {
+    if (lars_ready) return OkStatus();
+    for (size_t g = 0; g < lars.size(); ++g) {
+      std::vector<const ParamInfo*> tensors;
+      for (const ParamInfo& p : net.params) {
+        if (p.group == static_cast<int>(g) && p.count > 0) tensors.push_back(&p);
+      }
+      std::sort(tensors.begin(), tensors.end(), [](auto* a, auto* b) { return a->offset < b->offset; });
+      std::vector<cuda::LarsChunk> chunks;
+      std::vector<cuda::LarsSegment> segments;
+      for (const ParamInfo* p : tensors) {
+        const int segment = static_cast<int>(segments.size());
+        cuda::LarsSegment seg{.first_chunk = static_cast<int>(chunks.size()), .chunks = 0, .adapt = p->decay ? 1 : 0,
+                              .pad = 0};
+        for (int64_t at = p->offset; at < p->offset + p->count; at += cuda::kLarsChunk) {
+          chunks.push_back({.begin = at, .end = std::min(at + cuda::kLarsChunk, p->offset + p->count),
+                            .segment = segment, .pad = 0});
+          ++seg.chunks;
+        }
+        segments.push_back(seg);
+      }
+      LarsGroup& l = lars[g];
+      l.num_chunks = static_cast<int>(chunks.size());
+      l.num_segments = static_cast<int>(segments.size());
+      STOKE_RETURN_IF_ERROR(l.chunks.Alloc(chunks.size() * sizeof(cuda::LarsChunk)));
+      STOKE_RETURN_IF_ERROR(l.segments.Alloc(segments.size() * sizeof(cuda::LarsSegment)));
+      STOKE_RETURN_IF_ERROR(l.partials.Alloc(chunks.size() * 2 * sizeof(double)));
+      STOKE_RETURN_IF_ERROR(l.ratios.Alloc(segments.size() * sizeof(float)));
+      STOKE_CUDA_OK(cudaMemcpy(l.chunks.get(), chunks.data(), chunks.size() * sizeof(cuda::LarsChunk),
+                               cudaMemcpyHostToDevice));
+      STOKE_CUDA_OK(cudaMemcpy(l.segments.get(), segments.data(), segments.size() * sizeof(cuda::LarsSegment),
+                               cudaMemcpyHostToDevice));
+    }
+    lars_ready = true;
+    return OkStatus();
+  }
+
+  // The optimizer step on every group, with the layer-wise ratios first when asked for.
+  Status Update(float lr, const SgdOptions& sgd) {
+    const bool adapt = sgd.adaptation != LayerAdaptation::kNone;
+    if (adapt) STOKE_RETURN_IF_ERROR(PrepareLars());
+    const cuda::SgdArgs args{.lr = lr, .momentum = static_cast<float>(sgd.momentum),
+                             .weight_decay = static_cast<float>(sgd.weight_decay),
+                             .inv_loss_scale = 1.f / net.loss_scale, .nesterov = sgd.nesterov};
+    const cuda::LarsArgs lars_args{
+        .trust = static_cast<float>(sgd.trust()), .eps = static_cast<float>(sgd.eps),
+        .weight_decay = static_cast<float>(sgd.weight_decay), .lr = lr, .inv_loss_scale = 1.f / net.loss_scale,
+        .clip_by_lr = sgd.adaptation == LayerAdaptation::kLarc && sgd.clip ? 1 : 0};
+    auto* stats = net.stats.as<cuda::StepStats>();
+    for (size_t k = 0; k < net.groups.size(); ++k) {
+      const Group& g = net.groups[k];
+      const int64_t decay_end = sgd.decay_bn_and_bias ? g.size : g.decay_end;
+      void* copy = net.t == DType::kF32 ? nullptr : g.copy.get();
+      if (!adapt) {
+        cuda::SgdUpdate(g.master.as<float>(), g.momentum.as<float>(), g.grad.get(), g.grad_type, copy, net.t, g.size,
+                        decay_end, g.copy_end, args, stats, net.stream);
+        continue;
+      }
+      const LarsGroup& l = lars[k];
+      const auto* chunks = l.chunks.as<const cuda::LarsChunk>();
+      cuda::LarsTrustRatios(g.master.as<float>(), g.grad.get(), g.grad_type, chunks, l.num_chunks,
+                            l.segments.as<const cuda::LarsSegment>(), l.num_segments, lars_args,
+                            l.partials.as<double>(), l.ratios.as<float>(), stats, net.stream);
+      cuda::SgdUpdate(g.master.as<float>(), g.momentum.as<float>(), g.grad.get(), g.grad_type, copy, net.t, g.size,
+                      decay_end, g.copy_end, args, stats, net.stream, chunks, l.num_chunks, l.ratios.as<float>());
+    }
+    STOKE_CUDA_OK(cudaGetLastError());
+    return OkStatus();
+  }
+
   Status Upload(const ParamInfo& p, const std::vector<float>& plain, float* base) {
     const std::vector<float> v = p.krsc ? KrscFromOihw(plain, p.dims) : plain;
     STOKE_CUDA_OK(cudaMemcpyAsync(base + p.offset, v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice,
@@ -1137,9 +1217,7 @@ struct CudaNetwork::Impl {
   Result<std::pair<const uint8_t*, const int32_t*>> Input(const prefetch::Batch& b) {
     const size_t bytes = static_cast<size_t>(b.size) * net.opt.image_size * net.opt.height() * 3;
     if (b.device_images != nullptr) {
-      if (b.copied_event != nullptr) {
-        STOKE_CUDA_OK(cudaStreamWaitEvent(net.stream, static_cast<cudaEvent_t>(b.copied_event), 0));
-      }
+      STOKE_RETURN_IF_ERROR(prefetch::WaitForCopy(b, net.stream));
       const auto* base = static_cast<const uint8_t*>(b.device_images);
       return std::pair{base, reinterpret_cast<const int32_t*>(base + b.device_labels_offset)};
     }
@@ -1148,14 +1226,14 @@ struct CudaNetwork::Impl {
                                   cudaMemcpyHostToDevice, net.stream));
     return std::pair{net.staging.as<const uint8_t>(), net.labels.as<const int32_t>()};
   }
-  void Normalise(const uint8_t* pixels, int valid) {
-    cuda::InputAffine a{};
-    for (int c = 0; c < 3; ++c) {
-      a.scale[c] = 1.f / (255.f * net.opt.normalize.std[c]);
-      a.shift[c] = -net.opt.normalize.mean[c] / net.opt.normalize.std[c];
-    }
+  Status Normalise(const uint8_t* pixels, int valid) {
+    const prefetch::DeviceDType t = net.t == DType::kF32   ? prefetch::DeviceDType::kFloat32
+                                    : net.t == DType::kF16 ? prefetch::DeviceDType::kFloat16
+                                                           : prefetch::DeviceDType::kBFloat16;
     const int64_t pixels_per_image = int64_t{net.opt.image_size} * net.opt.height();
-    cuda::NormalizeInput(pixels, valid, net.opt.batch, pixels_per_image, a, net.input.get(), net.t, net.stream);
+    return prefetch::NormalizeOnDevice(pixels, valid, net.opt.batch, pixels_per_image, net.opt.normalize.mean,
+                                       net.opt.normalize.std, t, net.input.get(),
+                                       net.stream);
   }
 
   Status Forward(bool training, int64_t step) {
@@ -1306,17 +1384,9 @@ Result<BatchStats> CudaNetwork::TrainStep(const prefetch::Batch& batch, float lr
     STOKE_RETURN_IF_ERROR(CheckBatch(net.opt, batch, true));
     STOKE_ASSIGN_OR_RETURN(auto in, impl_->Input(batch));
     STOKE_CUDA_OK(cudaEventRecord(net.ready, net.stream));
-    impl_->Normalise(in.first, batch.size);
+    STOKE_RETURN_IF_ERROR(impl_->Normalise(in.first, batch.size));
     STOKE_RETURN_IF_ERROR(impl_->ForwardBackward(in.second, step, net.loss_scale));
-    cuda::SgdArgs args{.lr = lr, .momentum = static_cast<float>(sgd.momentum),
-                       .weight_decay = static_cast<float>(sgd.weight_decay), .inv_loss_scale = 1.f / net.loss_scale,
-                       .nesterov = sgd.nesterov};
-    for (const Group& g : net.groups) {
-      const int64_t decay_end = sgd.decay_bn_and_bias ? g.size : g.decay_end;
-      cuda::SgdUpdate(g.master.as<float>(), g.momentum.as<float>(), g.grad.get(), g.grad_type,
-                      net.t == DType::kF32 ? nullptr : g.copy.get(), net.t, g.size, decay_end, g.copy_end, args,
-                      net.stats.as<cuda::StepStats>(), net.stream);
-    }
+    STOKE_RETURN_IF_ERROR(impl_->Update(lr, sgd));
     STOKE_RETURN_IF_ERROR(impl_->Finish());
     // The device's idle time before this batch was ready: from the end of the previous step.
     const auto prev = net.done[static_cast<size_t>(1 - net.cur)];
@@ -1353,7 +1423,7 @@ Result<BatchStats> CudaNetwork::Evaluate(const prefetch::Batch& batch) {
     Net& net = impl_->net;
     STOKE_RETURN_IF_ERROR(CheckBatch(net.opt, batch, false));
     STOKE_ASSIGN_OR_RETURN(auto in, impl_->Input(batch));
-    impl_->Normalise(in.first, batch.size);
+    STOKE_RETURN_IF_ERROR(impl_->Normalise(in.first, batch.size));
     STOKE_CUDA_OK(cudaMemsetAsync(net.stats.get(), 0, sizeof(cuda::StepStats), net.stream));
     STOKE_RETURN_IF_ERROR(impl_->Forward(false, 0));
     cuda::SoftmaxCrossEntropy(net.nodes.back().out.get(), net.t, in.second, batch.size, net.opt.model.classes,

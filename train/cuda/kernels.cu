@@ -49,17 +49,6 @@ unsigned Blocks(int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < (n); \
        i += static_cast<int64_t>(blockDim.x) * gridDim.x)
 
-// ---------------------------------------------------------------- input
-
-template <typename T>
-__global__ void NormalizeKernel(const uint8_t* src, int64_t valid_values, int64_t total_values, InputAffine a,
-                                T* dst) {
-  STOKE_GRID_LOOP(i, total_values) {
-    const int c = static_cast<int>(i % 3);
-    Store(dst, i, i < valid_values ? src[i] * a.scale[c] + a.shift[c] : 0.f);
-  }
-}
-
 // ---------------------------------------------------------------- loss
 
 template <typename Op>
@@ -389,17 +378,88 @@ __global__ void NonFiniteKernel(const T* g, int64_t n, StepStats* stats) {
 }
 
 template <typename G, typename C>
+__device__ __forceinline__ void SgdElement(int64_t i, float r, float* master, float* momentum, const G* grad,
+                                           C* copy, int64_t decay_end, int64_t copy_end, const SgdArgs& a) {
+  const float w = master[i];
+  const float g = r * (Load(grad, i) * a.inv_loss_scale + (i < decay_end ? a.weight_decay * w : 0.f));
+  const float m = a.momentum * momentum[i] + g;
+  momentum[i] = m;
+  const float updated = w - a.lr * (a.nesterov ? g + a.momentum * m : m);
+  master[i] = updated;
+  if (copy != nullptr && i < copy_end) Store(copy, i, updated);
+}
+
+// Grid-stride over the group, or (with chunks) one block per chunk at its segment's ratio.
+template <typename G, typename C>
 __global__ void SgdKernel(float* master, float* momentum, const G* grad, C* copy, int64_t n, int64_t decay_end,
-                          int64_t copy_end, SgdArgs a, const StepStats* stats) {
+                          int64_t copy_end, SgdArgs a, const StepStats* stats, const LarsChunk* chunks,
+                          const float* ratios) {
   if (stats->non_finite) return;
-  STOKE_GRID_LOOP(i, n) {
-    const float w = master[i];
-    const float g = Load(grad, i) * a.inv_loss_scale + (i < decay_end ? a.weight_decay * w : 0.f);
-    const float m = a.momentum * momentum[i] + g;
-    momentum[i] = m;
-    const float updated = w - a.lr * (a.nesterov ? g + a.momentum * m : m);
-    master[i] = updated;
-    if (copy != nullptr && i < copy_end) Store(copy, i, updated);
+  if (chunks == nullptr) {
+    STOKE_GRID_LOOP(i, n) { SgdElement(i, 1.f, master, momentum, grad, copy, decay_end, copy_end, a); }
+    return;
+  }
+  const LarsChunk c = chunks[blockIdx.x];
+  const float r = ratios[c.segment];
+  for (int64_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x) {
+    SgdElement(i, r, master, momentum, grad, copy, decay_end, copy_end, a);
+  }
+}
+
+// Per chunk: the sums of w^2 and (g / loss scale)^2, in double, reduced in a fixed order.
+template <typename G>
+__global__ void LarsPartialsKernel(const float* master, const G* grad, const LarsChunk* chunks, float inv_loss_scale,
+                                   double* partials, const StepStats* stats) {
+  __shared__ double shared[2][kThreads / 32];
+  if (stats->non_finite) return;
+  const LarsChunk c = chunks[blockIdx.x];
+  double ww = 0, gg = 0;
+  for (int64_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x) {
+    const double w = master[i];
+    const double g = static_cast<double>(Load(grad, i)) * inv_loss_scale;
+    ww += w * w;
+    gg += g * g;
+  }
+  for (int offset = 16; offset > 0; offset /= 2) {
+    ww += __shfl_down_sync(0xffffffffu, ww, offset);
+    gg += __shfl_down_sync(0xffffffffu, gg, offset);
+  }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (lane == 0) {
+    shared[0][warp] = ww;
+    shared[1][warp] = gg;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double sw = 0, sg = 0;
+    for (int k = 0; k < kThreads / 32; ++k) {
+      sw += shared[0][k];
+      sg += shared[1][k];
+    }
+    partials[2 * blockIdx.x] = sw;
+    partials[2 * blockIdx.x + 1] = sg;
+  }
+}
+
+// One thread per segment: its chunks' partials in order, then the trust ratio (train/network.cc
+// TrustRatio).
+__global__ void LarsRatiosKernel(const LarsSegment* segments, int num_segments, const double* partials, LarsArgs a,
+                                 float* ratios, const StepStats* stats) {
+  if (stats->non_finite) return;
+  STOKE_GRID_LOOP(s, num_segments) {
+    const LarsSegment seg = segments[s];
+    double ww = 0, gg = 0;
+    for (int k = seg.first_chunk; k < seg.first_chunk + seg.chunks; ++k) {
+      ww += partials[2 * k];
+      gg += partials[2 * k + 1];
+    }
+    const double wn = sqrt(ww), gn = sqrt(gg);
+    double r = 1;
+    if (seg.adapt != 0 && wn > 0 && gn > 0) {
+      r = a.trust * wn / (gn + a.weight_decay * wn + a.eps);
+      if (a.clip_by_lr != 0 && a.lr > 0) r = fmin(r / a.lr, 1.0);
+    }
+    ratios[s] = static_cast<float>(r);
   }
 }
 
@@ -413,13 +473,6 @@ __global__ void CastToFloatKernel(const T* src, float* dst, int64_t n) {
 }
 
 }  // namespace
-
-void NormalizeInput(const uint8_t* src, int valid, int total, int64_t pixels, InputAffine a, void* dst, DType t,
-                    cudaStream_t s) {
-  const int64_t values = static_cast<int64_t>(total) * pixels * 3;
-  STOKE_DISPATCH(t, (NormalizeKernel<T><<<Blocks(values), kThreads, 0, s>>>(
-                        src, static_cast<int64_t>(valid) * pixels * 3, values, a, static_cast<T*>(dst))));
-}
 
 void SoftmaxCrossEntropy(const void* logits, DType t, const int32_t* labels, int rows, int classes, float smoothing,
                          void* grad, float grad_scale, StepStats* stats, cudaStream_t s) {
@@ -534,25 +587,36 @@ void FindNonFinite(const void* g, DType t, int64_t n, StepStats* stats, cudaStre
   STOKE_DISPATCH(t, (NonFiniteKernel<T><<<Blocks(n), kThreads, 0, s>>>(static_cast<const T*>(g), n, stats)));
 }
 
+void LarsTrustRatios(const float* master, const void* grad, DType gt, const LarsChunk* chunks, int num_chunks,
+                     const LarsSegment* segments, int num_segments, LarsArgs a, double* partials, float* ratios,
+                     const StepStats* stats, cudaStream_t s) {
+  if (num_chunks <= 0 || num_segments <= 0) return;
+  STOKE_DISPATCH(gt, (LarsPartialsKernel<T><<<num_chunks, kThreads, 0, s>>>(master, static_cast<const T*>(grad), chunks,
+                                                                           a.inv_loss_scale, partials, stats)));
+  LarsRatiosKernel<<<Blocks(num_segments), kThreads, 0, s>>>(segments, num_segments, partials, a, ratios, stats);
+}
+
 void SgdUpdate(float* master, float* momentum, const void* grad, DType gt, void* copy, DType ct, int64_t n,
-               int64_t decay_end, int64_t copy_end, SgdArgs a, const StepStats* stats, cudaStream_t s) {
-  if (n <= 0) return;
+               int64_t decay_end, int64_t copy_end, SgdArgs a, const StepStats* stats, cudaStream_t s,
+               const LarsChunk* chunks, int num_chunks, const float* ratios) {
+  if (n <= 0 || (chunks != nullptr && num_chunks <= 0)) return;
+  const unsigned blocks = chunks != nullptr ? static_cast<unsigned>(num_chunks) : Blocks(n);
   // The copy type only matters where a copy is written; float copies never are (the master is used).
   switch (gt) {
     case DType::kF32:
-      STOKE_DISPATCH(ct, (SgdKernel<float, T><<<Blocks(n), kThreads, 0, s>>>(
+      STOKE_DISPATCH(ct, (SgdKernel<float, T><<<blocks, kThreads, 0, s>>>(
                              master, momentum, static_cast<const float*>(grad), static_cast<T*>(copy), n, decay_end,
-                             copy_end, a, stats)));
+                             copy_end, a, stats, chunks, ratios)));
       break;
     case DType::kF16:
-      SgdKernel<__half, __half><<<Blocks(n), kThreads, 0, s>>>(master, momentum, static_cast<const __half*>(grad),
-                                                               static_cast<__half*>(copy), n, decay_end, copy_end, a,
-                                                               stats);
+      SgdKernel<__half, __half><<<blocks, kThreads, 0, s>>>(master, momentum, static_cast<const __half*>(grad),
+                                                            static_cast<__half*>(copy), n, decay_end, copy_end, a,
+                                                            stats, chunks, ratios);
       break;
     case DType::kBF16:
-      SgdKernel<__nv_bfloat16, __nv_bfloat16><<<Blocks(n), kThreads, 0, s>>>(
+      SgdKernel<__nv_bfloat16, __nv_bfloat16><<<blocks, kThreads, 0, s>>>(
           master, momentum, static_cast<const __nv_bfloat16*>(grad), static_cast<__nv_bfloat16*>(copy), n, decay_end,
-          copy_end, a, stats);
+          copy_end, a, stats, chunks, ratios);
       break;
   }
 }

@@ -1,8 +1,9 @@
-// The CUDA backend's own kernels: the steps cuDNN and cuBLAS have no node for (input
-// normalisation, softmax cross-entropy, the optimizer update, bias and flatten steps, dropout), and
-// the fallbacks used for a layer when cuDNN offers no engine for it (batch norm, ReLU, add,
-// pooling). Every launch is asynchronous on the given stream. Activations are NHWC (vectors are
-// N x C), in the compute type; statistics, parameters and their gradients are float32 unless said.
+// The CUDA backend's own kernels: the steps cuDNN and cuBLAS have no node for (softmax
+// cross-entropy, the optimizer update, bias and flatten steps, dropout), and the fallbacks used
+// for a layer when cuDNN offers no engine for it (batch norm, ReLU, add, pooling). Every launch
+// is asynchronous on the given stream. Activations are NHWC (vectors are N x C), in the compute
+// type; statistics, parameters and their gradients are float32 unless said. The input's
+// normalisation is the loader's (prefetch/device_batch.h).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,12 +15,6 @@ namespace stoke::train::cuda {
 
 enum class DType { kF32, kF16, kBF16 };
 inline size_t SizeOf(DType t) { return t == DType::kF32 ? 4 : 2; }
-
-// Per-channel affine map of the uint8 input: v * scale[c] + shift[c] (mean/std folded in).
-struct InputAffine {
-  float scale[3];
-  float shift[3];
-};
 
 // Written by SoftmaxCrossEntropy (accumulated: zero it first) and FindNonFinite.
 struct StepStats {
@@ -37,10 +32,6 @@ struct SgdArgs {
   float inv_loss_scale;  // gradients are divided by the loss scale first
   bool nesterov;
 };
-
-// uint8 HWC images (`valid` of them, `pixels` each) -> NHWC `dst` of `total` images (the rest zero).
-void NormalizeInput(const uint8_t* src, int valid, int total, int64_t pixels, InputAffine a, void* dst, DType t,
-                    cudaStream_t s);
 
 // Row-wise softmax cross-entropy with label smoothing over `rows` of `classes` logits (row stride
 // `classes`). Adds loss, top-1 and top-5 into `stats`; with `grad` writes
@@ -89,11 +80,38 @@ void Flatten(const void* x, void* y, DType t, int n, int h, int w, int c, bool i
 
 // Sets stats->non_finite when any of the n values is Inf or NaN.
 void FindNonFinite(const void* g, DType t, int64_t n, StepStats* stats, cudaStream_t s);
+// Layer-wise adaptation (LARS / LARC, train/network.h): a parameter group cut into chunks of at
+// most kLarsChunk elements, each inside one tensor (a segment); a segment's chunks are consecutive.
+constexpr int64_t kLarsChunk = 16384;
+struct LarsChunk {
+  int64_t begin, end;  // elements of the group
+  int segment;
+  int pad;
+};
+struct LarsSegment {
+  int first_chunk, chunks;
+  int adapt;  // 0: the ratio is 1 (batch norm, biases)
+  int pad;
+};
+struct LarsArgs {
+  float trust, eps, weight_decay, lr, inv_loss_scale;
+  int clip_by_lr;  // LARC with clipping: min(r / lr, 1)
+};
+// ratios[s] = trust * |w| / (|g| + wd |w| + eps) for each adapted segment (1 where |w| or |g| is 0),
+// g being the gradient divided by the loss scale; the norms are summed in a fixed order (per chunk
+// into `partials`, 2 doubles each, then per segment). Does nothing when stats->non_finite is set.
+void LarsTrustRatios(const float* master, const void* grad, DType gt, const LarsChunk* chunks, int num_chunks,
+                     const LarsSegment* segments, int num_segments, LarsArgs a, double* partials, float* ratios,
+                     const StepStats* stats, cudaStream_t s);
+
 // SGD with momentum over a flat group of parameters: master (float32), momentum, gradient (type
 // `gt`); weight decay on [0, decay_end); the compute copy (type `ct`) rewritten on [0, copy_end).
-// Does nothing when stats->non_finite is set.
+// With `chunks`, each chunk's gradient (with its weight decay) is scaled by its segment's ratio
+// (LarsTrustRatios) and only the chunks' elements are updated. Does nothing when
+// stats->non_finite is set.
 void SgdUpdate(float* master, float* momentum, const void* grad, DType gt, void* copy, DType ct, int64_t n,
-               int64_t decay_end, int64_t copy_end, SgdArgs a, const StepStats* stats, cudaStream_t s);
+               int64_t decay_end, int64_t copy_end, SgdArgs a, const StepStats* stats, cudaStream_t s,
+               const LarsChunk* chunks = nullptr, int num_chunks = 0, const float* ratios = nullptr);
 void CastFromFloat(const float* src, void* dst, DType t, int64_t n, cudaStream_t s);
 void CastToFloat(const void* src, DType t, float* dst, int64_t n, cudaStream_t s);
 
