@@ -107,6 +107,8 @@ Result<std::unique_ptr<BatchMemory>> BatchMemory::Create(int slots, size_t bytes
 BatchMemory::~BatchMemory() {
   if (host_ == nullptr) return;
   if (cuda_ != nullptr) {
+    int current = -1;  // the destroying thread (a framework's, from a deleter) keeps its device
+    const bool restore = cudaGetDevice(&current) == cudaSuccess;
     cudaSetDevice(device_);
     if (cuda_->stream != nullptr) cudaStreamSynchronize(cuda_->stream);
     for (auto e : cuda_->copied) cudaEventDestroy(e);
@@ -116,6 +118,7 @@ BatchMemory::~BatchMemory() {
       if (host_[i] != nullptr) cudaFreeHost(host_[i]);
     }
     if (cuda_->stream != nullptr) cudaStreamDestroy(cuda_->stream);
+    if (restore) cudaSetDevice(current);
     return;
   }
   for (int i = 0; i < slots_; ++i) std::free(host_[i]);

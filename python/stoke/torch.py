@@ -43,6 +43,8 @@ def _device_index(device: Union[str, "torch.device"]) -> int:
     if not built:
         raise ValueError(f"stoke.torch.Loader: device {str(device)!r}: this stoke was built without CUDA; "
                          "use device='cpu' and .to(device, non_blocking=True)")
+    if gpus == 0:
+        raise ValueError(f"stoke.torch.Loader: device {str(device)!r}: stoke sees no GPU ({reason})")
     if not torch.cuda.is_available():
         raise ValueError(f"stoke.torch.Loader: device {str(device)!r}: torch sees no GPU ({reason or 'no CUDA device'})")
     index = torch.cuda.current_device() if d.index is None else d.index
@@ -76,8 +78,11 @@ class _Epoch:
         if owner._device < 0:
             got = self._native.next()
         else:
+            # The loader's GPU current while its stream waits for the copy (stream 0 means the
+            # current device's default stream).
             stream = torch.cuda.current_stream(owner._device)
-            got = self._native.next(stream.cuda_stream)
+            with torch.cuda.device(owner._device):
+                got = self._native.next(stream.cuda_stream)
         if got is None:
             raise StopIteration
         images, labels, indices, epoch, number, replaced = got
@@ -129,7 +134,9 @@ class Loader:
     allocator and the slot goes back at once), ``labels`` int64 on the GPU, ``indices`` on the
     host. Everything is ordered on the current CUDA stream of that device when the batch is taken:
     the stream waits for the copy, and a slot freed by its last tensor is refilled only after the
-    work queued on that stream. Using a batch on another stream needs ``record_stream`` as usual.
+    work queued on that stream. Take a batch under the stream that uses it
+    (``with torch.cuda.stream(s)``); ``record_stream`` does not protect these views (torch did not
+    allocate them): use another stream only on a ``.clone()``.
 
     Training (``train=True``): full shuffle, RandomResizedCrop to ``size`` with ``scale`` and a
     horizontal flip with probability ``flip``. Evaluation: the records in order, the shorter side
@@ -286,7 +293,8 @@ class Loader:
     def _close_native(self) -> None:
         self._current = None
         if self._native is not None:
-            self._native.close()
+            with self._on_device():
+                self._native.close()
             self._native = None
             self._position = (-1, -1)
 

@@ -276,24 +276,30 @@ def test_gpu_normalize_is_the_host_normalize(data):
 
 
 @needs_gpu
-def test_gpu_slots_return_on_the_consumers_stream(data):
-    """A ring of 2 on the GPU for 1,000 batches, consumed on a side stream with work queued behind
-    each batch: every slot comes back (the deleter), and no batch is overwritten while in use."""
-    loader = Loader(data["train"], batch_size=4, size=32, ring=2, threads=2, device="cuda", train=False)
-    reference = [b["images"].clone() for b in loader]
+@pytest.mark.parametrize("normalize", [None, ((0.5, 0.4, 0.3), (0.2, 0.25, 0.3))])
+def test_gpu_slots_return_on_the_consumers_stream(data, normalize):
+    """A ring of 2 on the GPU for 1,000 batches taken on a side stream that is kept busy: each
+    batch's read (or normalisation) is queued behind a sleep and runs long after the host freed
+    the batch, with no host synchronisation until the end. Slots returned without the stream's
+    ordering would be refilled under those reads and change their sums."""
+    kwargs = {"normalize": normalize} if normalize else {}
+    loader = Loader(data["train"], batch_size=4, size=32, ring=2, threads=2, device="cuda", train=False, **kwargs)
+    want = [b["images"].double().sum().item() for b in loader]  # evaluation: the same batches every epoch
     side = torch.cuda.Stream()
-    done = 0
+    sums = []
     with torch.cuda.stream(side):
-        while done < 1000:
-            for i, b in enumerate(loader):
-                x = b["images"].float()
-                for _ in range(4):
-                    x = x * 1.0001  # keeps the stream busy while the next batch is copied
-                assert torch.equal(b["images"], reference[i].to(b["images"].device))
-                done += 1
-                if done == 1000:
+        while len(sums) < 1000:
+            it = iter(loader)
+            for i in range(len(loader)):
+                torch.cuda._sleep(200_000)  # delays what follows on the stream, not the host
+                b = next(it)
+                sums.append((i, b["images"].double().sum()))
+                del b
+                if len(sums) == 1000:
                     break
     torch.cuda.synchronize()
+    wrong = [(i, s.item(), want[i]) for i, s in sums if abs(s.item() - want[i]) > 1e-6 * max(1.0, abs(want[i]))]
+    assert not wrong, wrong[:5]
     loader.close()
 
 

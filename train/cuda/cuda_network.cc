@@ -1111,7 +1111,6 @@ struct CudaNetwork::Impl {
     return OkStatus();
   }
 
-  // Plain values of one parameter into `base` (a group's master or momentum).
   // Layer-wise adaptation's layout of each group (chunks and segments of its tensors), made at the
   // first step that asks for LARS or LARC.
   struct LarsGroup {
@@ -1149,10 +1148,13 @@ struct CudaNetwork::Impl {
       STOKE_RETURN_IF_ERROR(l.segments.Alloc(segments.size() * sizeof(cuda::LarsSegment)));
       STOKE_RETURN_IF_ERROR(l.partials.Alloc(chunks.size() * 2 * sizeof(double)));
       STOKE_RETURN_IF_ERROR(l.ratios.Alloc(segments.size() * sizeof(float)));
-      STOKE_CUDA_OK(cudaMemcpy(l.chunks.get(), chunks.data(), chunks.size() * sizeof(cuda::LarsChunk),
-                               cudaMemcpyHostToDevice));
-      STOKE_CUDA_OK(cudaMemcpy(l.segments.get(), segments.data(), segments.size() * sizeof(cuda::LarsSegment),
-                               cudaMemcpyHostToDevice));
+      // On the network's stream (which does not wait for the default one), finished before the
+      // host tables go.
+      STOKE_CUDA_OK(cudaMemcpyAsync(l.chunks.get(), chunks.data(), chunks.size() * sizeof(cuda::LarsChunk),
+                                    cudaMemcpyHostToDevice, net.stream));
+      STOKE_CUDA_OK(cudaMemcpyAsync(l.segments.get(), segments.data(),
+                                    segments.size() * sizeof(cuda::LarsSegment), cudaMemcpyHostToDevice, net.stream));
+      STOKE_CUDA_OK(cudaStreamSynchronize(net.stream));
     }
     lars_ready = true;
     return OkStatus();
@@ -1191,6 +1193,7 @@ struct CudaNetwork::Impl {
     return OkStatus();
   }
 
+  // Plain values of one parameter into `base` (a group's master or momentum).
   Status Upload(const ParamInfo& p, const std::vector<float>& plain, float* base) {
     const std::vector<float> v = p.krsc ? KrscFromOihw(plain, p.dims) : plain;
     STOKE_CUDA_OK(cudaMemcpyAsync(base + p.offset, v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice,
