@@ -17,6 +17,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -133,6 +134,16 @@ py::capsule Capsule(void* data, DLDataType type, std::unique_ptr<TensorOwner> ow
     throw py::error_already_set();
   }
   return py::reinterpret_steal<py::capsule>(cap);
+}
+
+// A host int64 vector tensor owning a copy of `values` (labels, record indices).
+template <typename T>
+py::capsule HostInt64(std::span<const T> values) {
+  auto owner = std::make_unique<TensorOwner>();
+  owner->values.assign(values.begin(), values.end());
+  owner->shape = {static_cast<int64_t>(values.size())};
+  int64_t* data = owner->values.data();  // before the owner moves into the capsule
+  return Capsule(data, {kDLInt, 64, 1}, std::move(owner));
 }
 
 // ---------------------------------------------------------------- one epoch of the loader
@@ -281,17 +292,8 @@ class EpochLoader {
       images = Capsule(const_cast<uint8_t*>(b.images.data()), {kDLUInt, 8, 1}, std::move(img));
     }
 
-    auto lab = std::make_unique<TensorOwner>();
-    lab->values.assign(b.labels.begin(), b.labels.end());
-    lab->shape = {n};
-    int64_t* label_data = lab->values.data();  // before the owner moves into the capsule
-    py::capsule labels = Capsule(label_data, {kDLInt, 64, 1}, std::move(lab));
-
-    auto idx = std::make_unique<TensorOwner>();
-    idx->values.assign(b.indices.begin(), b.indices.end());
-    idx->shape = {n};
-    int64_t* index_data = idx->values.data();
-    py::capsule indices = Capsule(index_data, {kDLInt, 64, 1}, std::move(idx));
+    py::capsule labels = HostInt64(b.labels);
+    py::capsule indices = HostInt64(b.indices);
     py::tuple out = py::make_tuple(images, labels, indices, b.epoch, b.number, b.replaced);
     lease.reset();  // only the uint8 images tensor (when there is one) keeps the slot
     return out;
@@ -319,11 +321,7 @@ class EpochLoader {
     lab->shape = {n};
     py::capsule labels = Capsule(base + kept.device_labels_offset, {kDLInt, 32, 1}, std::move(lab), device);
 
-    auto idx = std::make_unique<TensorOwner>();
-    idx->values.assign(kept.indices.begin(), kept.indices.end());
-    idx->shape = {n};
-    int64_t* index_data = idx->values.data();
-    py::capsule indices = Capsule(index_data, {kDLInt, 64, 1}, std::move(idx));
+    py::capsule indices = HostInt64(kept.indices);
     py::tuple out = py::make_tuple(images, labels, indices, kept.epoch, kept.number, kept.replaced);
     shared.reset();  // the two device views keep the slot
     return out;
