@@ -73,6 +73,14 @@ std::string Bytes(size_t n) {
   return fmt::format("{} B", n);
 }
 
+// Whether srun's task environment carries PMIx or PMI-2 (what MPI_Init connects through).
+bool SrunGavePmi() {
+  for (const char* name : {"PMIX_RANK", "PMI_FD", "PMI_RANK"}) {
+    if (std::getenv(name) != nullptr) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 LaunchInfo DetectLaunch() {
@@ -254,6 +262,16 @@ Result<std::unique_ptr<Communicator>> Communicator::Create(CommunicatorOptions o
   std::unique_ptr<Communicator> c = Single();
   c->options_ = options;
   if (launch.launcher.empty()) return c;
+  // srun starts tasks with a process-management interface only when asked (--mpi=pmix, or
+  // MpiDefault in slurm.conf). Without one, MPI_Init cannot find the other tasks and aborts the
+  // process with a message about PMI: say what to do instead.
+  if (launch.launcher == "srun" && !SrunGavePmi()) {
+    if (launch.size == 1) return c;  // one task: a world of one, MPI not needed
+    return UnavailableError(fmt::format(
+        "dist: started by srun as rank {} of {}, but srun gave the tasks no process-management interface, so "
+        "MPI cannot connect them; launch with `srun --mpi=pmix ...` (or set MpiDefault=pmix in slurm.conf)",
+        launch.rank, launch.size));
+  }
 #if !STOKE_WITH_MPI
   if (launch.size == 1) return c;  // srun of one task: nothing to talk to
   return UnavailableError(fmt::format(

@@ -96,8 +96,13 @@ uint64_t LayoutDigest(const std::vector<NamedTensor>& state) {
 
 }  // namespace
 
-Result<uint64_t> StateDigest(const Network& net) {
+Result<uint64_t> StateDigest(const Network& net, bool running_stats) {
   STOKE_ASSIGN_OR_RETURN(auto state, net.State());
+  if (!running_stats) {
+    std::erase_if(state, [](const NamedTensor& t) {
+      return t.name.ends_with(".running_mean") || t.name.ends_with(".running_var");
+    });
+  }
   uint64_t h = LayoutDigest(state);
   for (const NamedTensor& t : state) h = Fnv(h, t.values.data(), t.values.size() * sizeof(float));
   return h;
@@ -136,7 +141,7 @@ Status BroadcastState(dist::Communicator& comm, Network& net) {
 }
 
 Status CheckSameState(dist::Communicator& comm, const Network& net) {
-  Result<uint64_t> mine = StateDigest(net);
+  Result<uint64_t> mine = StateDigest(net, net.options().sync_batchnorm);
   STOKE_RETURN_IF_ERROR(comm.Agree(mine.status()));
   STOKE_ASSIGN_OR_RETURN(auto all, GatherU64(comm, *mine));
   std::vector<int> differ;
@@ -145,6 +150,15 @@ Status CheckSameState(dist::Communicator& comm, const Network& net) {
   }
   if (differ.empty()) return OkStatus();
   return InternalError(fmt::format("data-parallel: the model on rank(s) {} differs from rank 0's", fmt::join(differ, ", ")));
+}
+
+Result<int> DeviceForRank(int rank, int local_rank, int local_size, int visible_devices) {
+  if (visible_devices >= local_size && local_rank < visible_devices) return local_rank;
+  if (visible_devices == 1) return 0;
+  return InvalidArgumentError(fmt::format(
+      "rank {}: {} ranks share this machine but it shows {} GPUs: start one rank per GPU (mpirun -np, or srun "
+      "--ntasks-per-node with --gpus-per-task=1), or show each rank one GPU through CUDA_VISIBLE_DEVICES",
+      rank, local_size, visible_devices));
 }
 
 Status SumStats(dist::Communicator& comm, BatchStats& stats) {

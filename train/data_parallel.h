@@ -75,11 +75,19 @@ class DataParallel final : public StepSync {
 // first rank that differs.
 Status BroadcastState(dist::Communicator& comm, Network& net);
 
-// A digest of every tensor of the state (the bits of every float, names and shapes).
-Result<uint64_t> StateDigest(const Network& net);
+// A digest of every tensor of the state (the bits of every float, names and shapes); without
+// `running_stats`, batch norm's running statistics are left out.
+Result<uint64_t> StateDigest(const Network& net, bool running_stats = true);
 
 // Every rank's StateDigest compared: kInternal naming the ranks whose model differs from rank 0's.
+// Batch norm's running statistics are compared only with model.sync_batchnorm: otherwise each rank
+// keeps its own until they are averaged (before evaluations and checkpoints).
 Status CheckSameState(dist::Communicator& comm, const Network& net);
+
+// The GPU a rank trains on. Its local rank when the machine shows a GPU per rank of the machine;
+// GPU 0 when the launcher shows each rank a single GPU of its own (srun --gpus-per-task=1, or
+// CUDA_VISIBLE_DEVICES set per rank); otherwise kInvalidArgument naming the rank and the counts.
+Result<int> DeviceForRank(int rank, int local_rank, int local_size, int visible_devices);
 
 // Sums over the ranks, in place (blocking); a no-op on a world of one.
 Status SumStats(dist::Communicator& comm, BatchStats& stats);

@@ -16,6 +16,7 @@
 #include "common/json_util.h"
 #include "common/logging.h"
 #include "dataset/dataset.h"
+#include "prefetch/batch_memory.h"
 #include "train/checkpoint.h"
 #include "train/cpu_network.h"
 #include "train/data_parallel.h"
@@ -46,7 +47,6 @@ Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c, const dist:
   o.image_size = c.data.image_size;
   o.batch = c.data.batch_size / world;
   o.sync_batchnorm = c.model.sync_batchnorm;
-  if (comm) o.device = comm->local_rank();
   o.normalize = NormalizeFromConfig(c.data);
   o.label_smoothing = c.model.label_smoothing;
   o.bn_momentum = c.model.bn_momentum;
@@ -65,6 +65,10 @@ Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c, const dist:
   const Status gpu = CudaAvailable();
   if (c.backend == "cuda" || (c.backend == "auto" && gpu.ok())) {
     if (!gpu.ok()) return UnavailableError(fmt::format("backend 'cuda' was requested: {}", gpu.message()));
+    if (comm) {
+      STOKE_ASSIGN_OR_RETURN(o.device, DeviceForRank(comm->rank(), comm->local_rank(), comm->local_size(),
+                                                     prefetch::ProbeCuda().devices));
+    }
     o.normalize.dtype = augment::DType::kFloat32;  // the device normalises; the host never does
     STOKE_ASSIGN_OR_RETURN(auto net, CudaNetwork::Create(std::move(o)));
     return std::unique_ptr<Network>(std::move(net));
@@ -284,7 +288,10 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     BatchStats total;
     Status local = [&]() -> Status {
       prefetch::LoaderOptions o = ValLoaderOptions(config, rank, world);
-      if (net->stream() != nullptr) o.device = prefetch::DeviceMode::kCuda;
+      if (net->stream() != nullptr) {
+        o.device = prefetch::DeviceMode::kCuda;
+        o.device_id = net->options().device;
+      }
       STOKE_ASSIGN_OR_RETURN(auto loader, prefetch::Loader::Create(*val_set, o));
       while (true) {
         STOKE_ASSIGN_OR_RETURN(auto lease, loader->Next());
@@ -339,7 +346,10 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   // ---- the loop
   if (step < summary.total_steps) {
     prefetch::LoaderOptions lo = TrainLoaderOptions(config, rank, world);
-    if (net->stream() != nullptr) lo.device = prefetch::DeviceMode::kCuda;  // batches copied by the ring
+    if (net->stream() != nullptr) {  // batches copied by the ring to the network's GPU
+      lo.device = prefetch::DeviceMode::kCuda;
+      lo.device_id = net->options().device;
+    }
     lo.start_epoch = step / steps_per_epoch;
     lo.start_batch = step % steps_per_epoch;
     lo.epochs = config.epochs - lo.start_epoch;

@@ -160,6 +160,39 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"sync_batchnorm_lars", true, LayerAdaptation::kLars, false}),
     [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
 
+// Batch norm without sync_batchnorm: each rank normalises over its own samples and keeps its own
+// running statistics, while the parameters stay identical (what the trainer's periodic check
+// compares); averaging the running statistics makes the whole state identical.
+TEST(DataParallel, PerRankBatchNormKeepsTheParametersIdentical) {
+  dist::Communicator& comm = *World();
+  if (comm.size() < 2) GTEST_SKIP() << "needs several ranks (run under mpirun -np 2)";
+  auto net = MakeNet({NoBias(Conv(4, 3, 1, 1)), L(LayerType::kBatchNorm), L(LayerType::kRelu), L(LayerType::kFlatten),
+                      Linear(kClasses)},
+                     4, false);
+  ASSERT_TRUE(net);
+  DataParallel dp(comm);
+  ASSERT_OK(net->SetStepSync(&dp));
+  ASSERT_OK(BroadcastState(comm, *net));
+  SgdOptions sgd;
+  sgd.momentum = 0.9;
+  for (int64_t step = 0; step < 5; ++step) {
+    HostBatch mine = Slice(step, comm.rank() * 4, 4);
+    ASSERT_OK_AND_ASSIGN(BatchStats s, net->TrainStep(mine.batch, 0.05f, sgd, step));
+    EXPECT_EQ(s.skipped, 0);
+    SCOPED_TRACE(fmt::format("after step {}", step));
+    ASSERT_OK(CheckSameState(comm, *net));
+  }
+  // The running statistics differ between ranks (their samples differ) until averaged.
+  ASSERT_OK_AND_ASSIGN(uint64_t own, StateDigest(*net));
+  std::vector<uint64_t> all(static_cast<size_t>(comm.size()));
+  ASSERT_OK(comm.AllGather(&own, sizeof own, all.data()).Wait());
+  EXPECT_NE(all[0], all[1]);
+  ASSERT_OK(net->AverageRunningStats());
+  ASSERT_OK_AND_ASSIGN(own, StateDigest(*net));
+  ASSERT_OK(comm.AllGather(&own, sizeof own, all.data()).Wait());
+  for (uint64_t d : all) EXPECT_EQ(d, all[0]);
+}
+
 // A NaN gradient on one rank: every rank skips the update of that step (and only that one), and
 // the ranks stay identical.
 TEST(DataParallel, NanOnOneRankSkipsTheStepOnEveryRank) {
@@ -311,6 +344,23 @@ TEST(DataParallelTrain, ABatchThatDoesNotDivideIsRefusedNamingTheKey) {
   auto net = CreateNetwork(c, &comm);
   ASSERT_FALSE(net.ok());
   EXPECT_NE(net.status().message().find("data.batch_size"), std::string::npos) << net.status().ToString();
+}
+
+// Which GPU each rank of a machine takes: its own index when the machine shows one per rank, the
+// only one when the launcher pins one per task, an error naming the counts otherwise.
+TEST(DataParallelDevice, EachRankFindsItsGpu) {
+  for (int local = 0; local < 8; ++local) {
+    ASSERT_OK_AND_ASSIGN(int own, DeviceForRank(8 + local, local, 8, 8));
+    EXPECT_EQ(own, local);
+    ASSERT_OK_AND_ASSIGN(int pinned, DeviceForRank(8 + local, local, 8, 1));  // srun --gpus-per-task=1
+    EXPECT_EQ(pinned, 0);
+  }
+  ASSERT_OK_AND_ASSIGN(int spare, DeviceForRank(1, 1, 2, 4));  // more GPUs than ranks: the first ones
+  EXPECT_EQ(spare, 1);
+  auto few = DeviceForRank(5, 3, 4, 2);
+  ASSERT_FALSE(few.ok());
+  EXPECT_NE(few.status().message().find("rank 5: 4 ranks share this machine but it shows 2 GPUs"), std::string::npos)
+      << few.status().ToString();
 }
 
 }  // namespace

@@ -114,7 +114,10 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
   }
   prefetch::LoaderOptions lo = train::TrainLoaderOptions(c, rank, world);
   lo.epochs = 0;  // endless
-  if (net->stream() != nullptr) lo.device = prefetch::DeviceMode::kCuda;
+  if (net->stream() != nullptr) {
+    lo.device = prefetch::DeviceMode::kCuda;
+    lo.device_id = net->options().device;
+  }
   auto loader_or = prefetch::Loader::Create(*db, lo);
   STOKE_RETURN_IF_ERROR(agree(loader_or.status()));
   auto loader = std::move(*loader_or);
