@@ -45,7 +45,8 @@ class CudaNetwork final : public Network {
   double LastInputWaitSeconds() const override;
   std::vector<float> LastLogits() const override;
   // Data-parallel with NCCL (loaded at run time; see train/cuda/nccl.h): gradients averaged on
-  // their own stream while backward runs. kUnavailable without NCCL or with model.sync_batchnorm.
+  // their own stream while backward runs; with model.sync_batchnorm, batch norm's per-channel sums
+  // added over the ranks in both passes. kUnavailable without NCCL.
   Status SetStepSync(StepSync* sync) override;
   Status AverageRunningStats() override;
 

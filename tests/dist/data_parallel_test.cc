@@ -15,6 +15,10 @@
 #include "train/config.h"
 #include "train/data_parallel.h"
 #include "train/trainer.h"
+#if STOKE_WITH_CUDA
+#include "prefetch/batch_memory.h"
+#include "train/cuda_network.h"
+#endif
 
 namespace stoke::train {
 namespace {
@@ -159,6 +163,58 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"plain_larc", false, LayerAdaptation::kLarc, false},
                       Case{"sync_batchnorm_lars", true, LayerAdaptation::kLars, false}),
     [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
+
+#if STOKE_WITH_CUDA
+// The CUDA backend on one GPU per rank (NCCL): W ranks x B against one rank x W*B with synchronised
+// batch norm, 12 float32 steps. Runs where every rank of a machine has a GPU of its own, under
+// mpirun; skips elsewhere (CI has no GPU; NCCL refuses two ranks on one GPU).
+TEST(DataParallelCuda, RanksTrainTheModelOfOneRankWithSyncBatchNorm) {
+  dist::Communicator& comm = *World();
+  if (comm.size() < 2) GTEST_SKIP() << "needs several ranks (run under mpirun -np 2)";
+  const int gpus = prefetch::ProbeCuda().devices;
+  float missing[1] = {gpus >= comm.local_size() ? 0.f : 1.f};
+  ASSERT_OK(comm.AllReduce(missing, 1, dist::DataType::kFloat32, dist::ReduceOp::kSum).Wait());
+  if (missing[0] > 0) GTEST_SKIP() << "needs one GPU per rank (" << gpus << " here for " << comm.local_size() << " ranks)";
+  const int w = comm.size(), b = 4, g = w * b;
+  const std::vector<LayerSpec> layers = {NoBias(Conv(6, 3, 1, 1)), L(LayerType::kBatchNorm), L(LayerType::kRelu),
+                                         Pool(LayerType::kMaxPool, 2, 2, 0), NoBias(Conv(8, 3, 1, 1)),
+                                         L(LayerType::kBatchNorm), L(LayerType::kRelu), L(LayerType::kGlobalAvgPool),
+                                         L(LayerType::kFlatten), Linear(kClasses)};
+  auto make = [&](int batch, bool sync_bn) {
+    NetworkOptions o;
+    o.model.layers = layers;
+    o.model.classes = kClasses;
+    o.image_size = kSize;
+    o.batch = batch;
+    o.seed = 11;
+    o.sync_batchnorm = sync_bn;
+    o.device = comm.local_rank();
+    return CudaNetwork::Create(o);
+  };
+  ASSERT_OK_AND_ASSIGN(auto ranked, make(b, true));
+  ASSERT_OK_AND_ASSIGN(auto whole, make(g, false));
+  DataParallel dp(comm);
+  ASSERT_OK(ranked->SetStepSync(&dp));
+  ASSERT_OK(BroadcastState(comm, *ranked));
+  SgdOptions sgd;
+  sgd.momentum = 0.9;
+  for (int64_t step = 0; step < 12; ++step) {
+    HostBatch mine = Slice(step, comm.rank() * b, b), all = Slice(step, 0, g);
+    ASSERT_OK_AND_ASSIGN(BatchStats s, ranked->TrainStep(mine.batch, 0.05f, sgd, step));
+    ASSERT_OK_AND_ASSIGN(BatchStats ref, whole->TrainStep(all.batch, 0.05f, sgd, step));
+    ASSERT_EQ(s.count, g);
+    EXPECT_NEAR(s.loss(), ref.loss(), 1e-4 * (1 + ref.loss())) << "step " << step;
+    SCOPED_TRACE(fmt::format("after step {}", step));
+    ASSERT_OK(CheckSameState(comm, *ranked));
+  }
+  ASSERT_OK_AND_ASSIGN(auto a, ranked->State());
+  ASSERT_OK_AND_ASSIGN(auto r, whole->State());
+  std::string worst;
+  const double diff = MaxAbsDiff(a, r, &worst);
+  EXPECT_LT(diff, 1e-3) << worst;
+  if (comm.rank() == 0) std::printf("  %d GPUs: largest parameter difference after 12 steps %.3g (%s)\n", w, diff, worst.c_str());
+}
+#endif
 
 // Batch norm without sync_batchnorm: each rank normalises over its own samples and keeps its own
 // running statistics, while the parameters stay identical (what the trainer's periodic check

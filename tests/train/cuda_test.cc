@@ -379,6 +379,50 @@ TEST(CudaDataParallel, NcclAtAWorldOfOneChangesNothing) {
 #endif
 }
 
+// model.sync_batchnorm through NCCL at a world of one: the per-channel sums of both passes go
+// through ncclAllReduce and stoke's split batch-norm kernels; summed over one rank they are this
+// rank's own, so ten float32 steps train what plain batch norm (cuDNN's, where it has an engine)
+// trains, within float32 tolerance (different kernels sum in different orders).
+TEST(CudaDataParallel, SyncBatchNormAtAWorldOfOneIsBatchNorm) {
+  SKIP_WITHOUT_GPU();
+#if !STOKE_WITH_NCCL
+  GTEST_SKIP() << "this build has no NCCL header";
+#else
+  for (int k : {1, 3, 4}) {  // image batch norm, batch norm before a residual add, batch norm of vectors
+    const Case& c = Cases()[static_cast<size_t>(k)];
+    SCOPED_TRACE(c.name);
+    auto comm = dist::Communicator::Single();
+    DataParallel dp(*comm);
+    NetworkOptions sync_opt = Options(c.layers, Precision::kFloat32);
+    sync_opt.sync_batchnorm = true;
+    ASSERT_OK_AND_ASSIGN(auto with, CudaNetwork::Create(sync_opt));
+    ::setenv("STOKE_NCCL_ALWAYS", "1", 1);
+    Status attached = with->SetStepSync(&dp);
+    ::unsetenv("STOKE_NCCL_ALWAYS");
+    if (attached.code() == StatusCode::kUnavailable && attached.message().find("could not be loaded") != std::string::npos) {
+      GTEST_SKIP() << attached.message();
+    }
+    ASSERT_OK(attached);
+    ASSERT_OK_AND_ASSIGN(auto without, CudaNetwork::Create(Options(c.layers, Precision::kFloat32)));
+    const Task task = MakeTask(2, 8, 16);
+    SgdOptions sgd;
+    sgd.momentum = 0.9;
+    for (int step = 0; step < 10; ++step) {
+      ASSERT_OK_AND_ASSIGN(BatchStats a, with->TrainStep(task.Get(step % 2, 8, 16), 0.05f, sgd, step));
+      ASSERT_OK_AND_ASSIGN(BatchStats b, without->TrainStep(task.Get(step % 2, 8, 16), 0.05f, sgd, step));
+      EXPECT_NEAR(a.loss(), b.loss(), 1e-4 * (1 + b.loss())) << step;
+      EXPECT_EQ(a.count, b.count) << step;
+    }
+    ASSERT_OK_AND_ASSIGN(auto sa, with->State());
+    ASSERT_OK_AND_ASSIGN(auto sb, without->State());
+    ASSERT_EQ(sa.size(), sb.size());
+    for (size_t i = 0; i < sa.size(); ++i) {
+      EXPECT_LT(RelativeError(sa[i].values, sb[i].values), 2e-3) << sa[i].name;
+    }
+  }
+#endif
+}
+
 TEST(CudaTrain, LearnsFromTheRingsDeviceBuffersAndMeasuresDataWait) {
   SKIP_WITHOUT_GPU();
   testing::TempDir dir;

@@ -8,6 +8,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <utility>
 
@@ -182,6 +183,10 @@ class Net {
   int good_steps = 0;
   int64_t skipped = 0;
   int building_layer = 0;  // while layers are made: the one adding parameters
+  // Synchronised batch norm (model.sync_batchnorm, data-parallel): sums `n` doubles on the device
+  // over the ranks, in place, ordered on `stream`; the number of ranks. Unset: each rank alone.
+  std::function<Status(double* values, size_t n)> sum_over_ranks;
+  int ranks = 1;
 
   ~Net() {
     if (stream != nullptr) cudaStreamSynchronize(stream);
@@ -525,6 +530,13 @@ class BatchNormLayer final : public OneInputLayer {
     const bool vector = in_ >= 0 && net.node(in_).vector;
     STOKE_RETURN_IF_ERROR(net.SetOutput(self_, c_, x[2], x[3], vector));
 
+    if (net.opt.sync_batchnorm) {
+      // Over the global batch (when data-parallel): stoke's kernels, whose per-channel sums can be
+      // added across the ranks between the halves of each pass.
+      STOKE_RETURN_IF_ERROR(sums_.Alloc(2 * static_cast<size_t>(c_) * sizeof(double)));
+      STOKE_RETURN_IF_ERROR(global_grads_.Alloc(2 * static_cast<size_t>(c_) * sizeof(float)));
+      net.NeedPartials(rows_, static_cast<int>(c_));
+    }
     if (!net.PlanPair(self_, "batch norm", cuda::BatchNormOps(net.ct, x), fwd_, bwd_)) {
       net.NeedPartials(rows_, static_cast<int>(c_));
     }
@@ -538,6 +550,16 @@ class BatchNormLayer final : public OneInputLayer {
     if (!training) {
       cuda::BatchNormInference(net.In(in_), y.out.get(), net.t, rows_, static_cast<int>(c_), net.Master(scale_),
                                net.Master(shift_), rm, rv, eps_, net.stream);
+      return OkStatus();
+    }
+    if (Synchronised(net)) {
+      const int c = static_cast<int>(c_);
+      cuda::BatchNormLocalMoments(net.In(in_), net.t, rows_, c, sums_.as<double>(), net.partials.as<float>(),
+                                  net.stream);
+      STOKE_RETURN_IF_ERROR(net.sum_over_ranks(sums_.as<double>(), 2 * static_cast<size_t>(c_)));
+      cuda::BatchNormTrainFromMoments(net.In(in_), y.out.get(), net.t, rows_, c, net.Master(scale_),
+                                      net.Master(shift_), sums_.as<double>(), rows_ * net.ranks, eps_, factor_, rm,
+                                      rv, save_mean_.as<float>(), save_inv_std_.as<float>(), net.stream);
       return OkStatus();
     }
     if (!fwd_.ok()) {
@@ -555,7 +577,19 @@ class BatchNormLayer final : public OneInputLayer {
   Status Backward(Net& net) override {
     const Node& y = net.node(self_);
     void* dx = net.NeedsGrad(in_) ? net.DiffTarget(in_, direct_) : net.scratch.get();
-    if (!bwd_.ok()) {
+    if (Synchronised(net)) {
+      // The parameter gradients are this rank's sums (averaged over the ranks with every other
+      // gradient); the input gradient needs the sums of all ranks.
+      const int c = static_cast<int>(c_);
+      cuda::BatchNormLocalGradSums(net.In(in_), y.diff.get(), net.t, rows_, c, save_mean_.as<float>(),
+                                   save_inv_std_.as<float>(), static_cast<float*>(net.Grad(scale_)),
+                                   static_cast<float*>(net.Grad(shift_)), sums_.as<double>(),
+                                   net.partials.as<float>(), net.stream);
+      STOKE_RETURN_IF_ERROR(net.sum_over_ranks(sums_.as<double>(), 2 * static_cast<size_t>(c_)));
+      cuda::BatchNormBackwardFromSums(net.In(in_), y.diff.get(), dx, net.t, rows_, c, net.Master(scale_),
+                                      save_mean_.as<float>(), save_inv_std_.as<float>(), sums_.as<double>(),
+                                      rows_ * net.ranks, global_grads_.as<float>(), net.stream);
+    } else if (!bwd_.ok()) {
       cuda::BatchNormBackward(net.In(in_), y.diff.get(), dx, net.t, rows_, static_cast<int>(c_), net.Master(scale_),
                               save_mean_.as<float>(), save_inv_std_.as<float>(), static_cast<float*>(net.Grad(scale_)),
                               static_cast<float*>(net.Grad(shift_)), net.partials.as<float>(), net.stream);
@@ -578,6 +612,7 @@ class BatchNormLayer final : public OneInputLayer {
   }
 
  private:
+  static bool Synchronised(const Net& net) { return net.opt.sync_batchnorm && net.sum_over_ranks != nullptr; }
   float* RunningMean(Net& net) const { return net.running[static_cast<size_t>(mean_stat_)]->value.as<float>(); }
   float* RunningVar(Net& net) const { return net.running[static_cast<size_t>(mean_stat_) + 1]->value.as<float>(); }
 
@@ -585,6 +620,7 @@ class BatchNormLayer final : public OneInputLayer {
   float eps_ = 0, factor_ = 0;  // by-value scalars of the cuDNN graph: must outlive it
   int scale_ = -1, shift_ = -1, mean_stat_ = -1;
   DeviceBuffer next_mean_, next_var_, save_mean_, save_inv_std_;
+  DeviceBuffer sums_, global_grads_;  // synchronised: 2 x C doubles summed over the ranks; 2 x C floats
   GraphOp fwd_, bwd_;
 };
 
@@ -892,6 +928,9 @@ class DeviceParallel {
         dp->api_->Check(dp->api_->CommInitRank(&dp->comm_, sync->world(), id, sync->rank()), "communicator set-up"));
     STOKE_CUDA_OK(cudaStreamCreateWithFlags(&dp->stream_, cudaStreamNonBlocking));
     for (cudaEvent_t* e : {&dp->start_, &dp->done_, &dp->backward_done_}) STOKE_CUDA_OK(cudaEventCreate(e));
+    for (cudaEvent_t* e : {&dp->channels_ready_, &dp->channels_done_}) {
+      STOKE_CUDA_OK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+    }
 
     std::vector<DeviceParam> params;
     for (const ParamInfo& p : net.params) {
@@ -933,7 +972,7 @@ class DeviceParallel {
     if (stream_ != nullptr) cudaStreamSynchronize(stream_);  // a broken world was aborted already
     if (comm_ != nullptr && !broken_) api_->CommDestroy(comm_);
     for (cudaEvent_t e : ready_) cudaEventDestroy(e);
-    for (cudaEvent_t e : {start_, done_, backward_done_}) {
+    for (cudaEvent_t e : {start_, done_, backward_done_, channels_ready_, channels_done_}) {
       if (e != nullptr) cudaEventDestroy(e);
     }
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
@@ -974,6 +1013,19 @@ class DeviceParallel {
     }
     Status end = api_->Check(api_->GroupEnd(), "group end");
     return r.ok() ? end : r;
+  }
+  // Synchronised batch norm: `n` doubles on the device summed over the ranks, in place. On NCCL's
+  // stream behind the gradient buckets already queued (one stream keeps every rank's collectives
+  // in the same order), the compute stream waiting for it by an event.
+  Status SumChannels(double* values, size_t n) {
+    if (broken_) return UnavailableError("NCCL: the communicator was aborted after an earlier failure");
+    STOKE_CUDA_OK(cudaEventRecord(channels_ready_, net_.stream));
+    STOKE_CUDA_OK(cudaStreamWaitEvent(stream_, channels_ready_, 0));
+    STOKE_RETURN_IF_ERROR(api_->Check(api_->AllReduce(values, values, n, ncclFloat64, ncclSum, comm_, stream_),
+                                      "synchronised batch norm"));
+    STOKE_CUDA_OK(cudaEventRecord(channels_done_, stream_));
+    STOKE_CUDA_OK(cudaStreamWaitEvent(net_.stream, channels_done_, 0));
+    return OkStatus();
   }
   // The host's wait for `event` (the end of the step): bounded by the world's timeout, and ended
   // by an asynchronous NCCL error (a rank gone, a network failure) rather than hanging.
@@ -1044,6 +1096,7 @@ class DeviceParallel {
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t start_ = nullptr, done_ = nullptr, backward_done_ = nullptr;
+  cudaEvent_t channels_ready_ = nullptr, channels_done_ = nullptr;  // synchronised batch norm
   std::vector<DeviceBucket> buckets_;        // in launch order
   std::vector<std::vector<int>> of_layer_;   // per layer: its parameters' buckets (one entry per parameter)
   std::vector<int> initial_, pending_;       // per bucket: parameters not yet written this step
@@ -1550,17 +1603,20 @@ Status CudaNetwork::SetStepSync(StepSync* sync) {
   // STOKE_NCCL_ALWAYS=1: NCCL even for a world of one (to measure what its averaging costs).
   const char* always = std::getenv("STOKE_NCCL_ALWAYS");
   const bool force = always != nullptr && std::string_view(always) == "1";
+  net.sum_over_ranks = nullptr;
+  net.ranks = 1;
   impl_->dp.reset();
   impl_->sync = sync;
   if (sync == nullptr || (sync->world() == 1 && !force)) return OkStatus();
-  if (net.opt.sync_batchnorm && sync->world() > 1) {
-    return UnavailableError("model.sync_batchnorm: the cuda backend has no synchronised batch norm yet "
-                            "(each rank normalises over its own samples without it; use backend: cpu for it)");
-  }
 #if STOKE_WITH_NCCL
   return CatchExceptions("cuda backend: data-parallel set-up", [&]() -> Status {
     STOKE_CUDA_OK(cudaSetDevice(net.opt.device));
     STOKE_ASSIGN_OR_RETURN(impl_->dp, DeviceParallel::Create(net, sync));
+    if (net.opt.sync_batchnorm) {
+      DeviceParallel* dp = impl_->dp.get();
+      net.sum_over_ranks = [dp](double* values, size_t n) { return dp->SumChannels(values, n); };
+      net.ranks = dp->world();
+    }
     return OkStatus();
   });
 #else

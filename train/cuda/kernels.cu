@@ -223,13 +223,9 @@ __global__ void MomentsKernel(const T* x, int64_t rows, int channels, int chunks
   }, partials + plane);
 }
 
-__global__ void BatchNormStatsKernel(const float* partials, int chunks, int channels, int64_t rows, float eps,
-                                     float momentum, float* running_mean, float* running_var, float* save_mean,
-                                     float* save_inv_std) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= channels) return;
-  const int64_t plane = static_cast<int64_t>(chunks) * channels;
-  const double s = SumChunks(partials, chunks, channels, c), s2 = SumChunks(partials + plane, chunks, channels, c);
+// Channel c's statistics from the sum and the sum of squares of its `rows` values.
+__device__ void StoreBatchStats(int c, double s, double s2, int64_t rows, float eps, float momentum,
+                                float* running_mean, float* running_var, float* save_mean, float* save_inv_std) {
   const double mean = s / rows;
   const double var = fmax(s2 / rows - mean * mean, 0.0);
   save_mean[c] = static_cast<float>(mean);
@@ -237,6 +233,43 @@ __global__ void BatchNormStatsKernel(const float* partials, int chunks, int chan
   const double unbias = rows > 1 ? static_cast<double>(rows) / (rows - 1) : 1.0;
   running_mean[c] = static_cast<float>((1 - momentum) * running_mean[c] + momentum * mean);
   running_var[c] = static_cast<float>((1 - momentum) * running_var[c] + momentum * var * unbias);
+}
+
+__global__ void BatchNormStatsKernel(const float* partials, int chunks, int channels, int64_t rows, float eps,
+                                     float momentum, float* running_mean, float* running_var, float* save_mean,
+                                     float* save_inv_std) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= channels) return;
+  const int64_t plane = static_cast<int64_t>(chunks) * channels;
+  StoreBatchStats(c, SumChunks(partials, chunks, channels, c), SumChunks(partials + plane, chunks, channels, c), rows,
+                  eps, momentum, running_mean, running_var, save_mean, save_inv_std);
+}
+
+// The two partial planes summed per channel, in double: sums[c] from the first, sums[C + c] from the
+// second.
+__global__ void PlaneSumsKernel(const float* partials, int chunks, int channels, double* sums) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= channels) return;
+  const int64_t plane = static_cast<int64_t>(chunks) * channels;
+  sums[c] = SumChunks(partials, chunks, channels, c);
+  sums[channels + c] = SumChunks(partials + plane, chunks, channels, c);
+}
+
+__global__ void BatchNormStatsFromSumsKernel(const double* sums, int channels, int64_t rows, float eps,
+                                             float momentum, float* running_mean, float* running_var,
+                                             float* save_mean, float* save_inv_std) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= channels) return;
+  StoreBatchStats(c, sums[c], sums[channels + c], rows, eps, momentum, running_mean, running_var, save_mean,
+                  save_inv_std);
+}
+
+// Sums of dy (first half) and dy * xhat (second half) into the float parameter gradients.
+__global__ void SumsToGradsKernel(const double* sums, int channels, float* dscale, float* dshift) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= channels) return;
+  dshift[c] = static_cast<float>(sums[c]);
+  dscale[c] = static_cast<float>(sums[channels + c]);
 }
 
 template <typename T>
@@ -556,6 +589,51 @@ void BatchNormBackward(const void* x, const void* dy, void* dx, DType t, int64_t
   STOKE_DISPATCH(t, (BatchNormDxKernel<T><<<Blocks(n), kThreads, 0, s>>>(
                         static_cast<const T*>(x), static_cast<const T*>(dy), static_cast<T*>(dx), n, rows, channels,
                         scale, save_mean, save_inv_std, dscale, dshift)));
+}
+
+void BatchNormLocalMoments(const void* x, DType t, int64_t rows, int channels, double* sums, float* partials,
+                           cudaStream_t s) {
+  const int chunks = Chunks(rows);
+  const dim3 block(32, kChunkRows), grid((channels + 31) / 32, chunks);
+  STOKE_DISPATCH(t, (MomentsKernel<T><<<grid, block, 0, s>>>(static_cast<const T*>(x), rows, channels, chunks,
+                                                           partials)));
+  PlaneSumsKernel<<<(channels + 127) / 128, 128, 0, s>>>(partials, chunks, channels, sums);
+}
+
+void BatchNormTrainFromMoments(const void* x, void* y, DType t, int64_t rows, int channels, const float* scale,
+                               const float* shift, const double* sums, int64_t count, float eps, float momentum,
+                               float* running_mean, float* running_var, float* save_mean, float* save_inv_std,
+                               cudaStream_t s) {
+  BatchNormStatsFromSumsKernel<<<(channels + 127) / 128, 128, 0, s>>>(sums, channels, count, eps, momentum,
+                                                                      running_mean, running_var, save_mean,
+                                                                      save_inv_std);
+  const int64_t n = rows * channels;
+  STOKE_DISPATCH(t, (ChannelNormalizeKernel<T><<<Blocks(n), kThreads, 0, s>>>(
+                        static_cast<const T*>(x), static_cast<T*>(y), n, channels, scale, shift, save_mean,
+                        save_inv_std)));
+}
+
+void BatchNormLocalGradSums(const void* x, const void* dy, DType t, int64_t rows, int channels,
+                            const float* save_mean, const float* save_inv_std, float* dscale, float* dshift,
+                            double* sums, float* partials, cudaStream_t s) {
+  const int chunks = Chunks(rows);
+  const dim3 block(32, kChunkRows), grid((channels + 31) / 32, chunks);
+  STOKE_DISPATCH(t, (BatchNormGradPartialsKernel<T><<<grid, block, 0, s>>>(
+                        static_cast<const T*>(x), static_cast<const T*>(dy), rows, channels, chunks, save_mean,
+                        save_inv_std, partials)));
+  PlaneSumsKernel<<<(channels + 127) / 128, 128, 0, s>>>(partials, chunks, channels, sums);
+  SumsToGradsKernel<<<(channels + 127) / 128, 128, 0, s>>>(sums, channels, dscale, dshift);
+}
+
+void BatchNormBackwardFromSums(const void* x, const void* dy, void* dx, DType t, int64_t rows, int channels,
+                               const float* scale, const float* save_mean, const float* save_inv_std,
+                               const double* sums, int64_t count, float* scratch, cudaStream_t s) {
+  float* sum_dy_xhat = scratch + channels;
+  SumsToGradsKernel<<<(channels + 127) / 128, 128, 0, s>>>(sums, channels, sum_dy_xhat, scratch);
+  const int64_t n = rows * channels;
+  STOKE_DISPATCH(t, (BatchNormDxKernel<T><<<Blocks(n), kThreads, 0, s>>>(
+                        static_cast<const T*>(x), static_cast<const T*>(dy), static_cast<T*>(dx), n, count, channels,
+                        scale, save_mean, save_inv_std, sum_dy_xhat, scratch)));
 }
 
 void BatchNormInference(const void* x, void* y, DType t, int64_t rows, int channels, const float* scale,

@@ -64,6 +64,26 @@ void BatchNormTrain(const void* x, void* y, DType t, int64_t rows, int channels,
 void BatchNormBackward(const void* x, const void* dy, void* dx, DType t, int64_t rows, int channels,
                        const float* scale, const float* save_mean, const float* save_inv_std, float* dscale,
                        float* dshift, float* partials, cudaStream_t s);
+// Synchronised batch norm: the statistics of every rank's samples. Each pass has two halves, and the
+// caller sums `sums` (2 x channels doubles, on the device) over the ranks between them; `count` is
+// the number of rows behind the summed values (rows x ranks).
+// Forward: sums = (sum of x, sum of x^2) per channel over this rank's rows ...
+void BatchNormLocalMoments(const void* x, DType t, int64_t rows, int channels, double* sums, float* partials,
+                           cudaStream_t s);
+// ... then the statistics of the summed moments (running ones updated as BatchNormTrain does) and y.
+void BatchNormTrainFromMoments(const void* x, void* y, DType t, int64_t rows, int channels, const float* scale,
+                               const float* shift, const double* sums, int64_t count, float eps, float momentum,
+                               float* running_mean, float* running_var, float* save_mean, float* save_inv_std,
+                               cudaStream_t s);
+// Backward: this rank's sums of dy and of dy * xhat, both into `sums` and into dshift / dscale (the
+// parameter gradients, averaged over the ranks with the others) ...
+void BatchNormLocalGradSums(const void* x, const void* dy, DType t, int64_t rows, int channels,
+                            const float* save_mean, const float* save_inv_std, float* dscale, float* dshift,
+                            double* sums, float* partials, cudaStream_t s);
+// ... then dx from the summed sums. `scratch` holds 2 x channels floats.
+void BatchNormBackwardFromSums(const void* x, const void* dy, void* dx, DType t, int64_t rows, int channels,
+                               const float* scale, const float* save_mean, const float* save_inv_std,
+                               const double* sums, int64_t count, float* scratch, cudaStream_t s);
 // Evaluation: y = (x - mean) / sqrt(var + eps) * scale + shift.
 void BatchNormInference(const void* x, void* y, DType t, int64_t rows, int channels, const float* scale,
                         const float* shift, const float* mean, const float* var, float eps, cudaStream_t s);
