@@ -1190,7 +1190,8 @@ Status CpuNetwork::SetStepSync(StepSync* sync) {
 
 Status CpuNetwork::AverageRunningStats() {
   Net& net = impl_->net;
-  if (!net.Parallel() || net.buffers.empty()) return OkStatus();
+  // Synchronised batch norm keeps the running statistics identical on every rank already.
+  if (!net.Parallel() || net.buffers.empty() || net.SyncBatchNorm()) return OkStatus();
   std::vector<float> all;
   for (const auto& b : net.buffers) all.insert(all.end(), Data(b.value), Data(b.value) + Floats(b.value));
   STOKE_RETURN_IF_ERROR(net.sync->AverageOverRanks(all));

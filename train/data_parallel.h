@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "common/status.h"
@@ -53,6 +54,8 @@ class DataParallel final : public StepSync {
     stats_.buckets = buckets;
     stats_.bucket_mb = largest_mb;
   }
+  size_t bucket_bytes() const override { return options_.bucket_bytes; }
+  size_t first_bucket_bytes() const override { return options_.first_bucket_bytes; }
 
   // Fault injection for tests: this rank's next gradient (and statistics) are replaced by NaN as
   // they become ready, before averaging.
@@ -88,6 +91,9 @@ Status CheckSameState(dist::Communicator& comm, const Network& net);
 // GPU 0 when the launcher shows each rank a single GPU of its own (srun --gpus-per-task=1, or
 // CUDA_VISIBLE_DEVICES set per rank); otherwise kInvalidArgument naming the rank and the counts.
 Result<int> DeviceForRank(int rank, int local_rank, int local_size, int visible_devices);
+
+// Every rank's machine (its processor name), in rank order. Collective.
+Result<std::vector<std::string>> RankHosts(dist::Communicator& comm);
 
 // Sums over the ranks, in place (blocking); a no-op on a world of one.
 Status SumStats(dist::Communicator& comm, BatchStats& stats);

@@ -138,6 +138,9 @@ class StepSync {
   virtual void AddDeviceCommTime(double /*comm_s*/, double /*overlapped_s*/, double /*wait_s*/) {}
   // ... and how it groups the gradients: buckets, and the largest in MB.
   virtual void DescribeDeviceBuckets(int /*buckets*/, double /*largest_mb*/) {}
+  // The bucket sizes to plan with (dist.bucket_mb), and the smaller first bucket.
+  virtual size_t bucket_bytes() const { return size_t{25} << 20; }
+  virtual size_t first_bucket_bytes() const { return size_t{1} << 20; }
 };
 
 class Network {

@@ -245,6 +245,16 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   if (world > 1) {
     STOKE_RETURN_IF_ERROR(must(comm->Broadcast(&step, sizeof step, 0).Wait()));
     STOKE_RETURN_IF_ERROR(BroadcastState(*comm, *net));
+    auto hosts = RankHosts(*comm);
+    STOKE_RETURN_IF_ERROR(must(hosts.status()));
+    for (const std::string& h : *hosts) {
+      auto at = std::find_if(summary.machines.begin(), summary.machines.end(), [&](auto& m) { return m.first == h; });
+      if (at == summary.machines.end()) {
+        summary.machines.emplace_back(h, 1);
+      } else {
+        at->second++;
+      }
+    }
   }
   summary.start_step = step;
 
@@ -264,10 +274,16 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
       if (!m.scalars.empty()) pending = events->Write(m.step, m.wall_time, m.scalars);
     }
   };
-  record({{"type", "start"}, {"step", step}, {"total_steps", summary.total_steps},
-          {"steps_per_epoch", steps_per_epoch}, {"epochs", config.epochs}, {"batch_size", config.data.batch_size},
-          {"world", world}, {"backend", summary.backend}, {"train_records", train_set->size()},
-          {"val_records", val_set ? val_set->size() : 0}});
+  nlohmann::json start_line = {{"type", "start"}, {"step", step}, {"total_steps", summary.total_steps},
+                                {"steps_per_epoch", steps_per_epoch}, {"epochs", config.epochs},
+                                {"batch_size", config.data.batch_size}, {"world", world},
+                                {"backend", summary.backend}, {"train_records", train_set->size()},
+                                {"val_records", val_set ? val_set->size() : 0}};
+  if (!summary.machines.empty()) {
+    start_line["machines"] = nlohmann::json::object();
+    for (const auto& [host, ranks] : summary.machines) start_line["machines"][host] = ranks;
+  }
+  record(std::move(start_line));
   // Records the loader skipped (on_error: skip) appear in metrics.jsonl as they happen, once each.
   std::set<int64_t> reported_bad;
   auto record_bad_records = [&](const prefetch::Loader& loader) {
@@ -531,9 +547,11 @@ std::string FormatSummary(const TrainSummary& s) {
                        100 * s.val.top1_rate(), 100 * s.val.top5_rate(), s.val.count);
   }
   if (s.world > 1 && s.seconds > 0) {
-    out += fmt::format("data-parallel: {} ranks, {:.1f} images/s per rank; averaging gradients {:.2f} s on this rank, "
-                       "{:.0f}% of it overlapped with backward, steps blocked on it {:.2f} s\n",
-                       s.world, s.images_per_s / s.world, s.comm_s,
+    std::vector<std::string> machines;
+    for (const auto& [host, ranks] : s.machines) machines.push_back(fmt::format("{} x{}", host, ranks));
+    out += fmt::format("data-parallel: {} ranks ({}), {:.1f} images/s per rank; averaging gradients {:.2f} s on this "
+                       "rank, {:.0f}% of it overlapped with backward, steps blocked on it {:.2f} s\n",
+                       s.world, fmt::join(machines, ", "), s.images_per_s / s.world, s.comm_s,
                        s.comm_s > 0 ? 100 * s.overlapped_s / s.comm_s : 0.0, s.comm_wait_s);
   }
   if (s.skipped_steps > 0) out += fmt::format("steps skipped (not finite on some rank): {}\n", s.skipped_steps);

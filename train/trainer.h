@@ -45,6 +45,7 @@ struct TrainSummary {
   double seconds = 0;         // wall time of the training loop in this invocation
   double images_per_s = 0;    // training samples per second of the loop (all ranks)
   int world = 1;              // ranks
+  std::vector<std::pair<std::string, int>> machines;  // data-parallel: each machine and its ranks, by rank 0 first
   double comm_s = 0;          // data-parallel: time spent averaging gradients (this rank)
   double overlapped_s = 0;    // ... of it while backward was still running
   double comm_wait_s = 0;     // time steps blocked on the averaging after backward

@@ -33,7 +33,7 @@ YAML
 }
 
 config two 2
-check train_two_ranks 0 "data-parallel: 2 ranks, .* images/s per rank; averaging gradients .* overlapped" -- \
+check train_two_ranks 0 "data-parallel: 2 ranks \(.* x2\), .* images/s per rank; averaging gradients .* overlapped" -- \
   "${mpi[@]}" -np 2 "$stoke" train --config "$work/two.yaml" -q
 check only_rank0_writes 0 "step-" -- ls "$work/two/checkpoints"
 

@@ -193,8 +193,16 @@ TEST(DataParallelCuda, RanksTrainTheModelOfOneRankWithSyncBatchNorm) {
   };
   ASSERT_OK_AND_ASSIGN(auto ranked, make(b, true));
   ASSERT_OK_AND_ASSIGN(auto whole, make(g, false));
-  DataParallel dp(comm);
-  ASSERT_OK(ranked->SetStepSync(&dp));
+  // Small buckets: several in flight, batch norm's sums queued behind some of them.
+  DataParallel dp(comm, {.bucket_bytes = 2048, .first_bucket_bytes = 512});
+  Status attached = ranked->SetStepSync(&dp);
+  if (attached.code() == StatusCode::kUnavailable &&
+      (attached.message().find("could not be loaded") != std::string::npos ||
+       attached.message().find("did not find nccl.h") != std::string::npos)) {
+    GTEST_SKIP() << attached.message();
+  }
+  ASSERT_OK(attached);
+  EXPECT_GT(dp.stats().buckets, 2);
   ASSERT_OK(BroadcastState(comm, *ranked));
   SgdOptions sgd;
   sgd.momentum = 0.9;
@@ -203,6 +211,7 @@ TEST(DataParallelCuda, RanksTrainTheModelOfOneRankWithSyncBatchNorm) {
     ASSERT_OK_AND_ASSIGN(BatchStats s, ranked->TrainStep(mine.batch, 0.05f, sgd, step));
     ASSERT_OK_AND_ASSIGN(BatchStats ref, whole->TrainStep(all.batch, 0.05f, sgd, step));
     ASSERT_EQ(s.count, g);
+    EXPECT_EQ(s.skipped, 0);
     EXPECT_NEAR(s.loss(), ref.loss(), 1e-4 * (1 + ref.loss())) << "step " << step;
     SCOPED_TRACE(fmt::format("after step {}", step));
     ASSERT_OK(CheckSameState(comm, *ranked));

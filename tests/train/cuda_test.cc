@@ -7,6 +7,7 @@
 #include <cmath>
 #include <random>
 
+#include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -16,6 +17,7 @@
 #include "train/config.h"
 #include "train/cpu_network.h"
 #include "train/cuda/cudnn_graph.h"
+#include "train/cuda/kernels.h"
 #include "train/cuda/layer_graphs.h"
 #include "train/cuda_network.h"
 #include "train/data_parallel.h"
@@ -377,6 +379,119 @@ TEST(CudaDataParallel, NcclAtAWorldOfOneChangesNothing) {
               1e3 * dp.stats().comm_s / 10, 100 * dp.stats().overlapped_s / dp.stats().comm_s);
   ASSERT_OK(with->AverageRunningStats());
 #endif
+}
+
+// Synchronised batch norm's kernels without NCCL: W slices of a batch, each taking its moments and
+// gradient sums alone, the sums added between the halves as the ranks' all-reduce adds them, must
+// give what batch norm over the whole batch gives: the same outputs, running statistics, input
+// gradients, and parameter gradients that add up to the whole batch's. The running mean starts away
+// from the batch mean (the moments are taken about it).
+TEST(CudaKernels, SyncBatchNormOverSlicesIsBatchNormOverTheWholeBatch) {
+  SKIP_WITHOUT_GPU();
+  constexpr int kC = 6, kR = 300, kW = 3;
+  constexpr int64_t kAll = int64_t{kW} * kR;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  auto random = [&](size_t n, float mean, float sd) {
+    std::vector<float> v(n);
+    for (float& f : v) f = mean + sd * normal(rng);
+    return v;
+  };
+  const auto x = random(kAll * kC, 3.f, 1.5f), dy = random(kAll * kC, 0.f, 1.f);
+  const auto scale = random(kC, 1.f, 0.2f), shift = random(kC, 0.f, 0.5f);
+  std::vector<void*> owned;
+  auto device = [&](const std::vector<float>& v) {
+    void* p = nullptr;
+    EXPECT_EQ(cudaMalloc(&p, v.size() * sizeof(float)), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(p, v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+    owned.push_back(p);
+    return static_cast<float*>(p);
+  };
+  auto zeros = [&](size_t n) { return device(std::vector<float>(n, 0.f)); };
+  auto host = [](const float* p, size_t n) {
+    std::vector<float> v(n);
+    EXPECT_EQ(cudaMemcpy(v.data(), p, n * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+    return v;
+  };
+  using cuda::DType;
+  const float eps = 1e-5f, momentum = 0.1f;
+  float* partials = zeros(cuda::BatchNormWorkspace(kAll, kC));
+  float* dx_ = device(x);
+  float* ddy = device(dy);
+  float* dscale = device(scale);
+  float* dshift = device(shift);
+  // The whole batch.
+  float *y_all = zeros(kAll * kC), *dx_all = zeros(kAll * kC), *rm_all = device(std::vector<float>(kC, 2.5f)),
+        *rv_all = device(std::vector<float>(kC, 1.f)), *mean_all = zeros(kC), *inv_all = zeros(kC),
+        *gscale_all = zeros(kC), *gshift_all = zeros(kC);
+  cuda::BatchNormTrain(dx_, y_all, DType::kF32, kAll, kC, dscale, dshift, eps, momentum, rm_all, rv_all, mean_all,
+                       inv_all, partials, nullptr);
+  cuda::BatchNormBackward(dx_, ddy, dx_all, DType::kF32, kAll, kC, dscale, mean_all, inv_all, gscale_all, gshift_all,
+                          partials, nullptr);
+  // The slices, as ranks: each with its own running statistics (equal at the start) and sums.
+  struct Slice {
+    float *y, *dx, *rm, *rv, *mean, *inv, *gscale, *gshift, *scratch;
+    double* sums;
+  };
+  std::vector<Slice> slices(kW);
+  for (Slice& s : slices) {
+    s = {zeros(kR * kC), zeros(kR * kC), device(std::vector<float>(kC, 2.5f)), device(std::vector<float>(kC, 1.f)),
+         zeros(kC), zeros(kC), zeros(kC), zeros(kC), zeros(2 * kC), nullptr};
+    s.sums = reinterpret_cast<double*>(zeros(4 * kC));  // 2 x C doubles
+  }
+  auto all_reduce = [&] {  // what NCCL's sum does across the ranks
+    std::vector<double> total(2 * kC, 0.0), part(2 * kC);
+    for (Slice& s : slices) {
+      ASSERT_EQ(cudaMemcpy(part.data(), s.sums, part.size() * sizeof(double), cudaMemcpyDeviceToHost), cudaSuccess);
+      for (size_t i = 0; i < part.size(); ++i) total[i] += part[i];
+    }
+    for (Slice& s : slices) {
+      ASSERT_EQ(cudaMemcpy(s.sums, total.data(), total.size() * sizeof(double), cudaMemcpyHostToDevice), cudaSuccess);
+    }
+  };
+  auto at = [&](const float* base, int k) { return base + static_cast<int64_t>(k) * kR * kC; };
+  for (int k = 0; k < kW; ++k) {
+    cuda::BatchNormLocalMoments(at(dx_, k), DType::kF32, kR, kC, slices[k].rm, slices[k].sums, partials, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
+  all_reduce();
+  for (int k = 0; k < kW; ++k) {
+    Slice& s = slices[static_cast<size_t>(k)];
+    cuda::BatchNormTrainFromMoments(at(dx_, k), s.y, DType::kF32, kR, kC, dscale, dshift, s.sums, kAll, eps, momentum,
+                                    s.rm, s.rv, s.mean, s.inv, nullptr);
+    cuda::BatchNormLocalGradSums(at(dx_, k), at(ddy, k), DType::kF32, kR, kC, s.mean, s.inv, s.gscale, s.gshift,
+                                 s.sums, partials, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
+  all_reduce();
+  for (Slice& s : slices) {
+    const int k = static_cast<int>(&s - slices.data());
+    cuda::BatchNormBackwardFromSums(at(dx_, k), at(ddy, k), s.dx, DType::kF32, kR, kC, dscale, s.mean, s.inv, s.sums,
+                                    kAll, s.scratch, nullptr);
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto y_whole = host(y_all, kAll * kC), dx_whole = host(dx_all, kAll * kC);
+  const auto rm_whole = host(rm_all, kC), rv_whole = host(rv_all, kC);
+  std::vector<float> gscale_sum(kC, 0.f), gshift_sum(kC, 0.f);
+  for (int k = 0; k < kW; ++k) {
+    SCOPED_TRACE(fmt::format("slice {}", k));
+    const Slice& s = slices[static_cast<size_t>(k)];
+    const auto begin = static_cast<ptrdiff_t>(k) * kR * kC;
+    const std::vector<float> y_want(y_whole.begin() + begin, y_whole.begin() + begin + kR * kC);
+    const std::vector<float> dx_want(dx_whole.begin() + begin, dx_whole.begin() + begin + kR * kC);
+    EXPECT_LT(RelativeError(host(s.y, kR * kC), y_want), 1e-5);
+    EXPECT_LT(RelativeError(host(s.dx, kR * kC), dx_want), 1e-4);
+    EXPECT_LT(RelativeError(host(s.rm, kC), rm_whole), 1e-6);
+    EXPECT_LT(RelativeError(host(s.rv, kC), rv_whole), 1e-5);
+    const auto gs = host(s.gscale, kC), gh = host(s.gshift, kC);
+    for (int c = 0; c < kC; ++c) {
+      gscale_sum[c] += gs[c];
+      gshift_sum[c] += gh[c];
+    }
+  }
+  EXPECT_LT(RelativeError(gscale_sum, host(gscale_all, kC)), 1e-4);
+  EXPECT_LT(RelativeError(gshift_sum, host(gshift_all, kC)), 1e-4);
+  for (void* p : owned) cudaFree(p);
 }
 
 // model.sync_batchnorm through NCCL at a world of one: the per-channel sums of both passes go

@@ -554,7 +554,7 @@ class BatchNormLayer final : public OneInputLayer {
     }
     if (Synchronised(net)) {
       const int c = static_cast<int>(c_);
-      cuda::BatchNormLocalMoments(net.In(in_), net.t, rows_, c, sums_.as<double>(), net.partials.as<float>(),
+      cuda::BatchNormLocalMoments(net.In(in_), net.t, rows_, c, rm, sums_.as<double>(), net.partials.as<float>(),
                                   net.stream);
       STOKE_RETURN_IF_ERROR(net.sum_over_ranks(sums_.as<double>(), 2 * static_cast<size_t>(c_)));
       cuda::BatchNormTrainFromMoments(net.In(in_), y.out.get(), net.t, rows_, c, net.Master(scale_),
@@ -942,7 +942,7 @@ class DeviceParallel {
       sizes.push_back(g.size);
       elem.push_back(cuda::SizeOf(g.grad_type));
     }
-    dp->buckets_ = PlanDeviceBuckets(params, sizes, elem, size_t{25} << 20, size_t{1} << 20);
+    dp->buckets_ = PlanDeviceBuckets(params, sizes, elem, sync->bucket_bytes(), sync->first_bucket_bytes());
     dp->of_layer_.resize(net.layers.size());
     dp->initial_.assign(dp->buckets_.size(), 0);
     for (const ParamInfo& p : net.params) {
@@ -1626,6 +1626,7 @@ Status CudaNetwork::SetStepSync(StepSync* sync) {
 
 Status CudaNetwork::AverageRunningStats() {
   if (!impl_->dp || impl_->dp->world() == 1) return OkStatus();
+  if (impl_->net.sum_over_ranks != nullptr) return OkStatus();  // synchronised: the same on every rank already
   return CatchExceptions("cuda backend: averaging running statistics", [&]() -> Status {
     Net& net = impl_->net;
     // Rare (before evaluations and checkpoints): through the host, over the same world as the step.

@@ -212,22 +212,25 @@ __global__ void DropoutBackwardKernel(const T* dy, const uint8_t* keep, T* dx, i
 
 // ---------------------------------------------------------------- batch norm (fallback)
 
+// Per-chunk sums of x - k[c] and of its square (k == nullptr: of x and x^2).
 template <typename T>
-__global__ void MomentsKernel(const T* x, int64_t rows, int channels, int chunks, float* partials) {
+__global__ void MomentsKernel(const T* x, int64_t rows, int channels, int chunks, const float* k, float* partials) {
   const int64_t plane = static_cast<int64_t>(chunks) * channels;
-  ChannelPartials(rows, channels, chunks, [=] __device__(int64_t r, int c) { return Load(x, r * channels + c); },
-                  partials);
   ChannelPartials(rows, channels, chunks, [=] __device__(int64_t r, int c) {
-    const float v = Load(x, r * channels + c);
+    return Load(x, r * channels + c) - (k != nullptr ? k[c] : 0.f);
+  }, partials);
+  ChannelPartials(rows, channels, chunks, [=] __device__(int64_t r, int c) {
+    const float v = Load(x, r * channels + c) - (k != nullptr ? k[c] : 0.f);
     return v * v;
   }, partials + plane);
 }
 
-// Channel c's statistics from the sum and the sum of squares of its `rows` values.
-__device__ void StoreBatchStats(int c, double s, double s2, int64_t rows, float eps, float momentum,
+// Channel c's statistics from the sum and the sum of squares of its `rows` values less `k`.
+__device__ void StoreBatchStats(int c, double s, double s2, int64_t rows, double k, float eps, float momentum,
                                 float* running_mean, float* running_var, float* save_mean, float* save_inv_std) {
-  const double mean = s / rows;
-  const double var = fmax(s2 / rows - mean * mean, 0.0);
+  const double shifted = s / rows;
+  const double mean = k + shifted;
+  const double var = fmax(s2 / rows - shifted * shifted, 0.0);
   save_mean[c] = static_cast<float>(mean);
   save_inv_std[c] = static_cast<float>(1.0 / sqrt(var + eps));
   const double unbias = rows > 1 ? static_cast<double>(rows) / (rows - 1) : 1.0;
@@ -242,7 +245,7 @@ __global__ void BatchNormStatsKernel(const float* partials, int chunks, int chan
   if (c >= channels) return;
   const int64_t plane = static_cast<int64_t>(chunks) * channels;
   StoreBatchStats(c, SumChunks(partials, chunks, channels, c), SumChunks(partials + plane, chunks, channels, c), rows,
-                  eps, momentum, running_mean, running_var, save_mean, save_inv_std);
+                  0.0, eps, momentum, running_mean, running_var, save_mean, save_inv_std);
 }
 
 // The two partial planes summed per channel, in double: sums[c] from the first, sums[C + c] from the
@@ -260,8 +263,9 @@ __global__ void BatchNormStatsFromSumsKernel(const double* sums, int channels, i
                                              float* save_mean, float* save_inv_std) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= channels) return;
-  StoreBatchStats(c, sums[c], sums[channels + c], rows, eps, momentum, running_mean, running_var, save_mean,
-                  save_inv_std);
+  // The moments were taken about the running mean (read before it is updated).
+  StoreBatchStats(c, sums[c], sums[channels + c], rows, running_mean[c], eps, momentum, running_mean, running_var,
+                  save_mean, save_inv_std);
 }
 
 // Sums of dy (first half) and dy * xhat (second half) into the float parameter gradients.
@@ -567,7 +571,7 @@ void BatchNormTrain(const void* x, void* y, DType t, int64_t rows, int channels,
   const int chunks = Chunks(rows);
   const dim3 block(32, kChunkRows), grid((channels + 31) / 32, chunks);
   STOKE_DISPATCH(t, (MomentsKernel<T><<<grid, block, 0, s>>>(static_cast<const T*>(x), rows, channels, chunks,
-                                                           partials)));
+                                                           nullptr, partials)));
   BatchNormStatsKernel<<<(channels + 127) / 128, 128, 0, s>>>(partials, chunks, channels, rows, eps, momentum,
                                                               running_mean, running_var, save_mean, save_inv_std);
   const int64_t n = rows * channels;
@@ -591,12 +595,12 @@ void BatchNormBackward(const void* x, const void* dy, void* dx, DType t, int64_t
                         scale, save_mean, save_inv_std, dscale, dshift)));
 }
 
-void BatchNormLocalMoments(const void* x, DType t, int64_t rows, int channels, double* sums, float* partials,
-                           cudaStream_t s) {
+void BatchNormLocalMoments(const void* x, DType t, int64_t rows, int channels, const float* running_mean,
+                           double* sums, float* partials, cudaStream_t s) {
   const int chunks = Chunks(rows);
   const dim3 block(32, kChunkRows), grid((channels + 31) / 32, chunks);
   STOKE_DISPATCH(t, (MomentsKernel<T><<<grid, block, 0, s>>>(static_cast<const T*>(x), rows, channels, chunks,
-                                                           partials)));
+                                                           running_mean, partials)));
   PlaneSumsKernel<<<(channels + 127) / 128, 128, 0, s>>>(partials, chunks, channels, sums);
 }
 

@@ -67,9 +67,10 @@ void BatchNormBackward(const void* x, const void* dy, void* dx, DType t, int64_t
 // Synchronised batch norm: the statistics of every rank's samples. Each pass has two halves, and the
 // caller sums `sums` (2 x channels doubles, on the device) over the ranks between them; `count` is
 // the number of rows behind the summed values (rows x ranks).
-// Forward: sums = (sum of x, sum of x^2) per channel over this rank's rows ...
-void BatchNormLocalMoments(const void* x, DType t, int64_t rows, int channels, double* sums, float* partials,
-                           cudaStream_t s);
+// Forward: sums = (sum of x - m, sum of (x - m)^2) per channel over this rank's rows, m the running
+// mean (the same on every rank: taking the moments about it keeps E[v^2] - E[v]^2 accurate) ...
+void BatchNormLocalMoments(const void* x, DType t, int64_t rows, int channels, const float* running_mean,
+                           double* sums, float* partials, cudaStream_t s);
 // ... then the statistics of the summed moments (running ones updated as BatchNormTrain does) and y.
 void BatchNormTrainFromMoments(const void* x, void* y, DType t, int64_t rows, int channels, const float* scale,
                                const float* shift, const double* sums, int64_t count, float eps, float momentum,
