@@ -7,30 +7,10 @@ set -u
 stoke=$1
 mpiexec=$2
 source "$(dirname "$0")/../tools/cli_lib.sh"
+source "$(dirname "$0")/dist_lib.sh"
 mpi=("$mpiexec" --oversubscribe --allow-run-as-root --bind-to none)
 
-"$stoke" synth "$work/images" --classes 4 --per-class 40 >/dev/null || exit 1
-"$stoke" pack "$work/images" "$work/train.lmdb" --val-fraction 0.2 -q >/dev/null || exit 1
-config() {  # config NAME EPOCHS [EXTRA_YAML]
-  cat >"$work/$1.yaml" <<YAML
-data: {train: $work/train.lmdb, val: $work/train_val.lmdb, batch_size: 16, threads: 1, image_size: 16, val_resize: 18${3:-}}
-model:
-  classes: 4
-  layers:
-    - {type: conv, out: 8, kernel: 3, pad: 1}
-    - {type: relu}
-    - {type: maxpool, kernel: 2}
-    - {type: flatten}
-    - {type: linear, out: 4}
-optimizer: {lr: 0.1}
-epochs: $2
-compute_threads: 1
-backend: cpu
-run_dir: $work/$1
-log_every_steps: 2
-dist: {timeout_s: 60}
-YAML
-}
+make_dataset
 
 config two 2
 check train_two_ranks 0 "data-parallel: 2 ranks \(.* x2\), .* images/s per rank; averaging gradients .* overlapped" -- \
@@ -64,26 +44,10 @@ sed -i "s|train: $work/train.lmdb|train: $work/damaged.lmdb|" "$work/skip.yaml"
 check bad_record_skipped 0 "bad records skipped: 1" -- \
   timeout 120 "${mpi[@]}" -np 2 "$stoke" train --config "$work/skip.yaml" -q
 
-# Starts a long 2-rank run in the background ($job) and sets $victim to rank 1's pid once training
-# has begun.
-start_long() {  # start_long NAME
-  config "$1" 500
-  timeout 300 "${mpi[@]}" -np 2 "$stoke" train --config "$work/$1.yaml" -q >"$work/$1.out" 2>&1 &
-  job=$!
-  victim=""
-  for _ in $(seq 1 600); do
-    if grep -qs '"type":"train"' "$work/$1/metrics.jsonl"; then
-      for pid in $(pgrep -f "$work/$1.yaml"); do
-        if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx 'OMPI_COMM_WORLD_RANK=1'; then victim=$pid; fi
-      done
-      [[ -n $victim ]] && break
-    fi
-    sleep 0.1
-  done
-}
+rank1() { rank_with_env "$1" OMPI_COMM_WORLD_RANK=1; }
 
 # Ctrl-C reaching one rank only: every rank stops at the same step and rank 0 checkpoints it.
-start_long interrupted
+start_long interrupted rank1 "${mpi[@]}" -np 2
 if [[ -z $victim ]]; then
   echo "FAIL interrupt_one_rank: training did not start, or rank 1 was not found"
   failures=$((failures + 1))
@@ -104,24 +68,6 @@ else
 fi
 
 # SIGKILL one rank mid-training: the job ends, non-zero, within 30 s.
-start_long long
-if [[ -z $victim ]]; then
-  echo "FAIL kill_one_rank: training did not start, or rank 1 was not found"
-  failures=$((failures + 1))
-  kill "$job" 2>/dev/null
-else
-  start=$(date +%s%N)
-  kill -9 "$victim"
-  wait "$job"
-  rc=$?
-  ms=$((($(date +%s%N) - start) / 1000000))
-  if [[ $rc -ne 0 && $ms -lt 30000 ]]; then
-    echo "ok   kill_one_rank (the job ended with exit $rc, $ms ms after rank 1 was killed)"
-    passed=$((passed + 1))
-  else
-    echo "FAIL kill_one_rank: exit $rc after $ms ms"
-    sed 's/^/    /' "$work/long.out" | tail -20
-    failures=$((failures + 1))
-  fi
-fi
+start_long long rank1 "${mpi[@]}" -np 2
+kill_expect_end kill_one_rank long "rank 1"
 finish

@@ -10,6 +10,7 @@ set -u
 stoke=$(realpath "$1")
 mpiexec=$2
 source "$(dirname "$0")/../tools/cli_lib.sh"
+source "$(dirname "$0")/dist_lib.sh"
 
 skip() {
   echo "SKIPPED: $*"
@@ -48,30 +49,9 @@ mpi=("$mpiexec" --allow-run-as-root --oversubscribe --bind-to none)
 two_hosts=("${mpi[@]}" --mca plm_rsh_agent "$work/agent" --mca btl tcp,self --mca btl_tcp_if_include "$subnet/24"
   --mca oob_tcp_if_include "$subnet/24" -H "$here:1,$peer:1" -np 2)
 
-"$stoke" synth "$work/images" --classes 4 --per-class 40 >/dev/null || exit 1
-"$stoke" pack "$work/images" "$work/train.lmdb" --val-fraction 0.2 -q >/dev/null || exit 1
-config() {  # config NAME EPOCHS
-  cat >"$work/$1.yaml" <<YAML
-data: {train: $work/train.lmdb, val: $work/train_val.lmdb, batch_size: 16, threads: 1, image_size: 16, val_resize: 18}
-model:
-  classes: 4
-  layers:
-    - {type: conv, out: 8, kernel: 3, pad: 1}
-    - {type: batchnorm}
-    - {type: relu}
-    - {type: maxpool, kernel: 2}
-    - {type: flatten}
-    - {type: linear, out: 4}
-optimizer: {lr: 0.1}
-epochs: $2
-compute_threads: 1
-backend: cpu
-run_dir: $work/$1
-log_every_steps: 2
-dist: {timeout_s: 60, check_every_steps: 4}
-YAML
-}
-figures() { grep -oE '"(loss|top1|top5|world)":[^,}]*' "$work/$1/metrics.jsonl"; }
+make_dataset
+dist_batchnorm=1
+dist_keys=", check_every_steps: 4"
 
 config apart 2
 check two_machines_train 0 "data-parallel: 2 ranks \(.* x1, peer-machine x1\)" -- \
@@ -80,46 +60,14 @@ check two_machines_logged 0 '"machines":\{.*"peer-machine":1' -- head -1 "$work/
 config together 2
 check one_machine_trains 0 "data-parallel: 2 ranks \(.* x2\)" -- \
   timeout 300 "${mpi[@]}" -np 2 "$stoke" train --config "$work/together.yaml" -q
-if [[ -s $work/apart/metrics.jsonl ]] && cmp -s <(figures apart) <(figures together); then
-  echo "ok   two_machines_train_what_one_trains ($(figures apart | wc -l) logged figures identical)"
-  passed=$((passed + 1))
-else
-  echo "FAIL two_machines_train_what_one_trains: the logged figures differ"
-  diff <(figures apart) <(figures together) | head -10 | sed 's/^/    /'
-  failures=$((failures + 1))
-fi
+same_figures two_machines_train_what_one_trains apart together
 
 # SIGKILL the rank on the other machine mid-training: the job ends, non-zero, within 30 s.
-config long 500
-timeout 300 "${two_hosts[@]}" "$stoke" train --config "$work/long.yaml" -q >"$work/long.out" 2>&1 &
-job=$!
-victim=""
-for _ in $(seq 1 600); do
-  if grep -qs '"type":"train"' "$work/long/metrics.jsonl"; then
-    for pid in $(ip netns pids "$ns" 2>/dev/null); do
-      [[ $(cat "/proc/$pid/comm" 2>/dev/null) == stoke ]] && victim=$pid
-    done
-    [[ -n $victim ]] && break
-  fi
-  sleep 0.1
-done
-if [[ -z $victim ]]; then
-  echo "FAIL kill_the_remote_rank: training did not start, or the remote rank was not found"
-  failures=$((failures + 1))
-  kill "$job" 2>/dev/null
-else
-  start=$(date +%s%N)
-  kill -9 "$victim"
-  wait "$job"
-  rc=$?
-  ms=$((($(date +%s%N) - start) / 1000000))
-  if [[ $rc -ne 0 && $ms -lt 30000 ]]; then
-    echo "ok   kill_the_remote_rank (the job ended with exit $rc, $ms ms after the remote rank was killed)"
-    passed=$((passed + 1))
-  else
-    echo "FAIL kill_the_remote_rank: exit $rc after $ms ms"
-    sed 's/^/    /' "$work/long.out" | tail -20
-    failures=$((failures + 1))
-  fi
-fi
+remote_rank() {
+  for pid in $(ip netns pids "$ns" 2>/dev/null); do
+    [[ $(cat "/proc/$pid/comm" 2>/dev/null) == stoke ]] && echo "$pid" && return
+  done
+}
+start_long long remote_rank "${two_hosts[@]}"
+kill_expect_end kill_the_remote_rank long "the remote rank"
 finish

@@ -10,6 +10,7 @@ set -u
 stoke=$(realpath "$1")
 mpiexec=$2
 source "$(dirname "$0")/../tools/cli_lib.sh"
+source "$(dirname "$0")/dist_lib.sh"
 
 skip() {
   echo "SKIPPED: $*"
@@ -76,46 +77,16 @@ sinfo -h -o %t | grep -qE '^idle' || skip "the node did not come up: $(sinfo 2>&
 echo "a one-node Slurm ($(srun --version)) on $node"
 if ! srun --mpi=list 2>&1 | grep -q pmix; then skip "this Slurm has no PMIx plugin"; fi
 
-# ---- the data and a small 2-rank run
-"$stoke" synth "$work/images" --classes 4 --per-class 40 >/dev/null || exit 1
-"$stoke" pack "$work/images" "$work/train.lmdb" --val-fraction 0.2 -q >/dev/null || exit 1
-config() {  # config NAME EPOCHS
-  cat >"$work/$1.yaml" <<YAML
-data: {train: $work/train.lmdb, val: $work/train_val.lmdb, batch_size: 16, threads: 1, image_size: 16, val_resize: 18}
-model:
-  classes: 4
-  layers:
-    - {type: conv, out: 8, kernel: 3, pad: 1}
-    - {type: batchnorm}
-    - {type: relu}
-    - {type: maxpool, kernel: 2}
-    - {type: flatten}
-    - {type: linear, out: 4}
-optimizer: {lr: 0.1}
-epochs: $2
-compute_threads: 1
-backend: cpu
-run_dir: $work/$1
-log_every_steps: 2
-dist: {timeout_s: 60, check_every_steps: 4}
-YAML
-}
-# What rank 0 logged, without the timings.
-losses() { grep -oE '"(loss|top1|top5|world)":[^,}]*' "$work/$1/metrics.jsonl"; }
-
+# ---- the data and a small 2-rank run (with batch norm, the ranks' models compared every 4 steps)
+make_dataset
+dist_batchnorm=1
+dist_keys=", check_every_steps: 4"
 config srun 2
 check srun_pmix_two_ranks 0 "data-parallel: 2 ranks" -- timeout 300 srun -n 2 --mpi=pmix "$stoke" train --config "$work/srun.yaml" -q
 config mpirun 2
 check mpirun_two_ranks 0 "data-parallel: 2 ranks" -- \
   timeout 300 "$mpiexec" --oversubscribe --allow-run-as-root --bind-to none -np 2 "$stoke" train --config "$work/mpirun.yaml" -q
-if [[ -s $work/srun/metrics.jsonl ]] && cmp -s <(losses srun) <(losses mpirun); then
-  echo "ok   srun_trains_what_mpirun_trains ($(losses srun | wc -l) logged figures identical)"
-  passed=$((passed + 1))
-else
-  echo "FAIL srun_trains_what_mpirun_trains: the logged losses differ"
-  diff <(losses srun) <(losses mpirun) | head -10 | sed 's/^/    /'
-  failures=$((failures + 1))
-fi
+same_figures srun_trains_what_mpirun_trains srun mpirun
 
 config nopmi 1
 check srun_without_pmi_says_what_to_add 1 "srun --mpi=pmix" -- timeout 60 srun -n 2 "$stoke" train --config "$work/nopmi.yaml" -q
@@ -147,38 +118,7 @@ check mpirun_inside_salloc 0 "data-parallel: 2 ranks" -- \
   timeout 300 salloc -n 2 "$mpiexec" --allow-run-as-root --bind-to none "$stoke" train --config "$work/salloc.yaml" -q
 
 # SIGKILL one task mid-training: the job ends, non-zero, within 30 s.
-config long 500
-timeout 300 srun -n 2 --mpi=pmix "$stoke" train --config "$work/long.yaml" -q >"$work/long.out" 2>&1 &
-job=$!
-victim=""
-for _ in $(seq 1 600); do
-  if grep -qs '"type":"train"' "$work/long/metrics.jsonl"; then
-    for pid in $(pgrep -f "$work/long.yaml"); do
-      if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx 'SLURM_PROCID=1'; then
-        [[ $(cat "/proc/$pid/comm" 2>/dev/null) == stoke ]] && victim=$pid
-      fi
-    done
-    [[ -n $victim ]] && break
-  fi
-  sleep 0.1
-done
-if [[ -z $victim ]]; then
-  echo "FAIL srun_kill_one_rank: training did not start, or rank 1 was not found"
-  failures=$((failures + 1))
-  kill "$job" 2>/dev/null
-else
-  start=$(date +%s%N)
-  kill -9 "$victim"
-  wait "$job"
-  rc=$?
-  ms=$((($(date +%s%N) - start) / 1000000))
-  if [[ $rc -ne 0 && $ms -lt 30000 ]]; then
-    echo "ok   srun_kill_one_rank (srun ended with exit $rc, $ms ms after rank 1 was killed)"
-    passed=$((passed + 1))
-  else
-    echo "FAIL srun_kill_one_rank: exit $rc after $ms ms"
-    sed 's/^/    /' "$work/long.out" | tail -20
-    failures=$((failures + 1))
-  fi
-fi
+task1() { rank_with_env "$1" SLURM_PROCID=1; }
+start_long long task1 srun -n 2 --mpi=pmix
+kill_expect_end srun_kill_one_rank long "task 1"
 finish
