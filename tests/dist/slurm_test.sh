@@ -103,14 +103,7 @@ cat >"$work/job.sh" <<JOB
 srun --mpi=pmix "$stoke" train --config "$work/batch.yaml" -q
 JOB
 check sbatch_job 0 "Submitted batch job" -- timeout 300 sbatch --wait "$work/job.sh"
-if grep -q "data-parallel: 2 ranks" "$work/job.out"; then
-  echo "ok   sbatch_job_trained_on_two_ranks"
-  passed=$((passed + 1))
-else
-  echo "FAIL sbatch_job_trained_on_two_ranks:"
-  sed 's/^/    /' "$work/job.out" | tail -10
-  failures=$((failures + 1))
-fi
+check sbatch_job_trained_on_two_ranks 0 "data-parallel: 2 ranks" -- cat "$work/job.out"
 
 # mpirun inside an allocation: Open MPI starts its daemons through Slurm.
 config salloc 1
