@@ -66,7 +66,7 @@ HostBatch Slice(int64_t step, int first, int count) {
   return h;
 }
 
-std::unique_ptr<CpuNetwork> MakeNet(const std::vector<LayerSpec>& layers, int batch, bool sync_bn) {
+NetworkOptions NetOptions(const std::vector<LayerSpec>& layers, int batch, bool sync_bn) {
   NetworkOptions o;
   o.model.layers = layers;
   o.model.classes = kClasses;
@@ -75,7 +75,11 @@ std::unique_ptr<CpuNetwork> MakeNet(const std::vector<LayerSpec>& layers, int ba
   o.seed = 11;
   o.threads = 1;
   o.sync_batchnorm = sync_bn;
-  auto net = CpuNetwork::Create(o);
+  return o;
+}
+
+std::unique_ptr<CpuNetwork> MakeNet(const std::vector<LayerSpec>& layers, int batch, bool sync_bn) {
+  auto net = CpuNetwork::Create(NetOptions(layers, batch, sync_bn));
   EXPECT_TRUE(net.ok()) << net.status().ToString();
   return net.ok() ? std::move(*net) : nullptr;
 }
@@ -181,13 +185,7 @@ TEST(DataParallelCuda, RanksTrainTheModelOfOneRankWithSyncBatchNorm) {
                                          L(LayerType::kBatchNorm), L(LayerType::kRelu), L(LayerType::kGlobalAvgPool),
                                          L(LayerType::kFlatten), Linear(kClasses)};
   auto make = [&](int batch, bool sync_bn) {
-    NetworkOptions o;
-    o.model.layers = layers;
-    o.model.classes = kClasses;
-    o.image_size = kSize;
-    o.batch = batch;
-    o.seed = 11;
-    o.sync_batchnorm = sync_bn;
+    NetworkOptions o = NetOptions(layers, batch, sync_bn);
     o.device = comm.local_rank();
     return CudaNetwork::Create(o);
   };

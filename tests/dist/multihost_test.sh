@@ -11,11 +11,6 @@ stoke=$(realpath "$1")
 mpiexec=$2
 source "$(dirname "$0")/../tools/cli_lib.sh"
 source "$(dirname "$0")/dist_lib.sh"
-
-skip() {
-  echo "SKIPPED: $*"
-  exit 77
-}
 [[ $(id -u) -eq 0 ]] || skip "network namespaces need root"
 command -v ip >/dev/null || skip "iproute2 (ip) is not installed"
 ns="stoke-peer-$$"

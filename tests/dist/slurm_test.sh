@@ -11,11 +11,6 @@ stoke=$(realpath "$1")
 mpiexec=$2
 source "$(dirname "$0")/../tools/cli_lib.sh"
 source "$(dirname "$0")/dist_lib.sh"
-
-skip() {
-  echo "SKIPPED: $*"
-  exit 77
-}
 for tool in munged slurmctld slurmd srun sbatch salloc scontrol; do
   command -v "$tool" >/dev/null || [[ -x /usr/sbin/$tool ]] || skip "Slurm is not installed ($tool missing; scripts/install-deps installs it)"
 done

@@ -512,6 +512,13 @@ TEST(LoaderDevice, CudaWithoutAGpuIsAClearError) {
   EXPECT_FALSE((*host)->stats().pinned);
 }
 
+// Batches of SmallOptions(2) over `ds`, copied to GPU 0.
+Result<std::unique_ptr<Loader>> DeviceLoader(const dataset::Dataset& ds) {
+  LoaderOptions o = SmallOptions(2);
+  o.device = DeviceMode::kCuda;
+  return Loader::Create(ds, o);
+}
+
 TEST(LoaderDevice, BatchesArriveOnTheGpu) {
   const CudaProbe probe = ProbeCuda();
   if (probe.devices == 0) GTEST_SKIP() << "no GPU: " << probe.reason;
@@ -519,9 +526,7 @@ TEST(LoaderDevice, BatchesArriveOnTheGpu) {
   testing::TempDir dir;
   auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {}));
   ASSERT_OK(ds.status());
-  LoaderOptions o = SmallOptions(2);
-  o.device = DeviceMode::kCuda;
-  auto loader = Loader::Create(*ds, o);
+  auto loader = DeviceLoader(*ds);
   ASSERT_OK(loader.status());
   EXPECT_TRUE((*loader)->stats().pinned);
   cudaStream_t stream;
@@ -572,9 +577,7 @@ TEST(LoaderDevice, NormalizeOnDeviceIsTheHostNormalize) {
   testing::TempDir dir;
   auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {}));
   ASSERT_OK(ds.status());
-  LoaderOptions o = SmallOptions(2);
-  o.device = DeviceMode::kCuda;
-  auto loader = Loader::Create(*ds, o);
+  auto loader = DeviceLoader(*ds);
   ASSERT_OK(loader.status());
   auto lease = (*loader)->Next();
   ASSERT_OK(lease.status());

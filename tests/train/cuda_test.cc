@@ -341,6 +341,20 @@ TEST(CudaNetwork, Float16OverflowSkipsTheUpdateAndHalvesTheLossScale) {
   for (size_t i = 0; i < state.size(); ++i) EXPECT_EQ(after[i].values, state[i].values) << state[i].name;
 }
 
+#if STOKE_WITH_NCCL
+// Attaches `dp` (a world of one) through NCCL, as STOKE_NCCL_ALWAYS=1 does for a benchmark.
+Status AttachNcclAtAWorldOfOne(CudaNetwork& net, DataParallel& dp) {
+  ::setenv("STOKE_NCCL_ALWAYS", "1", 1);
+  Status attached = net.SetStepSync(&dp);
+  ::unsetenv("STOKE_NCCL_ALWAYS");
+  return attached;
+}
+// The library is not on this machine (the tests then skip, saying where it was looked for).
+bool NcclMissing(const Status& s) {
+  return s.code() == StatusCode::kUnavailable && s.message().find("could not be loaded") != std::string::npos;
+}
+#endif
+
 // NCCL's averaging path at a world of one (STOKE_NCCL_ALWAYS=1): buckets launched while backward
 // runs, statistics summed, the bounded wait; dividing by one rank changes nothing, so ten steps
 // give bit-identical parameters to the same network without it, and the communication is timed.
@@ -351,13 +365,9 @@ TEST(CudaDataParallel, NcclAtAWorldOfOneChangesNothing) {
 #else
   auto comm = dist::Communicator::Single();
   DataParallel dp(*comm);
-  ::setenv("STOKE_NCCL_ALWAYS", "1", 1);
   ASSERT_OK_AND_ASSIGN(auto with, CudaNetwork::Create(Options(Cases()[3].layers, Precision::kBFloat16)));
-  Status attached = with->SetStepSync(&dp);
-  ::unsetenv("STOKE_NCCL_ALWAYS");
-  if (attached.code() == StatusCode::kUnavailable && attached.message().find("could not be loaded") != std::string::npos) {
-    GTEST_SKIP() << attached.message();
-  }
+  Status attached = AttachNcclAtAWorldOfOne(*with, dp);
+  if (NcclMissing(attached)) GTEST_SKIP() << attached.message();
   ASSERT_OK(attached);
   ASSERT_OK_AND_ASSIGN(auto without, CudaNetwork::Create(Options(Cases()[3].layers, Precision::kBFloat16)));
   const Task task = MakeTask(2, 8, 16);
@@ -511,12 +521,8 @@ TEST(CudaDataParallel, SyncBatchNormAtAWorldOfOneIsBatchNorm) {
     NetworkOptions sync_opt = Options(c.layers, Precision::kFloat32);
     sync_opt.sync_batchnorm = true;
     ASSERT_OK_AND_ASSIGN(auto with, CudaNetwork::Create(sync_opt));
-    ::setenv("STOKE_NCCL_ALWAYS", "1", 1);
-    Status attached = with->SetStepSync(&dp);
-    ::unsetenv("STOKE_NCCL_ALWAYS");
-    if (attached.code() == StatusCode::kUnavailable && attached.message().find("could not be loaded") != std::string::npos) {
-      GTEST_SKIP() << attached.message();
-    }
+    Status attached = AttachNcclAtAWorldOfOne(*with, dp);
+    if (NcclMissing(attached)) GTEST_SKIP() << attached.message();
     ASSERT_OK(attached);
     ASSERT_OK_AND_ASSIGN(auto without, CudaNetwork::Create(Options(c.layers, Precision::kFloat32)));
     const Task task = MakeTask(2, 8, 16);

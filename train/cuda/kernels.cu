@@ -561,6 +561,40 @@ void DropoutBackward(const void* dy, const uint8_t* keep, void* dx, DType t, int
                                                                            static_cast<T*>(dx), n, scale)));
 }
 
+namespace {
+
+// The launches batch norm's forms share (whole batch, or split around a sum over the ranks).
+void LaunchMoments(const void* x, DType t, int64_t rows, int channels, const float* k, float* partials,
+                   cudaStream_t s) {
+  const dim3 block(32, kChunkRows), grid((channels + 31) / 32, Chunks(rows));
+  STOKE_DISPATCH(t, (MomentsKernel<T><<<grid, block, 0, s>>>(static_cast<const T*>(x), rows, channels, Chunks(rows),
+                                                           k, partials)));
+}
+void LaunchGradPartials(const void* x, const void* dy, DType t, int64_t rows, int channels, const float* mean,
+                        const float* inv_std, float* partials, cudaStream_t s) {
+  const dim3 block(32, kChunkRows), grid((channels + 31) / 32, Chunks(rows));
+  STOKE_DISPATCH(t, (BatchNormGradPartialsKernel<T><<<grid, block, 0, s>>>(
+                        static_cast<const T*>(x), static_cast<const T*>(dy), rows, channels, Chunks(rows), mean,
+                        inv_std, partials)));
+}
+void LaunchNormalize(const void* x, void* y, DType t, int64_t rows, int channels, const float* scale,
+                     const float* shift, const float* mean, const float* inv_std, cudaStream_t s) {
+  const int64_t n = rows * channels;
+  STOKE_DISPATCH(t, (ChannelNormalizeKernel<T><<<Blocks(n), kThreads, 0, s>>>(
+                        static_cast<const T*>(x), static_cast<T*>(y), n, channels, scale, shift, mean, inv_std)));
+}
+// dx from the sums of dy and dy * xhat over `count` rows.
+void LaunchDx(const void* x, const void* dy, void* dx, DType t, int64_t rows, int channels, int64_t count,
+              const float* scale, const float* mean, const float* inv_std, const float* sum_dy_xhat,
+              const float* sum_dy, cudaStream_t s) {
+  const int64_t n = rows * channels;
+  STOKE_DISPATCH(t, (BatchNormDxKernel<T><<<Blocks(n), kThreads, 0, s>>>(
+                        static_cast<const T*>(x), static_cast<const T*>(dy), static_cast<T*>(dx), n, count, channels,
+                        scale, mean, inv_std, sum_dy_xhat, sum_dy)));
+}
+
+}  // namespace
+
 size_t BatchNormWorkspace(int64_t rows, int channels) {
   return 2 * static_cast<size_t>(Chunks(rows)) * static_cast<size_t>(channels);
 }
@@ -568,40 +602,24 @@ size_t BatchNormWorkspace(int64_t rows, int channels) {
 void BatchNormTrain(const void* x, void* y, DType t, int64_t rows, int channels, const float* scale, const float* shift,
                     float eps, float momentum, float* running_mean, float* running_var, float* save_mean,
                     float* save_inv_std, float* partials, cudaStream_t s) {
-  const int chunks = Chunks(rows);
-  const dim3 block(32, kChunkRows), grid((channels + 31) / 32, chunks);
-  STOKE_DISPATCH(t, (MomentsKernel<T><<<grid, block, 0, s>>>(static_cast<const T*>(x), rows, channels, chunks,
-                                                           nullptr, partials)));
-  BatchNormStatsKernel<<<(channels + 127) / 128, 128, 0, s>>>(partials, chunks, channels, rows, eps, momentum,
+  LaunchMoments(x, t, rows, channels, nullptr, partials, s);
+  BatchNormStatsKernel<<<(channels + 127) / 128, 128, 0, s>>>(partials, Chunks(rows), channels, rows, eps, momentum,
                                                               running_mean, running_var, save_mean, save_inv_std);
-  const int64_t n = rows * channels;
-  STOKE_DISPATCH(t, (ChannelNormalizeKernel<T><<<Blocks(n), kThreads, 0, s>>>(
-                        static_cast<const T*>(x), static_cast<T*>(y), n, channels, scale, shift, save_mean,
-                        save_inv_std)));
+  LaunchNormalize(x, y, t, rows, channels, scale, shift, save_mean, save_inv_std, s);
 }
 
 void BatchNormBackward(const void* x, const void* dy, void* dx, DType t, int64_t rows, int channels,
                        const float* scale, const float* save_mean, const float* save_inv_std, float* dscale,
                        float* dshift, float* partials, cudaStream_t s) {
-  const int chunks = Chunks(rows);
-  const dim3 block(32, kChunkRows), grid((channels + 31) / 32, chunks);
-  STOKE_DISPATCH(t, (BatchNormGradPartialsKernel<T><<<grid, block, 0, s>>>(
-                        static_cast<const T*>(x), static_cast<const T*>(dy), rows, channels, chunks, save_mean,
-                        save_inv_std, partials)));
-  BatchNormGradCombineKernel<<<(channels + 127) / 128, 128, 0, s>>>(partials, chunks, channels, dscale, dshift);
-  const int64_t n = rows * channels;
-  STOKE_DISPATCH(t, (BatchNormDxKernel<T><<<Blocks(n), kThreads, 0, s>>>(
-                        static_cast<const T*>(x), static_cast<const T*>(dy), static_cast<T*>(dx), n, rows, channels,
-                        scale, save_mean, save_inv_std, dscale, dshift)));
+  LaunchGradPartials(x, dy, t, rows, channels, save_mean, save_inv_std, partials, s);
+  BatchNormGradCombineKernel<<<(channels + 127) / 128, 128, 0, s>>>(partials, Chunks(rows), channels, dscale, dshift);
+  LaunchDx(x, dy, dx, t, rows, channels, rows, scale, save_mean, save_inv_std, dscale, dshift, s);
 }
 
 void BatchNormLocalMoments(const void* x, DType t, int64_t rows, int channels, const float* running_mean,
                            double* sums, float* partials, cudaStream_t s) {
-  const int chunks = Chunks(rows);
-  const dim3 block(32, kChunkRows), grid((channels + 31) / 32, chunks);
-  STOKE_DISPATCH(t, (MomentsKernel<T><<<grid, block, 0, s>>>(static_cast<const T*>(x), rows, channels, chunks,
-                                                           running_mean, partials)));
-  PlaneSumsKernel<<<(channels + 127) / 128, 128, 0, s>>>(partials, chunks, channels, sums);
+  LaunchMoments(x, t, rows, channels, running_mean, partials, s);
+  PlaneSumsKernel<<<(channels + 127) / 128, 128, 0, s>>>(partials, Chunks(rows), channels, sums);
 }
 
 void BatchNormTrainFromMoments(const void* x, void* y, DType t, int64_t rows, int channels, const float* scale,
@@ -611,33 +629,23 @@ void BatchNormTrainFromMoments(const void* x, void* y, DType t, int64_t rows, in
   BatchNormStatsFromSumsKernel<<<(channels + 127) / 128, 128, 0, s>>>(sums, channels, count, eps, momentum,
                                                                       running_mean, running_var, save_mean,
                                                                       save_inv_std);
-  const int64_t n = rows * channels;
-  STOKE_DISPATCH(t, (ChannelNormalizeKernel<T><<<Blocks(n), kThreads, 0, s>>>(
-                        static_cast<const T*>(x), static_cast<T*>(y), n, channels, scale, shift, save_mean,
-                        save_inv_std)));
+  LaunchNormalize(x, y, t, rows, channels, scale, shift, save_mean, save_inv_std, s);
 }
 
 void BatchNormLocalGradSums(const void* x, const void* dy, DType t, int64_t rows, int channels,
                             const float* save_mean, const float* save_inv_std, float* dscale, float* dshift,
                             double* sums, float* partials, cudaStream_t s) {
-  const int chunks = Chunks(rows);
-  const dim3 block(32, kChunkRows), grid((channels + 31) / 32, chunks);
-  STOKE_DISPATCH(t, (BatchNormGradPartialsKernel<T><<<grid, block, 0, s>>>(
-                        static_cast<const T*>(x), static_cast<const T*>(dy), rows, channels, chunks, save_mean,
-                        save_inv_std, partials)));
-  PlaneSumsKernel<<<(channels + 127) / 128, 128, 0, s>>>(partials, chunks, channels, sums);
+  LaunchGradPartials(x, dy, t, rows, channels, save_mean, save_inv_std, partials, s);
+  PlaneSumsKernel<<<(channels + 127) / 128, 128, 0, s>>>(partials, Chunks(rows), channels, sums);
   SumsToGradsKernel<<<(channels + 127) / 128, 128, 0, s>>>(sums, channels, dscale, dshift);
 }
 
 void BatchNormBackwardFromSums(const void* x, const void* dy, void* dx, DType t, int64_t rows, int channels,
                                const float* scale, const float* save_mean, const float* save_inv_std,
                                const double* sums, int64_t count, float* scratch, cudaStream_t s) {
-  float* sum_dy_xhat = scratch + channels;
+  float* sum_dy_xhat = scratch + channels;  // scratch: sums of dy, then of dy * xhat
   SumsToGradsKernel<<<(channels + 127) / 128, 128, 0, s>>>(sums, channels, sum_dy_xhat, scratch);
-  const int64_t n = rows * channels;
-  STOKE_DISPATCH(t, (BatchNormDxKernel<T><<<Blocks(n), kThreads, 0, s>>>(
-                        static_cast<const T*>(x), static_cast<const T*>(dy), static_cast<T*>(dx), n, count, channels,
-                        scale, save_mean, save_inv_std, sum_dy_xhat, scratch)));
+  LaunchDx(x, dy, dx, t, rows, channels, count, scale, save_mean, save_inv_std, sum_dy_xhat, scratch, s);
 }
 
 void BatchNormInference(const void* x, void* y, DType t, int64_t rows, int channels, const float* scale,
