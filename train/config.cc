@@ -6,6 +6,7 @@
 #include <array>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <set>
 #include <sstream>
 
@@ -25,9 +26,19 @@ class Section {
   Section(const YAML::Node& node, std::string path, const std::string& source)
       : node_(node), path_(std::move(path)), source_(source) {}
 
+  // A mapping (or nothing), each key given once: YAML readers keep one of two equal keys
+  // silently, so a key appended to override another would be ignored.
   Status Check() const {
-    if (node_.IsMap() || node_.IsNull()) return OkStatus();
-    return Error(node_, path_, "expected a mapping of keys to values");
+    if (node_.IsNull()) return OkStatus();
+    if (!node_.IsMap()) return Error(node_, path_, "expected a mapping of keys to values");
+    std::map<std::string, int> seen;
+    for (const auto& kv : node_) {
+      const std::string key = kv.first.Scalar();
+      if (auto [it, fresh] = seen.emplace(key, Line(kv.first)); !fresh) {
+        return Error(kv.first, Path(key), fmt::format("given twice (first on line {}); keep one", it->second));
+      }
+    }
+    return OkStatus();
   }
 
   Status Error(const YAML::Node& at, const std::string& path, const std::string& what) const {
@@ -374,6 +385,7 @@ Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::str
   c.source = source;
   Section top(root, "", c.source);
   if (!root.IsMap()) return InvalidArgumentError(fmt::format("{}: expected a YAML mapping at the top", source));
+  STOKE_RETURN_IF_ERROR(top.Check());
   STOKE_RETURN_IF_ERROR(ParseData(top, c.data));
   STOKE_RETURN_IF_ERROR(ParseModel(top, c.model));
   STOKE_RETURN_IF_ERROR(ParseOptimizer(top, c.optimizer));
@@ -390,6 +402,7 @@ Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::str
   STOKE_RETURN_IF_ERROR(top.Number("epochs", &c.epochs, 1, 1 << 24));
   STOKE_RETURN_IF_ERROR(top.Number("seed", &c.seed, 0, 9.0e15));
   STOKE_RETURN_IF_ERROR(top.String("backend", &c.backend, {"auto", "cpu", "cuda"}));
+  STOKE_RETURN_IF_ERROR(top.Bool("cudnn_autotune", &c.cudnn_autotune));
   STOKE_RETURN_IF_ERROR(top.Number("compute_threads", &c.compute_threads, 0, 4096));
   STOKE_RETURN_IF_ERROR(top.String("run_dir", &c.run_dir));
   STOKE_RETURN_IF_ERROR(top.Number("log_every_steps", &c.log_every_steps, 1, 1e15));
@@ -548,6 +561,7 @@ std::string ConfigToYaml(const TrainConfig& c) {
   Put(e, "epochs", c.epochs);
   Put(e, "seed", c.seed);
   Put(e, "backend", c.backend);
+  Put(e, "cudnn_autotune", c.cudnn_autotune);
   Put(e, "compute_threads", c.compute_threads);
   Put(e, "run_dir", c.run_dir);
   Put(e, "log_every_steps", c.log_every_steps);

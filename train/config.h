@@ -94,6 +94,7 @@ struct TrainConfig {
   int epochs = 10;
   uint64_t seed = 0;
   std::string backend = "auto";  // auto | cpu | cuda
+  bool cudnn_autotune = true;     // CUDA backend: time convolution engines at start (NetworkOptions::autotune)
   int compute_threads = 0;       // CPU backend threads; 0 = every core
   std::string run_dir = "runs/run";
   int64_t log_every_steps = 10;

@@ -55,6 +55,9 @@ class CudaNetwork final : public Network {
   Result<BatchStats> ForwardBackward(std::span<const float> input, std::span<const int32_t> labels, int64_t step);
   // Gradients of the last ForwardBackward/TrainStep, plain layout, named like the parameters.
   Result<std::vector<NamedTensor>> Gradients() const;
+  // What cuDNN autotuning (NetworkOptions::autotune) measured at creation: shapes timed, engines
+  // changed, one step's convolution time before and after; "" when it did not run.
+  const std::string& AutotuneSummary() const;
   // "layer: operation" for each step running on stoke's own kernel because cuDNN had no engine.
   const std::vector<std::string>& FallbackKernels() const;
   // Float16: the current loss scale and the updates skipped for overflowing gradients.

@@ -37,6 +37,10 @@ struct NetworkOptions {
   int threads = 0;    // compute threads; 0 = every core (CPU backend)
   Precision precision = Precision::kFloat32;
   int device = 0;  // CUDA backend: the GPU
+  // CUDA backend: time each convolution's candidate engines at creation and keep the fastest (as
+  // PyTorch's cudnn.benchmark); false keeps cuDNN heuristics' first choice. The config's
+  // cudnn_autotune (on by default) sets it for training, evaluation and benchmarks.
+  bool autotune = false;
   // Data-parallel runs: batch statistics of batch norm over the global batch (every rank's
   // samples) instead of this rank's; see StepSync. No effect on one rank.
   bool sync_batchnorm = false;

@@ -320,6 +320,50 @@ TEST(CudaNetwork, StateRoundTripsAndBadStateIsRefused) {
   EXPECT_NE(bad.message().find(state[0].name), std::string::npos) << bad.ToString();
 }
 
+// Autotuning times each convolution's candidate engines and keeps the fastest: whatever it picks
+// computes what heuristics' first choice computes, and a second network of the same shapes reuses
+// the decisions (nothing timed again, the same engines, the same results).
+TEST(CudaNetwork, AutotuningKeepsTheResultsAndIsDecidedOncePerProcess) {
+  SKIP_WITHOUT_GPU();
+  for (const Precision precision : {Precision::kFloat32, Precision::kBFloat16}) {
+    for (const int c : {1, 3}) {
+      SCOPED_TRACE(fmt::format("{} {}", Cases()[c].name, PrecisionName(precision)));
+      const Tolerance tol = For(precision);
+      NetworkOptions o = Options(Cases()[c].layers, precision, 32, 32);
+      ASSERT_OK_AND_ASSIGN(auto plain, CudaNetwork::Create(o));
+      EXPECT_EQ(plain->AutotuneSummary(), "");
+      o.autotune = true;
+      ASSERT_OK_AND_ASSIGN(auto tuned, CudaNetwork::Create(o));
+      std::printf("[%s %s] %s\n", Cases()[c].name.c_str(), std::string(PrecisionName(precision)).c_str(),
+                  tuned->AutotuneSummary().c_str());
+      EXPECT_NE(tuned->AutotuneSummary().find("convolution shapes timed"), std::string::npos);
+      ASSERT_OK_AND_ASSIGN(auto again, CudaNetwork::Create(o));
+      EXPECT_EQ(again->AutotuneSummary(), "") << "the decisions of the first tuned network were not reused";
+
+      std::mt19937 rng(5);
+      std::normal_distribution<float> normal;
+      std::vector<float> input(32 * 3 * 32 * 32);
+      for (auto& v : input) v = normal(rng);
+      std::vector<int32_t> labels(32);
+      for (size_t i = 0; i < labels.size(); ++i) labels[i] = static_cast<int32_t>(i % 5);
+      ASSERT_OK_AND_ASSIGN(BatchStats want, plain->ForwardBackward(input, labels, 1));
+      ASSERT_OK_AND_ASSIGN(BatchStats got, tuned->ForwardBackward(input, labels, 1));
+      ASSERT_OK_AND_ASSIGN(BatchStats same, again->ForwardBackward(input, labels, 1));
+      EXPECT_NEAR(got.loss(), want.loss(), tol.loss * std::max(1.0, want.loss()));
+      EXPECT_LE(RelativeError(tuned->LastLogits(), plain->LastLogits()), tol.logits);
+      EXPECT_EQ(same.loss_sum, got.loss_sum);
+      EXPECT_EQ(again->LastLogits(), tuned->LastLogits());
+      ASSERT_OK_AND_ASSIGN(const auto want_grads, plain->Gradients());
+      ASSERT_OK_AND_ASSIGN(const auto got_grads, tuned->Gradients());
+      ASSERT_OK_AND_ASSIGN(const auto same_grads, again->Gradients());
+      for (size_t i = 0; i < want_grads.size(); ++i) {
+        EXPECT_LE(RelativeError(got_grads[i].values, want_grads[i].values), tol.grads) << want_grads[i].name;
+        EXPECT_EQ(same_grads[i].values, got_grads[i].values) << want_grads[i].name;
+      }
+    }
+  }
+}
+
 TEST(CudaNetwork, Float16OverflowSkipsTheUpdateAndHalvesTheLossScale) {
   SKIP_WITHOUT_GPU();
   ASSERT_OK_AND_ASSIGN(auto gpu, CudaNetwork::Create(Options(Cases()[0].layers, Precision::kFloat16)));

@@ -101,6 +101,12 @@ TEST(Config, ErrorsNameFileLineKeyAndExpectation) {
   EXPECT_NE(ErrorOf("data: [1, 2]\n").find("run.yaml:1: data: expected a mapping"), std::string::npos);
   EXPECT_NE(ErrorOf("data: {train: t\n").find("run.yaml:2: not valid YAML"), std::string::npos) << ErrorOf("data: {train: t\n");
   EXPECT_EQ(ErrorOf(base + "data2: 1\n").find("(parsed)"), std::string::npos);
+  // A key given twice (an override appended to a config) is refused, not silently resolved.
+  EXPECT_EQ(ErrorOf(base + "epochs: 3\nepochs: 4\n"), "run.yaml:8: epochs: given twice (first on line 7); keep one");
+  EXPECT_EQ(ErrorOf(base + "optimizer:\n  lr: 0.1\n  momentum: 0.9\n  lr: 0.2\n"),
+            "run.yaml:10: optimizer.lr: given twice (first on line 8); keep one");
+  EXPECT_EQ(ErrorOf(base + "cudnn_autotune: maybe\n"),
+            "run.yaml:7: cudnn_autotune: 'maybe' is not a boolean; expected true or false");
 }
 
 TEST(Schedule, ShapesAtKnownPoints) {

@@ -17,6 +17,7 @@
 #include "tools/bench/bench_stats.h"
 #include "dist/communicator.h"
 #include "train/config.h"
+#include "train/cuda_network.h"
 #include "train/data_parallel.h"
 #include "train/trainer.h"
 
@@ -222,6 +223,14 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
       model, c.model.classes, c.data.image_size, c.data.image_size, c.data.batch_size, net->backend(),
       c.compute_threads, c.data.threads, steps, t.warmup, o.repeats, compute, compute / c.data.batch_size,
       fmt::format("{:.0f}", fmt::join(compute_rates, ", ")), end_to_end, end_to_end / c.data.batch_size, 100 * wait);
+#if STOKE_WITH_CUDA
+  if (const auto* gpu = dynamic_cast<const train::CudaNetwork*>(net.get()); gpu != nullptr) {
+    if (!gpu->AutotuneSummary().empty()) out += fmt::format("  {}\n", gpu->AutotuneSummary());
+    if (!gpu->FallbackKernels().empty()) {
+      out += fmt::format("  on stoke's kernels (cuDNN had no engine): {}\n", fmt::join(gpu->FallbackKernels(), "; "));
+    }
+  }
+#endif
   if (!comm_ms.empty()) {
     out += fmt::format(
         "  data-parallel: {} ranks x batch {}: compute only {:.1f} img/s per rank\n"

@@ -173,6 +173,8 @@ class Net {
   std::array<Group, 2> groups;
   std::vector<std::unique_ptr<RunningStat>> running;
   std::vector<std::string> fallbacks;
+  std::vector<cuda::PlanUse> bound;  // every bound graph operation (for autotuning)
+  std::string autotuned;             // what autotuning reported ("" without it)
   size_t partial_floats = 0;
   std::array<cudaEvent_t, 2> done{};
   cudaEvent_t ready = nullptr;
@@ -279,6 +281,7 @@ class Net {
   }
   Status Bind(GraphOp& g, const std::vector<void*>& pointers) {
     STOKE_ASSIGN_OR_RETURN(g.pack, cuda::Graphs::Bind(g.uids, pointers, workspace.get()));
+    bound.push_back({g.plan, &g.pack});
     return OkStatus();
   }
   Status Run(const GraphOp& g) const { return graphs->Execute(*g.plan, g.pack); }
@@ -1388,7 +1391,7 @@ Result<std::unique_ptr<CudaNetwork>> CudaNetwork::CreateUnguarded(NetworkOptions
   if (st != CUDNN_STATUS_SUCCESS) return cuda::CudnnError(st, "set stream");
   STOKE_CUBLAS_OK(cublasCreate(&net.blas), "create handle");
   STOKE_CUBLAS_OK(cublasSetStream(net.blas, net.stream), "set stream");
-  STOKE_ASSIGN_OR_RETURN(net.graphs, cuda::Graphs::Create(net.dnn, net.t != DType::kF32));
+  STOKE_ASSIGN_OR_RETURN(net.graphs, cuda::Graphs::Create(net.dnn, net.t != DType::kF32, net.opt.autotune));
   for (auto& e : net.done) STOKE_CUDA_OK(cudaEventCreate(&e));
   STOKE_CUDA_OK(cudaEventCreate(&net.ready));
   STOKE_CUDA_OK(cudaMallocHost(&net.host_stats, sizeof(cuda::StepStats)));
@@ -1423,13 +1426,28 @@ Result<std::unique_ptr<CudaNetwork>> CudaNetwork::CreateUnguarded(NetworkOptions
   for (size_t i = 0; i + 1 < net.nodes.size(); ++i) net.nodes[i].zero_diff = !net.nodes[i].claimed;
   STOKE_CUDA_OK(cudaStreamSynchronize(net.stream));
   STOKE_RETURN_IF_ERROR(LastLaunch("set-up"));
+  if (net.opt.autotune) {
+    // Convolutions only write their outputs (and scratch), all overwritten by the first step.
+    STOKE_ASSIGN_OR_RETURN(const cuda::AutotuneReport tuned, net.graphs->Autotune(net.stream, net.bound));
+    STOKE_RETURN_IF_ERROR(LastLaunch("autotuning"));
+    if (tuned.shapes > 0) {
+      net.autotuned = fmt::format(
+          "cuDNN autotuning: {} convolution shapes timed in {:.1f} s, {} changed engine{}; one step's convolutions "
+          "{:.2f} ms with heuristics' first choices, {:.2f} ms tuned",
+          tuned.shapes, tuned.seconds, tuned.changed,
+          tuned.failed > 0 ? fmt::format(" ({} candidates failed and were dropped)", tuned.failed) : "",
+          tuned.first_ms, tuned.tuned_ms);
+      STOKE_LOG(INFO, "{}", net.autotuned);
+    }
+  }
   if (!net.fallbacks.empty()) {
     STOKE_LOG(WARN, "cuDNN offered no engine for {} step(s); stoke's own kernels run them: {}", net.fallbacks.size(),
               fmt::join(net.fallbacks, "; "));
   }
-  STOKE_LOG(INFO, "CUDA backend: {} layers, {} precision, {} cuDNN plans for {} shapes, workspace {} MiB",
-            net.layers.size(), PrecisionName(net.opt.precision), net.graphs->cached_plans(),
-            net.graphs->cached_plans(), net.graphs->max_workspace() >> 20);
+  STOKE_LOG(INFO, "CUDA backend: {} layers, {} precision, {} cuDNN operations sharing {} plans, workspace {} MiB",
+            net.layers.size(), PrecisionName(net.opt.precision), net.bound.size(), net.graphs->cached_plans(),
+            net.graphs->max_workspace() >> 20);
+  net.bound.clear();
   return std::unique_ptr<CudaNetwork>(new CudaNetwork(std::move(impl)));
 }
 
@@ -1579,6 +1597,8 @@ Status CudaNetwork::LoadState(const std::vector<NamedTensor>& state) {
 
 void* CudaNetwork::stream() const { return impl_->net.stream; }
 double CudaNetwork::LastInputWaitSeconds() const { return impl_->net.last_wait; }
+const std::string& CudaNetwork::AutotuneSummary() const { return impl_->net.autotuned; }
+
 const std::vector<std::string>& CudaNetwork::FallbackKernels() const { return impl_->net.fallbacks; }
 float CudaNetwork::loss_scale() const { return impl_->net.loss_scale; }
 int64_t CudaNetwork::skipped_steps() const { return impl_->net.skipped; }

@@ -2,6 +2,10 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
+#include <mutex>
+
+#include <cuda_runtime_api.h>
 
 #include <fmt/format.h>
 
@@ -267,11 +271,14 @@ bool HasNote(const std::vector<cudnnBackendNumericalNote_t>& notes, cudnnBackend
 
 }  // namespace
 
-Result<std::unique_ptr<Graphs>> Graphs::Create(cudnnHandle_t handle, bool allow_reduced_precision) {
-  std::unique_ptr<Graphs> g(new Graphs(handle, allow_reduced_precision));
+Result<std::unique_ptr<Graphs>> Graphs::Create(cudnnHandle_t handle, bool allow_reduced_precision, bool autotune) {
+  std::unique_ptr<Graphs> g(new Graphs(handle, allow_reduced_precision, autotune));
   STOKE_ASSIGN_OR_RETURN(g->device_, Desc::Make(CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR));
   STOKE_RETURN_IF_ERROR(g->device_.Set(CUDNN_ATTR_DEVICEPROP_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle));
   STOKE_RETURN_IF_ERROR(g->device_.Finalize("device properties"));
+  if (const cudaError_t e = cudaGetDevice(&g->ordinal_); e != cudaSuccess) {
+    return InternalError(fmt::format("CUDA: which device: {}", cudaGetErrorString(e)));
+  }
   return g;
 }
 
@@ -304,11 +311,50 @@ Status Graphs::Validate(const OpSpec& op) {
   return BuildGraph(numbered).status();
 }
 
+namespace {
+
+bool IsConvolution(OpSpec::Kind k) {
+  return k == OpSpec::Kind::kConvForward || k == OpSpec::Kind::kConvBackwardData ||
+         k == OpSpec::Kind::kConvBackwardFilter;
+}
+
+// What autotuning decided, for the whole process: "device|precision|shape" -> the position of the
+// winner in heuristics A's list (cuDNN returns the same list for the same graph and device), so a
+// second network of the same shapes (a test's reference, an evaluation model) runs the same engines
+// without timing them again.
+std::mutex tuned_mu;
+std::map<std::string, int64_t>& Tuned() {
+  static auto* tuned = new std::map<std::string, int64_t>;
+  return *tuned;
+}
+
+// Everything the plans of one operation were made from; shared by its candidates.
+struct Sources {
+  std::unique_ptr<BuiltGraph> graph;
+  Desc heur;
+  std::vector<Desc> configs, engines;
+};
+
+}  // namespace
+
 Result<const Plan*> Graphs::PlanFor(const OpSpec& op) {
   const std::string key = op.Key();
   if (auto it = plans_.find(key); it != plans_.end()) return it->second.get();
   STOKE_ASSIGN_OR_RETURN(auto built, BuildGraph(op));
-  const Desc& graph = built->graph;
+  auto sources = std::make_shared<Sources>();
+  sources->graph = std::move(built);
+  const Desc& graph = sources->graph->graph;
+
+  // Autotuning applies to convolutions, the bulk of the time; other operations keep heuristics'
+  // first choice (batch norm's plans also update running statistics, so they cannot be timed on
+  // live buffers).
+  const bool tune = autotune_ && IsConvolution(op.kind);
+  const std::string tuned_key = fmt::format("{}|{}|{}", ordinal_, reduced_, key);
+  int64_t decided = -1;
+  if (tune) {
+    std::lock_guard<std::mutex> lock(tuned_mu);
+    if (auto it = Tuned().find(tuned_key); it != Tuned().end()) decided = it->second;
+  }
 
   std::string tried;
   for (cudnnBackendHeurMode_t mode : {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK}) {
@@ -340,61 +386,175 @@ Result<const Plan*> Graphs::PlanFor(const OpSpec& op) {
     STOKE_CUDNN_RETURN(cudnnBackendGetAttribute(heur.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS,
                                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, count, &got, raw.data()),
                        "engine heuristics results");
+    // The order to try: heuristics' own, with an earlier autotuning decision first.
+    std::vector<int64_t> order;
+    const bool use_decision = mode == CUDNN_HEUR_MODE_A && decided >= 0 && decided < got;
+    if (use_decision) order.push_back(decided);
     for (int64_t i = 0; i < got; ++i) {
-      // The engine behind the configuration: its numerical notes and index.
-      STOKE_ASSIGN_OR_RETURN(Desc engine, Desc::Make(CUDNN_BACKEND_ENGINE_DESCRIPTOR));
-      cudnnBackendDescriptor_t engine_raw = engine.get();
-      int64_t n = 0, index = -1;
-      std::vector<cudnnBackendNumericalNote_t> notes(CUDNN_NUMERICAL_NOTE_TYPE_COUNT);
-      if (cudnnBackendGetAttribute(raw[static_cast<size_t>(i)], CUDNN_ATTR_ENGINECFG_ENGINE,
-                                   CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &n, &engine_raw) == CUDNN_STATUS_SUCCESS) {
-        int64_t note_count = 0;
-        if (cudnnBackendGetAttribute(engine_raw, CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, CUDNN_TYPE_NUMERICAL_NOTE,
-                                     static_cast<int64_t>(notes.size()), &note_count,
-                                     notes.data()) == CUDNN_STATUS_SUCCESS) {
-          notes.resize(static_cast<size_t>(note_count));
+      if (!use_decision || i != decided) order.push_back(i);
+    }
+    // With autotuning (and no decision yet), heuristics A's first few plans that pass, to be timed.
+    const bool collect = tune && mode == CUDNN_HEUR_MODE_A && !use_decision;
+    std::vector<std::unique_ptr<Plan>> found;
+    // Deterministic engines first (the same inputs give the same bits, which the equivalence
+    // checks rely on); the others only when no deterministic one runs the operation.
+    for (const bool nondeterministic_pass : {false, true}) {
+      if (!found.empty()) break;
+      for (int64_t i : order) {
+        // The engine behind the configuration: its numerical and behaviour notes and index.
+        STOKE_ASSIGN_OR_RETURN(Desc engine, Desc::Make(CUDNN_BACKEND_ENGINE_DESCRIPTOR));
+        cudnnBackendDescriptor_t engine_raw = engine.get();
+        int64_t n = 0, index = -1;
+        std::vector<cudnnBackendNumericalNote_t> notes(CUDNN_NUMERICAL_NOTE_TYPE_COUNT);
+        std::vector<cudnnBackendBehaviorNote_t> behaviour(CUDNN_BEHAVIOR_NOTE_TYPE_COUNT);
+        if (cudnnBackendGetAttribute(raw[static_cast<size_t>(i)], CUDNN_ATTR_ENGINECFG_ENGINE,
+                                     CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &n, &engine_raw) == CUDNN_STATUS_SUCCESS) {
+          int64_t note_count = 0;
+          if (cudnnBackendGetAttribute(engine_raw, CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, CUDNN_TYPE_NUMERICAL_NOTE,
+                                       static_cast<int64_t>(notes.size()), &note_count,
+                                       notes.data()) == CUDNN_STATUS_SUCCESS) {
+            notes.resize(static_cast<size_t>(note_count));
+          } else {
+            notes.clear();
+          }
+          note_count = 0;
+          if (cudnnBackendGetAttribute(engine_raw, CUDNN_ATTR_ENGINE_BEHAVIOR_NOTE, CUDNN_TYPE_BEHAVIOR_NOTE,
+                                       static_cast<int64_t>(behaviour.size()), &note_count,
+                                       behaviour.data()) == CUDNN_STATUS_SUCCESS) {
+            behaviour.resize(static_cast<size_t>(note_count));
+          } else {
+            behaviour.clear();
+          }
+          cudnnBackendGetAttribute(engine_raw, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &n, &index);
         } else {
           notes.clear();
+          behaviour.clear();
         }
-        cudnnBackendGetAttribute(engine_raw, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &n, &index);
-      } else {
-        notes.clear();
+        if (HasNote(notes, CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC) != nondeterministic_pass) continue;
+        // Float32 reference: no engine that rounds inputs (TF32 tensor cores on float data).
+        if (!reduced_ && (HasNote(notes, CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS) ||
+                          HasNote(notes, CUDNN_NUMERICAL_NOTE_TENSOR_CORE))) {
+          tried += fmt::format(" engine {} (reduced precision);", index);
+          continue;
+        }
+        // Extra candidates only: none compiled at run time (slow to build), none with a large workspace.
+        const bool extra = !found.empty();
+        if (extra && std::find(behaviour.begin(), behaviour.end(), CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION) !=
+                         behaviour.end()) {
+          continue;
+        }
+        STOKE_ASSIGN_OR_RETURN(Desc plan, Desc::Make(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR));
+        STOKE_RETURN_IF_ERROR(plan.Set(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
+                                       &raw[static_cast<size_t>(i)]));
+        STOKE_RETURN_IF_ERROR(plan.SetDesc(CUDNN_ATTR_EXECUTION_PLAN_DEVICEPROP, device_));
+        if (cudnnBackendFinalize(plan.get()) != CUDNN_STATUS_SUCCESS) {
+          if (!extra) tried += fmt::format(" engine {} (plan refused);", index);
+          continue;
+        }
+        auto p = std::make_unique<Plan>();
+        p->plan = std::move(plan);
+        STOKE_CUDNN_RETURN(cudnnBackendGetAttribute(p->plan.get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
+                                                    CUDNN_TYPE_INT64, 1, &n, &p->workspace),
+                           "plan workspace size");
+        if (extra && p->workspace > kAutotuneWorkspaceLimit) continue;
+        p->engine = fmt::format("engine {}", index);
+        p->heuristic_rank = i;
+        sources->engines.push_back(std::move(engine));
+        found.push_back(std::move(p));
+        if (!collect || static_cast<int>(found.size()) >= kAutotuneCandidates) break;
       }
-      // Float32 reference: no engine that rounds inputs (TF32 tensor cores on float data).
-      if (!reduced_ && (HasNote(notes, CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS) ||
-                        HasNote(notes, CUDNN_NUMERICAL_NOTE_TENSOR_CORE))) {
-        tried += fmt::format(" engine {} (reduced precision);", index);
-        continue;
-      }
-      STOKE_ASSIGN_OR_RETURN(Desc plan, Desc::Make(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR));
-      STOKE_RETURN_IF_ERROR(plan.Set(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
-                                     &raw[static_cast<size_t>(i)]));
-      STOKE_RETURN_IF_ERROR(plan.SetDesc(CUDNN_ATTR_EXECUTION_PLAN_DEVICEPROP, device_));
-      if (cudnnBackendFinalize(plan.get()) != CUDNN_STATUS_SUCCESS) {
-        tried += fmt::format(" engine {} (plan refused);", index);
-        continue;
-      }
-      auto p = std::make_unique<Plan>();
-      p->plan = std::move(plan);
-      struct Sources {
-        std::unique_ptr<BuiltGraph> graph;
-        Desc heur, engine;
-        std::vector<Desc> configs;
-      };
-      p->sources = std::make_shared<Sources>(Sources{std::move(built), std::move(heur), std::move(engine),
-                                                     std::move(configs)});
-      STOKE_CUDNN_RETURN(cudnnBackendGetAttribute(p->plan.get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
-                                                  CUDNN_TYPE_INT64, 1, &n, &p->workspace),
-                         "plan workspace size");
-      p->engine = fmt::format("engine {}", index);
-      max_workspace_ = std::max(max_workspace_, p->workspace);
-      const Plan* out = p.get();
-      plans_.emplace(key, std::move(p));
-      return out;
     }
+    if (found.empty()) continue;
+    sources->heur = std::move(heur);
+    sources->configs = std::move(configs);
+    for (auto& p : found) {
+      p->sources = sources;
+      max_workspace_ = std::max(max_workspace_, p->workspace);
+    }
+    std::unique_ptr<Plan> first = std::move(found.front());
+    const Plan* out = first.get();
+    plans_.emplace(key, std::move(first));
+    if (found.size() > 1) {
+      found.erase(found.begin());
+      candidates_.emplace(key, Candidates{tuned_key, std::move(found)});
+    }
+    return out;
   }
   return UnavailableError(fmt::format("cuDNN has no engine for this operation (kind {}){}", static_cast<int>(op.kind),
                                         tried.empty() ? "" : ":" + tried));
+}
+
+Result<AutotuneReport> Graphs::Autotune(cudaStream_t stream, const std::vector<PlanUse>& uses) {
+  AutotuneReport report;
+  if (candidates_.empty()) return report;
+  const auto started = std::chrono::steady_clock::now();
+  cudaEvent_t begin = nullptr, end = nullptr;
+  auto destroy = [&] {
+    if (begin != nullptr) cudaEventDestroy(begin);
+    if (end != nullptr) cudaEventDestroy(end);
+  };
+  auto cuda_error = [&](cudaError_t e, const char* what) {
+    destroy();
+    return InternalError(fmt::format("CUDA: autotuning: {}: {}", what, cudaGetErrorString(e)));
+  };
+  if (cudaError_t e = cudaEventCreate(&begin); e != cudaSuccess) return cuda_error(e, "create event");
+  if (cudaError_t e = cudaEventCreate(&end); e != cudaSuccess) return cuda_error(e, "create event");
+  // Milliseconds per run of `plan` with `pack` (warm-up first), or a negative value when it fails.
+  auto time = [&](const Plan& plan, const Desc& pack) -> Result<double> {
+    for (int k = 0; k < kAutotuneWarmup; ++k) {
+      if (cudnnBackendExecute(handle_, plan.plan.get(), pack.get()) != CUDNN_STATUS_SUCCESS) return -1.0;
+    }
+    if (cudaError_t e = cudaEventRecord(begin, stream); e != cudaSuccess) return cuda_error(e, "record");
+    for (int k = 0; k < kAutotuneRuns; ++k) {
+      if (cudnnBackendExecute(handle_, plan.plan.get(), pack.get()) != CUDNN_STATUS_SUCCESS) return -1.0;
+    }
+    if (cudaError_t e = cudaEventRecord(end, stream); e != cudaSuccess) return cuda_error(e, "record");
+    if (cudaError_t e = cudaEventSynchronize(end); e != cudaSuccess) return cuda_error(e, "wait");
+    float ms = 0;
+    if (cudaError_t e = cudaEventElapsedTime(&ms, begin, end); e != cudaSuccess) return cuda_error(e, "elapsed");
+    return static_cast<double>(ms) / kAutotuneRuns;
+  };
+  for (auto& [key, cand] : candidates_) {
+    Plan* current = plans_.at(key).get();
+    const Desc* pack = nullptr;
+    int use_count = 0;
+    for (const PlanUse& u : uses) {
+      if (u.plan != current) continue;
+      if (pack == nullptr) pack = u.pack;
+      ++use_count;
+    }
+    if (pack == nullptr) continue;  // planned but never bound: nothing runs it
+    STOKE_ASSIGN_OR_RETURN(const double first, time(*current, *pack));
+    if (first < 0) {
+      destroy();
+      return InternalError(fmt::format("cuDNN: autotuning: {} (heuristics' first choice) failed on its own buffers",
+                                       current->engine));
+    }
+    double best = first;
+    Plan* winner = current;
+    for (auto& c : cand.plans) {
+      STOKE_ASSIGN_OR_RETURN(const double ms, time(*c, *pack));
+      if (ms < 0) {
+        ++report.failed;
+        cudaGetLastError();  // an engine that refused these buffers leaves no sticky error behind
+        continue;
+      }
+      if (ms < best) best = ms, winner = c.get();
+    }
+    ++report.shapes;
+    report.first_ms += first * use_count;
+    report.tuned_ms += best * use_count;
+    if (winner != current) {
+      ++report.changed;
+      std::swap(*current, *winner);  // the layers' Plan pointers now run the winner
+    }
+    std::lock_guard<std::mutex> lock(tuned_mu);
+    Tuned()[cand.tuned_key] = current->heuristic_rank;
+  }
+  destroy();
+  candidates_.clear();  // the losers' plans are freed
+  report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  return report;
 }
 
 Result<Desc> Graphs::Bind(const std::vector<int64_t>& uids, const std::vector<void*>& pointers, void* workspace) {

@@ -10,6 +10,7 @@
 // deprecated in cuDNN 9).
 #pragma once
 
+#include <cuda_runtime_api.h>
 #include <cudnn.h>
 
 #include <cstdint>
@@ -78,21 +79,55 @@ struct Plan {
   Desc plan;
   int64_t workspace = 0;
   std::string engine;  // "engine N" for reports
+  int64_t heuristic_rank = 0;  // its place in the heuristics' list (0: their first choice)
   // Every descriptor the plan was made from (tensors, operation, graph, heuristics, engine
   // configurations), kept for the plan's life as cuDNN's own frontend does: the plan is never
   // left pointing at a destroyed one.
   std::shared_ptr<void> sources;
 };
 
+// What Graphs::Autotune did: convolution shapes timed, how many changed engine, candidates that
+// failed on the real buffers, and one step's convolutions (each shape times its uses) with
+// heuristics' first choices and with the winners.
+struct AutotuneReport {
+  int shapes = 0, changed = 0, failed = 0;
+  double first_ms = 0, tuned_ms = 0;
+  double seconds = 0;  // time spent tuning
+};
+// A plan and a variant pack that runs it (a layer's bound operation).
+struct PlanUse {
+  const Plan* plan = nullptr;
+  const Desc* pack = nullptr;
+};
+
+// Autotuning keeps this many plans per convolution shape, runs each this often untimed and then
+// timed, and never adds a candidate that asks for more workspace than this.
+inline constexpr int kAutotuneCandidates = 6;
+inline constexpr int kAutotuneWarmup = 2;
+inline constexpr int kAutotuneRuns = 5;
+inline constexpr int64_t kAutotuneWorkspaceLimit = int64_t{1} << 30;
+
 class Graphs {
  public:
   // `allow_reduced_precision` false (float32 training) refuses engines that down-convert inputs
-  // (TF32), so the float32 backend is a reference.
-  static Result<std::unique_ptr<Graphs>> Create(cudnnHandle_t handle, bool allow_reduced_precision);
+  // (TF32), so the float32 backend is a reference. `autotune`: convolutions are timed (Autotune).
+  static Result<std::unique_ptr<Graphs>> Create(cudnnHandle_t handle, bool allow_reduced_precision,
+                                                bool autotune = false);
 
   // The plan for `op`, built once per shape (heuristics A, then the fallback list; the first
-  // engine configuration that finalises). kUnavailable when cuDNN has no engine for it.
+  // engine configuration that finalises). kUnavailable when cuDNN has no engine for it. With
+  // autotuning, a convolution's plan is the one an earlier Autotune in this process chose for the
+  // same shape and device; failing that, heuristics A's first, with up to kAutotuneCandidates - 1
+  // more kept for Autotune (none compiled at run time, none over kAutotuneWorkspaceLimit of
+  // workspace; max_workspace() covers them all).
   Result<const Plan*> PlanFor(const OpSpec& op);
+  // Times every convolution shape's candidates on `stream` with the variant pack of one of its
+  // `uses` (the network's own buffers; convolutions only write their output, so this changes no
+  // state that matters) and makes the fastest the shape's plan: the Plan objects layers point to
+  // take the winners' contents. Records the choices for the process and frees the losers. A
+  // candidate that fails to run is skipped (counted in `failed`); heuristics' choice failing is an
+  // error. Nothing to do without autotuning.
+  Result<AutotuneReport> Autotune(cudaStream_t stream, const std::vector<PlanUse>& uses);
   // Builds and finalises `op`'s tensors, operation and operation graph without a device or a
   // handle: what cuDNN checks of the descriptors themselves (attribute names, types, roles,
   // shapes), with no engine chosen. For tests on machines without a GPU.
@@ -105,11 +140,18 @@ class Graphs {
   size_t cached_plans() const { return plans_.size(); }
 
  private:
-  Graphs(cudnnHandle_t handle, bool reduced) : handle_(handle), reduced_(reduced) {}
+  Graphs(cudnnHandle_t handle, bool reduced, bool autotune)
+      : handle_(handle), reduced_(reduced), autotune_(autotune) {}
   cudnnHandle_t handle_;
-  bool reduced_;
+  bool reduced_, autotune_;
+  int ordinal_ = 0;  // the device
   Desc device_;
   std::map<std::string, std::unique_ptr<Plan>> plans_;
+  struct Candidates {
+    std::string tuned_key;  // device, precision and shape: where the decision is recorded
+    std::vector<std::unique_ptr<Plan>> plans;  // besides plans_[key]
+  };
+  std::map<std::string, Candidates> candidates_;  // shape key -> plans still to be timed
   int64_t max_workspace_ = 0;
 };
 
