@@ -402,7 +402,6 @@ Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::str
   STOKE_RETURN_IF_ERROR(top.Number("epochs", &c.epochs, 1, 1 << 24));
   STOKE_RETURN_IF_ERROR(top.Number("seed", &c.seed, 0, 9.0e15));
   STOKE_RETURN_IF_ERROR(top.String("backend", &c.backend, {"auto", "cpu", "cuda"}));
-  STOKE_RETURN_IF_ERROR(top.Bool("cudnn_autotune", &c.cudnn_autotune));
   STOKE_RETURN_IF_ERROR(top.Number("compute_threads", &c.compute_threads, 0, 4096));
   STOKE_RETURN_IF_ERROR(top.String("run_dir", &c.run_dir));
   STOKE_RETURN_IF_ERROR(top.Number("log_every_steps", &c.log_every_steps, 1, 1e15));
@@ -411,6 +410,10 @@ Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::str
   STOKE_RETURN_IF_ERROR(di.Number("timeout_s", &c.dist.timeout_s, 1, 86400));
   STOKE_RETURN_IF_ERROR(di.Number("check_every_steps", &c.dist.check_every_steps, 0, 1e15));
   STOKE_RETURN_IF_ERROR(di.Finish());
+  STOKE_ASSIGN_OR_RETURN(Section cu, top.Sub("cuda"));
+  STOKE_RETURN_IF_ERROR(cu.Bool("autotune", &c.cuda.autotune));
+  STOKE_RETURN_IF_ERROR(cu.Bool("fuse_bn_relu", &c.cuda.fuse_bn_relu));
+  STOKE_RETURN_IF_ERROR(cu.Finish());
   STOKE_RETURN_IF_ERROR(top.Finish());
   for (int m : c.schedule.milestones) {
     if (m > c.epochs) {
@@ -561,7 +564,6 @@ std::string ConfigToYaml(const TrainConfig& c) {
   Put(e, "epochs", c.epochs);
   Put(e, "seed", c.seed);
   Put(e, "backend", c.backend);
-  Put(e, "cudnn_autotune", c.cudnn_autotune);
   Put(e, "compute_threads", c.compute_threads);
   Put(e, "run_dir", c.run_dir);
   Put(e, "log_every_steps", c.log_every_steps);
@@ -569,6 +571,10 @@ std::string ConfigToYaml(const TrainConfig& c) {
   Put(e, "bucket_mb", c.dist.bucket_mb);
   Put(e, "timeout_s", c.dist.timeout_s);
   Put(e, "check_every_steps", c.dist.check_every_steps);
+  e << YAML::EndMap;
+  Put(e, "cuda", YAML::BeginMap);
+  Put(e, "autotune", c.cuda.autotune);
+  Put(e, "fuse_bn_relu", c.cuda.fuse_bn_relu);
   e << YAML::EndMap;
   e << YAML::EndMap;
   return std::string(e.c_str()) + "\n";

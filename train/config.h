@@ -76,6 +76,12 @@ struct CheckpointConfig {
   int keep = 2;  // checkpoints kept in run_dir/checkpoints (oldest removed)
 };
 
+// The CUDA backend's choices (docs/CUDA.md); no effect on the CPU backend.
+struct CudaConfig {
+  bool autotune = true;        // time each convolution's cuDNN engines at start, keep the fastest
+  bool fuse_bn_relu = false;   // batch norm + the ReLU after it as one kernel each way
+};
+
 // Data-parallel runs (under mpirun or srun; see docs/DISTRIBUTED.md).
 struct DistConfig {
   double bucket_mb = 25;          // gradients averaged in buckets of about this size
@@ -94,11 +100,11 @@ struct TrainConfig {
   int epochs = 10;
   uint64_t seed = 0;
   std::string backend = "auto";  // auto | cpu | cuda
-  bool cudnn_autotune = true;     // CUDA backend: time convolution engines at start (NetworkOptions::autotune)
   int compute_threads = 0;       // CPU backend threads; 0 = every core
   std::string run_dir = "runs/run";
   int64_t log_every_steps = 10;
   DistConfig dist;
+  CudaConfig cuda;
 };
 
 // Parses YAML text. `source` names it in errors. Relative dataset and run paths stay relative

@@ -58,6 +58,14 @@ class CudaNetwork final : public Network {
   // What cuDNN autotuning (NetworkOptions::autotune) measured at creation: shapes timed, engines
   // changed, one step's convolution time before and after; "" when it did not run.
   const std::string& AutotuneSummary() const;
+  struct AutotuneCounts {
+    int timed = 0, changed = 0;
+    int reused = 0;  // decided by an earlier network of this process
+    int single = 0;  // one usable engine
+  };
+  AutotuneCounts Autotuned() const;
+  // Batch norm + ReLU pairs running as stoke's fused kernels (NetworkOptions::fuse_bn_relu).
+  int FusedBatchNormRelu() const;
   // "layer: operation" for each step running on stoke's own kernel because cuDNN had no engine.
   const std::vector<std::string>& FallbackKernels() const;
   // Float16: the current loss scale and the updates skipped for overflowing gradients.

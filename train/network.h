@@ -39,8 +39,11 @@ struct NetworkOptions {
   int device = 0;  // CUDA backend: the GPU
   // CUDA backend: time each convolution's candidate engines at creation and keep the fastest (as
   // PyTorch's cudnn.benchmark); false keeps cuDNN heuristics' first choice. The config's
-  // cudnn_autotune (on by default) sets it for training, evaluation and benchmarks.
+  // cuda.autotune (on by default) sets it for training, evaluation and benchmarks.
   bool autotune = false;
+  // CUDA backend: a batch norm whose only consumer is a ReLU runs both as stoke's fused kernels
+  // (one pass fewer over the activations each way; not with sync_batchnorm). cuda.fuse_bn_relu.
+  bool fuse_bn_relu = false;
   // Data-parallel runs: batch statistics of batch norm over the global batch (every rank's
   // samples) instead of this rank's; see StepSync. No effect on one rank.
   bool sync_batchnorm = false;

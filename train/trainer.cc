@@ -52,7 +52,8 @@ Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c, const dist:
   o.bn_momentum = c.model.bn_momentum;
   o.bn_epsilon = c.model.bn_epsilon;
   o.seed = c.seed;
-  o.autotune = c.cudnn_autotune;
+  o.autotune = c.cuda.autotune;
+  o.fuse_bn_relu = c.cuda.fuse_bn_relu;
   o.threads = c.compute_threads;
   if (o.threads == 0 && comm && comm->local_size() > 1) {
     // Ranks sharing a machine share its cores rather than each starting a team of all of them.

@@ -105,8 +105,8 @@ TEST(Config, ErrorsNameFileLineKeyAndExpectation) {
   EXPECT_EQ(ErrorOf(base + "epochs: 3\nepochs: 4\n"), "run.yaml:8: epochs: given twice (first on line 7); keep one");
   EXPECT_EQ(ErrorOf(base + "optimizer:\n  lr: 0.1\n  momentum: 0.9\n  lr: 0.2\n"),
             "run.yaml:10: optimizer.lr: given twice (first on line 8); keep one");
-  EXPECT_EQ(ErrorOf(base + "cudnn_autotune: maybe\n"),
-            "run.yaml:7: cudnn_autotune: 'maybe' is not a boolean; expected true or false");
+  EXPECT_EQ(ErrorOf(base + "cuda: {autotune: maybe}\n"),
+            "run.yaml:7: cuda.autotune: 'maybe' is not a boolean; expected true or false");
 }
 
 TEST(Schedule, ShapesAtKnownPoints) {

@@ -226,6 +226,9 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
 #if STOKE_WITH_CUDA
   if (const auto* gpu = dynamic_cast<const train::CudaNetwork*>(net.get()); gpu != nullptr) {
     if (!gpu->AutotuneSummary().empty()) out += fmt::format("  {}\n", gpu->AutotuneSummary());
+    if (gpu->FusedBatchNormRelu() > 0) {
+      out += fmt::format("  batch norm + ReLU fused (stoke's kernels): {} pairs\n", gpu->FusedBatchNormRelu());
+    }
     if (!gpu->FallbackKernels().empty()) {
       out += fmt::format("  on stoke's kernels (cuDNN had no engine): {}\n", fmt::join(gpu->FallbackKernels(), "; "));
     }

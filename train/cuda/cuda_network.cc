@@ -63,14 +63,24 @@ Status LastLaunch(std::string_view where) {
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
-  DeviceBuffer(DeviceBuffer&& o) noexcept : p_(std::exchange(o.p_, nullptr)), bytes_(o.bytes_) {}
+  DeviceBuffer(DeviceBuffer&& o) noexcept
+      : p_(std::exchange(o.p_, nullptr)), bytes_(o.bytes_), owned_(std::exchange(o.owned_, true)) {}
   DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
     std::swap(p_, o.p_);
     std::swap(bytes_, o.bytes_);
+    std::swap(owned_, o.owned_);
     return *this;
   }
   ~DeviceBuffer() {
-    if (p_ != nullptr) cudaFree(p_);
+    if (p_ != nullptr && owned_) cudaFree(p_);
+  }
+  // Frees this buffer's memory and makes it a view of `other`'s, which must outlive it.
+  Status Share(const DeviceBuffer& other) {
+    if (p_ != nullptr && owned_) STOKE_CUDA_OK(cudaFree(p_));
+    p_ = other.p_;
+    bytes_ = other.bytes_;
+    owned_ = false;
+    return OkStatus();
   }
   Status Alloc(size_t bytes) {
     bytes_ = std::max<size_t>(bytes, 256);
@@ -91,6 +101,7 @@ class DeviceBuffer {
  private:
   void* p_ = nullptr;
   size_t bytes_ = 0;
+  bool owned_ = true;
 };
 
 cudaDataType_t BlasType(DType t) { return t == DType::kF32 ? CUDA_R_32F : t == DType::kF16 ? CUDA_R_16F : CUDA_R_16BF; }
@@ -140,6 +151,7 @@ class Net;
 struct GraphOp {
   const cuda::Plan* plan = nullptr;
   std::vector<int64_t> uids;
+  std::vector<void*> pointers;  // what the pack binds (kept to bind it again to a new workspace)
   cuda::Desc pack;
   bool ok() const { return plan != nullptr; }
 };
@@ -173,8 +185,9 @@ class Net {
   std::array<Group, 2> groups;
   std::vector<std::unique_ptr<RunningStat>> running;
   std::vector<std::string> fallbacks;
-  std::vector<cuda::PlanUse> bound;  // every bound graph operation (for autotuning)
+  std::vector<GraphOp*> bound;       // every bound graph operation (while the network is made)
   std::string autotuned;             // what autotuning reported ("" without it)
+  int fused_pairs = 0;               // batch norm + ReLU pairs running as one step
   size_t partial_floats = 0;
   std::array<cudaEvent_t, 2> done{};
   cudaEvent_t ready = nullptr;
@@ -281,7 +294,8 @@ class Net {
   }
   Status Bind(GraphOp& g, const std::vector<void*>& pointers) {
     STOKE_ASSIGN_OR_RETURN(g.pack, cuda::Graphs::Bind(g.uids, pointers, workspace.get()));
-    bound.push_back({g.plan, &g.pack});
+    g.pointers = pointers;
+    bound.push_back(&g);
     return OkStatus();
   }
   Status Run(const GraphOp& g) const { return graphs->Execute(*g.plan, g.pack); }
@@ -552,7 +566,13 @@ class BatchNormLayer final : public OneInputLayer {
     float* rv = RunningVar(net);
     if (!training) {
       cuda::BatchNormInference(net.In(in_), y.out.get(), net.t, rows_, static_cast<int>(c_), net.Master(scale_),
-                               net.Master(shift_), rm, rv, eps_, net.stream);
+                               net.Master(shift_), rm, rv, eps_, net.stream, fused_relu_);
+      return OkStatus();
+    }
+    if (fused_relu_) {  // y.out is the ReLU's output buffer
+      cuda::BatchNormReluTrain(net.In(in_), y.out.get(), net.t, rows_, static_cast<int>(c_), net.Master(scale_),
+                               net.Master(shift_), eps_, factor_, rm, rv, save_mean_.as<float>(),
+                               save_inv_std_.as<float>(), affine_.as<float>(), net.partials.as<float>(), net.stream);
       return OkStatus();
     }
     if (Synchronised(net)) {
@@ -580,7 +600,12 @@ class BatchNormLayer final : public OneInputLayer {
   Status Backward(Net& net) override {
     const Node& y = net.node(self_);
     void* dx = net.NeedsGrad(in_) ? net.DiffTarget(in_, direct_) : net.scratch.get();
-    if (Synchronised(net)) {
+    if (fused_relu_) {  // y.diff is the ReLU's output gradient
+      cuda::BatchNormReluBackward(net.In(in_), y.diff.get(), dx, net.t, rows_, static_cast<int>(c_),
+                                  save_mean_.as<float>(), save_inv_std_.as<float>(), affine_.as<float>(),
+                                  static_cast<float*>(net.Grad(scale_)), static_cast<float*>(net.Grad(shift_)),
+                                  net.partials.as<float>(), net.stream);
+    } else if (Synchronised(net)) {
       // The parameter gradients are this rank's sums (averaged over the ranks with every other
       // gradient); the input gradient needs the sums of all ranks.
       const int c = static_cast<int>(c_);
@@ -602,8 +627,24 @@ class BatchNormLayer final : public OneInputLayer {
     net.Deliver(in_, direct_);
     return OkStatus();
   }
+  // Before binding: whether this batch norm and `relu`, its only consumer, can run as one fused
+  // step (model.sync_batchnorm off, channels in whole 16-byte vectors, the same gradient needs).
+  bool CanFuse(const Net& net, int relu) const {
+    return !net.opt.sync_batchnorm && cuda::FusedBatchNormReluFits(net.t, static_cast<int>(c_)) &&
+           net.NeedsGrad(self_) == net.NeedsGrad(relu);
+  }
+  // Makes this layer write the ReLU's output (and read its gradient) directly: this node's buffers
+  // become views of `relu`'s, and the ReLU layer does nothing.
+  Status FuseRelu(Net& net, int relu) {
+    STOKE_RETURN_IF_ERROR(affine_.Alloc(2 * static_cast<size_t>(c_) * sizeof(float)));
+    STOKE_RETURN_IF_ERROR(net.node(self_).out.Share(net.node(relu).out));
+    if (net.NeedsGrad(self_)) STOKE_RETURN_IF_ERROR(net.node(self_).diff.Share(net.node(relu).diff));
+    net.NeedPartials(rows_, static_cast<int>(c_));
+    fused_relu_ = true;
+    return OkStatus();
+  }
   Status BindGraphs(Net& net) override {
-    if (!fwd_.ok()) return OkStatus();
+    if (!fwd_.ok() || fused_relu_) return OkStatus();
     void* x = const_cast<void*>(net.In(in_));
     const Node& y = net.node(self_);
     STOKE_RETURN_IF_ERROR(net.Bind(fwd_, {x, net.Master(scale_), net.Master(shift_), &eps_, &factor_,
@@ -624,6 +665,8 @@ class BatchNormLayer final : public OneInputLayer {
   int scale_ = -1, shift_ = -1, mean_stat_ = -1;
   DeviceBuffer next_mean_, next_var_, save_mean_, save_inv_std_;
   DeviceBuffer sums_, global_grads_;  // synchronised: 2 x C doubles summed over the ranks; 2 x C floats
+  bool fused_relu_ = false;  // runs the ReLU after it too (FuseRelu)
+  DeviceBuffer affine_;      // fused: per channel a = scale * inv_std, then b = shift - mean * a
   GraphOp fwd_, bwd_;
 };
 
@@ -638,14 +681,17 @@ class ReluLayer final : public OneInputLayer {
     net.PlanPair(self_, "relu", cuda::ReluOps(net.ct, x), fwd_, bwd_);
     return OkStatus();
   }
+  // The batch norm before it runs this ReLU too (BatchNormLayer::FuseRelu).
+  void SetFused() { fused_ = true; }
   Status Forward(Net& net, bool, int64_t) override {
+    if (fused_) return OkStatus();
     if (fwd_.ok()) return net.Run(fwd_);
     const Node& y = net.node(self_);
     cuda::Relu(net.In(in_), y.out.get(), net.t, y.count(), net.stream);
     return OkStatus();
   }
   Status Backward(Net& net) override {
-    if (!net.NeedsGrad(in_)) return OkStatus();
+    if (!net.NeedsGrad(in_) || fused_) return OkStatus();
     if (bwd_.ok()) {
       STOKE_RETURN_IF_ERROR(net.Run(bwd_));
     } else {
@@ -656,7 +702,7 @@ class ReluLayer final : public OneInputLayer {
     return OkStatus();
   }
   Status BindGraphs(Net& net) override {
-    if (!fwd_.ok()) return OkStatus();
+    if (!fwd_.ok() || fused_) return OkStatus();
     void* x = const_cast<void*>(net.In(in_));
     const Node& y = net.node(self_);
     STOKE_RETURN_IF_ERROR(net.Bind(fwd_, {x, y.out.get()}));
@@ -665,6 +711,7 @@ class ReluLayer final : public OneInputLayer {
   }
 
  private:
+  bool fused_ = false;
   GraphOp fwd_, bwd_;
 };
 
@@ -754,10 +801,22 @@ class AddLayer final : public Layer {
     cuda::Add(net.In(a_), net.In(b_), y.out.get(), net.t, y.count(), net.stream);
     return OkStatus();
   }
+  // Before any layer binds its buffers, in reverse layer order: an input that only this add
+  // consumes gets the output's gradient as its own (the gradient of a + b with respect to either is
+  // the output's), so backward copies nothing for it. `consumers`: per node, the layers reading it.
+  Status ShareGradients(Net& net, const std::vector<int>& consumers) {
+    if (!net.NeedsGrad(self_) || a_ == b_) return OkStatus();
+    for (auto [in, shared] : {std::pair{a_, &shared_a_}, std::pair{b_, &shared_b_}}) {
+      if (!net.NeedsGrad(in) || consumers[static_cast<size_t>(in)] != 1) continue;
+      STOKE_RETURN_IF_ERROR(net.node(in).diff.Share(net.node(self_).diff));
+      *shared = true;
+    }
+    return OkStatus();
+  }
   Status Backward(Net& net) override {
     const Node& y = net.node(self_);
-    for (auto [in, direct] : {std::pair{a_, direct_a_}, std::pair{b_, direct_b_}}) {
-      if (!net.NeedsGrad(in)) continue;
+    for (auto [in, direct, shared] : {std::tuple{a_, direct_a_, shared_a_}, std::tuple{b_, direct_b_, shared_b_}}) {
+      if (!net.NeedsGrad(in) || shared) continue;
       if (direct) {
         STOKE_CUDA_OK(cudaMemcpyAsync(net.node(in).diff.get(), y.diff.get(), y.diff.bytes(), cudaMemcpyDeviceToDevice,
                                       net.stream));
@@ -777,6 +836,7 @@ class AddLayer final : public Layer {
  private:
   int self_, a_, b_;
   bool direct_a_ = false, direct_b_ = false;
+  bool shared_a_ = false, shared_b_ = false;  // the input's gradient buffer is the output's
   GraphOp fwd_;
 };
 
@@ -1122,6 +1182,7 @@ class DeviceParallel {  // not in this build: SetStepSync refuses world > 1
 
 struct CudaNetwork::Impl {
   Net net;
+  cuda::AutotuneReport autotune;
   std::unique_ptr<DeviceParallel> dp;  // data-parallel: set by SetStepSync
   StepSync* sync = nullptr;
 
@@ -1418,6 +1479,34 @@ Result<std::unique_ptr<CudaNetwork>> CudaNetwork::CreateUnguarded(NetworkOptions
     net.layers.push_back(std::move(layer));
     largest = std::max(largest, net.nodes[i].count());
   }
+  // Residual adds hand their gradient on without a copy where they are an input's only consumer;
+  // the last add first, so a chain of them ends up sharing one buffer.
+  std::vector<int> consumers(model.layers.size(), 0), consumer(model.layers.size(), -1);
+  for (size_t j = 0; j < model.layers.size(); ++j) {
+    for (const auto& name : model.layers[j].inputs) {
+      if (const int k = index[name]; k >= 0) {
+        ++consumers[static_cast<size_t>(k)];
+        consumer[static_cast<size_t>(k)] = static_cast<int>(j);
+      }
+    }
+  }
+  for (size_t i = net.layers.size(); i-- > 0;) {
+    if (auto* add = dynamic_cast<AddLayer*>(net.layers[i].get()); add != nullptr) {
+      STOKE_RETURN_IF_ERROR(add->ShareGradients(net, consumers));
+    }
+  }
+  // Then (buffers final) batch norm + ReLU pairs, where asked for.
+  int fused = 0;
+  for (size_t i = 0; net.opt.fuse_bn_relu && i < net.layers.size(); ++i) {
+    auto* bn = dynamic_cast<BatchNormLayer*>(net.layers[i].get());
+    const int j = consumer[i];
+    auto* relu = bn != nullptr && consumers[i] == 1 ? dynamic_cast<ReluLayer*>(net.layers[static_cast<size_t>(j)].get())
+                                                    : nullptr;
+    if (relu == nullptr || !bn->CanFuse(net, j)) continue;
+    STOKE_RETURN_IF_ERROR(bn->FuseRelu(net, j));
+    relu->SetFused();
+    ++fused;
+  }
   STOKE_RETURN_IF_ERROR(net.workspace.Alloc(static_cast<size_t>(net.graphs->max_workspace())));
   STOKE_RETURN_IF_ERROR(net.scratch.Alloc(static_cast<size_t>(largest) * cuda::SizeOf(net.t)));
   STOKE_RETURN_IF_ERROR(net.partials.Alloc(std::max<size_t>(net.partial_floats, 1) * sizeof(float)));
@@ -1428,25 +1517,42 @@ Result<std::unique_ptr<CudaNetwork>> CudaNetwork::CreateUnguarded(NetworkOptions
   STOKE_RETURN_IF_ERROR(LastLaunch("set-up"));
   if (net.opt.autotune) {
     // Convolutions only write their outputs (and scratch), all overwritten by the first step.
-    STOKE_ASSIGN_OR_RETURN(const cuda::AutotuneReport tuned, net.graphs->Autotune(net.stream, net.bound));
+    std::vector<cuda::PlanUse> uses;
+    for (const GraphOp* g : net.bound) uses.push_back({g->plan, &g->pack});
+    STOKE_ASSIGN_OR_RETURN(const cuda::AutotuneReport tuned, net.graphs->Autotune(net.stream, uses));
     STOKE_RETURN_IF_ERROR(LastLaunch("autotuning"));
+    impl->autotune = tuned;
+    net.autotuned = fmt::format(
+        "cuDNN autotuning: {} convolution shapes timed in {:.1f} s, {} changed engine{}; {} decided earlier in this "
+        "process, {} with one usable engine",
+        tuned.shapes, tuned.seconds, tuned.changed,
+        tuned.failed > 0 ? fmt::format(" ({} candidates did not run and were dropped)", tuned.failed) : "",
+        tuned.reused, tuned.single);
     if (tuned.shapes > 0) {
-      net.autotuned = fmt::format(
-          "cuDNN autotuning: {} convolution shapes timed in {:.1f} s, {} changed engine{}; one step's convolutions "
-          "{:.2f} ms with heuristics' first choices, {:.2f} ms tuned",
-          tuned.shapes, tuned.seconds, tuned.changed,
-          tuned.failed > 0 ? fmt::format(" ({} candidates failed and were dropped)", tuned.failed) : "",
-          tuned.first_ms, tuned.tuned_ms);
-      STOKE_LOG(INFO, "{}", net.autotuned);
+      net.autotuned += fmt::format("; one step's convolutions {:.2f} ms with heuristics' first choices, {:.2f} ms tuned",
+                                   tuned.first_ms, tuned.tuned_ms);
+    }
+    STOKE_LOG(INFO, "{}", net.autotuned);
+    // The losers' workspace is not needed any more: a smaller buffer, and every pack bound to it.
+    if (const auto need = static_cast<size_t>(std::max<int64_t>(net.graphs->max_workspace(), 1));
+        need < net.workspace.bytes()) {
+      net.workspace = DeviceBuffer();
+      STOKE_RETURN_IF_ERROR(net.workspace.Alloc(need));
+      for (GraphOp* g : net.bound) {
+        STOKE_ASSIGN_OR_RETURN(g->pack, cuda::Graphs::Bind(g->uids, g->pointers, net.workspace.get()));
+      }
     }
   }
   if (!net.fallbacks.empty()) {
     STOKE_LOG(WARN, "cuDNN offered no engine for {} step(s); stoke's own kernels run them: {}", net.fallbacks.size(),
               fmt::join(net.fallbacks, "; "));
   }
-  STOKE_LOG(INFO, "CUDA backend: {} layers, {} precision, {} cuDNN operations sharing {} plans, workspace {} MiB",
+  net.fused_pairs = fused;
+  STOKE_LOG(INFO,
+            "CUDA backend: {} layers, {} precision, {} cuDNN operations sharing {} plans, workspace {} MiB{}",
             net.layers.size(), PrecisionName(net.opt.precision), net.bound.size(), net.graphs->cached_plans(),
-            net.graphs->max_workspace() >> 20);
+            net.graphs->max_workspace() >> 20,
+            fused > 0 ? fmt::format(", {} batch norm + ReLU pairs fused", fused) : "");
   net.bound.clear();
   return std::unique_ptr<CudaNetwork>(new CudaNetwork(std::move(impl)));
 }
@@ -1598,6 +1704,11 @@ Status CudaNetwork::LoadState(const std::vector<NamedTensor>& state) {
 void* CudaNetwork::stream() const { return impl_->net.stream; }
 double CudaNetwork::LastInputWaitSeconds() const { return impl_->net.last_wait; }
 const std::string& CudaNetwork::AutotuneSummary() const { return impl_->net.autotuned; }
+int CudaNetwork::FusedBatchNormRelu() const { return impl_->net.fused_pairs; }
+CudaNetwork::AutotuneCounts CudaNetwork::Autotuned() const {
+  const cuda::AutotuneReport& r = impl_->autotune;
+  return {r.shapes, r.changed, r.reused, r.single};
+}
 
 const std::vector<std::string>& CudaNetwork::FallbackKernels() const { return impl_->net.fallbacks; }
 float CudaNetwork::loss_scale() const { return impl_->net.loss_scale; }

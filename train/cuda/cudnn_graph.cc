@@ -4,6 +4,7 @@
 #include <array>
 #include <chrono>
 #include <mutex>
+#include <utility>
 
 #include <cuda_runtime_api.h>
 
@@ -319,12 +320,15 @@ bool IsConvolution(OpSpec::Kind k) {
 }
 
 // What autotuning decided, for the whole process: "device|precision|shape" -> the position of the
-// winner in heuristics A's list (cuDNN returns the same list for the same graph and device), so a
-// second network of the same shapes (a test's reference, an evaluation model) runs the same engines
-// without timing them again.
+// winner in heuristics A's list (cuDNN returns the same list for the same graph and device) and its
+// engine (checked on reuse), so a second network of the same shapes (a test's reference, an
+// evaluation model) runs the same engines without timing them again.
+struct Decision {
+  int64_t rank = -1, engine = -1;
+};
 std::mutex tuned_mu;
-std::map<std::string, int64_t>& Tuned() {
-  static auto* tuned = new std::map<std::string, int64_t>;
+std::map<std::string, Decision>& Tuned() {
+  static auto* tuned = new std::map<std::string, Decision>;
   return *tuned;
 }
 
@@ -350,11 +354,12 @@ Result<const Plan*> Graphs::PlanFor(const OpSpec& op) {
   // live buffers).
   const bool tune = autotune_ && IsConvolution(op.kind);
   const std::string tuned_key = fmt::format("{}|{}|{}", ordinal_, reduced_, key);
-  int64_t decided = -1;
+  Decision decision;
   if (tune) {
     std::lock_guard<std::mutex> lock(tuned_mu);
-    if (auto it = Tuned().find(tuned_key); it != Tuned().end()) decided = it->second;
+    if (auto it = Tuned().find(tuned_key); it != Tuned().end()) decision = it->second;
   }
+  const int64_t decided = decision.rank;
 
   std::string tried;
   for (cudnnBackendHeurMode_t mode : {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK}) {
@@ -388,13 +393,13 @@ Result<const Plan*> Graphs::PlanFor(const OpSpec& op) {
                        "engine heuristics results");
     // The order to try: heuristics' own, with an earlier autotuning decision first.
     std::vector<int64_t> order;
-    const bool use_decision = mode == CUDNN_HEUR_MODE_A && decided >= 0 && decided < got;
+    bool use_decision = mode == CUDNN_HEUR_MODE_A && decided >= 0 && decided < got;
     if (use_decision) order.push_back(decided);
     for (int64_t i = 0; i < got; ++i) {
       if (!use_decision || i != decided) order.push_back(i);
     }
     // With autotuning (and no decision yet), heuristics A's first few plans that pass, to be timed.
-    const bool collect = tune && mode == CUDNN_HEUR_MODE_A && !use_decision;
+    bool collect = tune && mode == CUDNN_HEUR_MODE_A && !use_decision;
     std::vector<std::unique_ptr<Plan>> found;
     // Deterministic engines first (the same inputs give the same bits, which the equivalence
     // checks rely on); the others only when no deterministic one runs the operation.
@@ -437,8 +442,21 @@ Result<const Plan*> Graphs::PlanFor(const OpSpec& op) {
           tried += fmt::format(" engine {} (reduced precision);", index);
           continue;
         }
-        // Extra candidates only: none compiled at run time (slow to build), none with a large workspace.
+        if (use_decision && i == decided && index != decision.engine) {
+          // The list changed since the decision (it should not): heuristics' own order, untuned.
+          use_decision = false;
+          continue;
+        }
+        // Extra candidates only: none compiled at run time (slow to build), none with a large
+        // workspace, and in float32 none that computes by FFT or Winograd (the reference stays direct).
         const bool extra = !found.empty();
+        if (extra && !reduced_ &&
+            (HasNote(notes, CUDNN_NUMERICAL_NOTE_FFT) || HasNote(notes, CUDNN_NUMERICAL_NOTE_WINOGRAD) ||
+             HasNote(notes, CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_4x4) ||
+             HasNote(notes, CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_6x6) ||
+             HasNote(notes, CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_13x13))) {
+          continue;
+        }
         if (extra && std::find(behaviour.begin(), behaviour.end(), CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION) !=
                          behaviour.end()) {
           continue;
@@ -459,6 +477,7 @@ Result<const Plan*> Graphs::PlanFor(const OpSpec& op) {
         if (extra && p->workspace > kAutotuneWorkspaceLimit) continue;
         p->engine = fmt::format("engine {}", index);
         p->heuristic_rank = i;
+        p->engine_index = index;
         sources->engines.push_back(std::move(engine));
         found.push_back(std::move(p));
         if (!collect || static_cast<int>(found.size()) >= kAutotuneCandidates) break;
@@ -471,6 +490,8 @@ Result<const Plan*> Graphs::PlanFor(const OpSpec& op) {
       p->sources = sources;
       max_workspace_ = std::max(max_workspace_, p->workspace);
     }
+    if (tune && use_decision) ++reused_;
+    if (collect && found.size() == 1) ++single_;
     std::unique_ptr<Plan> first = std::move(found.front());
     const Plan* out = first.get();
     plans_.emplace(key, std::move(first));
@@ -486,34 +507,68 @@ Result<const Plan*> Graphs::PlanFor(const OpSpec& op) {
 
 Result<AutotuneReport> Graphs::Autotune(cudaStream_t stream, const std::vector<PlanUse>& uses) {
   AutotuneReport report;
+  report.reused = std::exchange(reused_, 0);
+  report.single = std::exchange(single_, 0);
   if (candidates_.empty()) return report;
   const auto started = std::chrono::steady_clock::now();
   cudaEvent_t begin = nullptr, end = nullptr;
-  auto destroy = [&] {
-    if (begin != nullptr) cudaEventDestroy(begin);
-    if (end != nullptr) cudaEventDestroy(end);
-  };
-  auto cuda_error = [&](cudaError_t e, const char* what) {
-    destroy();
+  struct Events {  // destroyed on every way out
+    cudaEvent_t* b;
+    cudaEvent_t* e;
+    ~Events() {
+      if (*b != nullptr) cudaEventDestroy(*b);
+      if (*e != nullptr) cudaEventDestroy(*e);
+    }
+  } events{&begin, &end};
+  // A CUDA failure while `what` ran: a fault on the device ends the context, so the run stops here.
+  auto cuda_error = [&](cudaError_t e, const std::string& what) {
     return InternalError(fmt::format("CUDA: autotuning: {}: {}", what, cudaGetErrorString(e)));
   };
   if (cudaError_t e = cudaEventCreate(&begin); e != cudaSuccess) return cuda_error(e, "create event");
   if (cudaError_t e = cudaEventCreate(&end); e != cudaSuccess) return cuda_error(e, "create event");
-  // Milliseconds per run of `plan` with `pack` (warm-up first), or a negative value when it fails.
-  auto time = [&](const Plan& plan, const Desc& pack) -> Result<double> {
-    for (int k = 0; k < kAutotuneWarmup; ++k) {
-      if (cudnnBackendExecute(handle_, plan.plan.get(), pack.get()) != CUDNN_STATUS_SUCCESS) return -1.0;
+  auto run = [&](const Plan& plan, const Desc& pack, int times) {
+    for (int k = 0; k < times; ++k) {
+      if (cudnnBackendExecute(handle_, plan.plan.get(), pack.get()) != CUDNN_STATUS_SUCCESS) return false;
     }
-    if (cudaError_t e = cudaEventRecord(begin, stream); e != cudaSuccess) return cuda_error(e, "record");
-    for (int k = 0; k < kAutotuneRuns; ++k) {
-      if (cudnnBackendExecute(handle_, plan.plan.get(), pack.get()) != CUDNN_STATUS_SUCCESS) return -1.0;
-    }
-    if (cudaError_t e = cudaEventRecord(end, stream); e != cudaSuccess) return cuda_error(e, "record");
-    if (cudaError_t e = cudaEventSynchronize(end); e != cudaSuccess) return cuda_error(e, "wait");
-    float ms = 0;
-    if (cudaError_t e = cudaEventElapsedTime(&ms, begin, end); e != cudaSuccess) return cuda_error(e, "elapsed");
-    return static_cast<double>(ms) / kAutotuneRuns;
+    return true;
   };
+  // Milliseconds per run of `plan` with `pack` (the fastest of the trials, after a warm-up), or a
+  // negative value when cuDNN refuses to run it on these buffers.
+  auto time = [&](const Plan& plan, const Desc& pack, const std::string& shape) -> Result<double> {
+    const std::string what = fmt::format("{} on {}", plan.engine, shape);
+    if (!run(plan, pack, kAutotuneWarmup)) {
+      cudaGetLastError();  // a refusal at launch leaves no sticky error
+      return -1.0;
+    }
+    double best = -1;
+    for (int trial = 0; trial < kAutotuneTrials; ++trial) {
+      if (cudaError_t e = cudaEventRecord(begin, stream); e != cudaSuccess) return cuda_error(e, what);
+      if (!run(plan, pack, kAutotuneRuns)) {
+        cudaGetLastError();
+        return -1.0;
+      }
+      if (cudaError_t e = cudaEventRecord(end, stream); e != cudaSuccess) return cuda_error(e, what);
+      if (cudaError_t e = cudaEventSynchronize(end); e != cudaSuccess) return cuda_error(e, what);
+      float ms = 0;
+      if (cudaError_t e = cudaEventElapsedTime(&ms, begin, end); e != cudaSuccess) return cuda_error(e, what);
+      const double per_run = static_cast<double>(ms) / kAutotuneRuns;
+      if (best < 0 || per_run < best) best = per_run;
+    }
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_error(e, what);
+    return best;
+  };
+  // The GPU out of idle before the first timing (clocks ramp up): the first shape's plan, ~20 runs.
+  for (auto& [key, cand] : candidates_) {
+    for (const PlanUse& u : uses) {
+      if (u.plan == plans_.at(key).get()) {
+        run(*u.plan, *u.pack, 20);
+        if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess) return cuda_error(e, "warm-up");
+        break;
+      }
+    }
+    break;
+  }
+  cudaGetLastError();
   for (auto& [key, cand] : candidates_) {
     Plan* current = plans_.at(key).get();
     const Desc* pack = nullptr;
@@ -524,22 +579,22 @@ Result<AutotuneReport> Graphs::Autotune(cudaStream_t stream, const std::vector<P
       ++use_count;
     }
     if (pack == nullptr) continue;  // planned but never bound: nothing runs it
-    STOKE_ASSIGN_OR_RETURN(const double first, time(*current, *pack));
+    const std::string shape = key.size() > 160 ? key.substr(0, 160) + "..." : key;  // kind, geometry, tensors
+    STOKE_ASSIGN_OR_RETURN(const double first, time(*current, *pack, shape));
     if (first < 0) {
-      destroy();
-      return InternalError(fmt::format("cuDNN: autotuning: {} (heuristics' first choice) failed on its own buffers",
-                                       current->engine));
+      return InternalError(fmt::format("cuDNN: autotuning: {} (heuristics' first choice) did not run on {}",
+                                       current->engine, shape));
     }
     double best = first;
     Plan* winner = current;
     for (auto& c : cand.plans) {
-      STOKE_ASSIGN_OR_RETURN(const double ms, time(*c, *pack));
+      STOKE_ASSIGN_OR_RETURN(const double ms, time(*c, *pack, shape));
       if (ms < 0) {
         ++report.failed;
-        cudaGetLastError();  // an engine that refused these buffers leaves no sticky error behind
         continue;
       }
-      if (ms < best) best = ms, winner = c.get();
+      // A candidate must beat heuristics' choice clearly, and then the best so far.
+      if (ms < (1 - kAutotuneMinGain) * first && ms < best) best = ms, winner = c.get();
     }
     ++report.shapes;
     report.first_ms += first * use_count;
@@ -549,10 +604,11 @@ Result<AutotuneReport> Graphs::Autotune(cudaStream_t stream, const std::vector<P
       std::swap(*current, *winner);  // the layers' Plan pointers now run the winner
     }
     std::lock_guard<std::mutex> lock(tuned_mu);
-    Tuned()[cand.tuned_key] = current->heuristic_rank;
+    Tuned()[cand.tuned_key] = Decision{current->heuristic_rank, current->engine_index};
   }
-  destroy();
   candidates_.clear();  // the losers' plans are freed
+  max_workspace_ = 0;   // now the plans that run
+  for (const auto& [key, plan] : plans_) max_workspace_ = std::max(max_workspace_, plan->workspace);
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   return report;
 }

@@ -76,14 +76,15 @@ struct OpSpec {
 
 // A finalised plan and the workspace it needs.
 struct Plan {
+  // Every descriptor the plan was made from (tensors, operation, graph, heuristics, engine
+  // configurations), kept for the plan's life as cuDNN's own frontend does: the plan is never
+  // left pointing at a destroyed one. Declared first, so it is destroyed after the plan.
+  std::shared_ptr<void> sources;
   Desc plan;
   int64_t workspace = 0;
   std::string engine;  // "engine N" for reports
   int64_t heuristic_rank = 0;  // its place in the heuristics' list (0: their first choice)
-  // Every descriptor the plan was made from (tensors, operation, graph, heuristics, engine
-  // configurations), kept for the plan's life as cuDNN's own frontend does: the plan is never
-  // left pointing at a destroyed one.
-  std::shared_ptr<void> sources;
+  int64_t engine_index = -1;   // cuDNN's global engine index
 };
 
 // What Graphs::Autotune did: convolution shapes timed, how many changed engine, candidates that
@@ -91,6 +92,8 @@ struct Plan {
 // heuristics' first choices and with the winners.
 struct AutotuneReport {
   int shapes = 0, changed = 0, failed = 0;
+  int reused = 0;  // shapes whose engine an earlier network in this process chose
+  int single = 0;  // shapes with one usable engine (nothing to time)
   double first_ms = 0, tuned_ms = 0;
   double seconds = 0;  // time spent tuning
 };
@@ -100,11 +103,15 @@ struct PlanUse {
   const Desc* pack = nullptr;
 };
 
-// Autotuning keeps this many plans per convolution shape, runs each this often untimed and then
-// timed, and never adds a candidate that asks for more workspace than this.
+// Autotuning keeps this many plans per convolution shape, runs each kAutotuneWarmup times untimed
+// and then kAutotuneTrials times kAutotuneRuns runs between events (the fastest trial counts),
+// never adds a candidate that asks for more workspace than kAutotuneWorkspaceLimit, and replaces
+// heuristics' choice only for a gain of kAutotuneMinGain or more (timing noise must not decide).
 inline constexpr int kAutotuneCandidates = 6;
 inline constexpr int kAutotuneWarmup = 2;
-inline constexpr int kAutotuneRuns = 5;
+inline constexpr int kAutotuneTrials = 3;
+inline constexpr int kAutotuneRuns = 3;
+inline constexpr double kAutotuneMinGain = 0.03;
 inline constexpr int64_t kAutotuneWorkspaceLimit = int64_t{1} << 30;
 
 class Graphs {
@@ -126,7 +133,8 @@ class Graphs {
   // state that matters) and makes the fastest the shape's plan: the Plan objects layers point to
   // take the winners' contents. Records the choices for the process and frees the losers. A
   // candidate that fails to run is skipped (counted in `failed`); heuristics' choice failing is an
-  // error. Nothing to do without autotuning.
+  // error, and so is a fault on the device (it ends the CUDA context; the error names the engine).
+  // Nothing to do without autotuning. max_workspace() is then the winners' (and other plans').
   Result<AutotuneReport> Autotune(cudaStream_t stream, const std::vector<PlanUse>& uses);
   // Builds and finalises `op`'s tensors, operation and operation graph without a device or a
   // handle: what cuDNN checks of the descriptors themselves (attribute names, types, roles,
@@ -152,6 +160,7 @@ class Graphs {
     std::vector<std::unique_ptr<Plan>> plans;  // besides plans_[key]
   };
   std::map<std::string, Candidates> candidates_;  // shape key -> plans still to be timed
+  int reused_ = 0, single_ = 0;                   // for the report
   int64_t max_workspace_ = 0;
 };
 

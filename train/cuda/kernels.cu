@@ -184,6 +184,28 @@ template <typename T>
 __global__ void AccumulateKernel(T* dst, const T* src, int64_t n) {
   STOKE_GRID_LOOP(i, n) { Store(dst, i, Load(dst, i) + Load(src, i)); }
 }
+// The same over 16-byte chunks (both pointers 16-byte aligned): one load of each and one store
+// per 8 bfloat16 / float16 or 4 float values.
+template <typename T>
+__global__ void AccumulateChunksKernel(T* dst, const T* src, int64_t chunks) {
+  constexpr int kPer = 16 / sizeof(T);
+  STOKE_GRID_LOOP(i, chunks) {
+    uint4 d = reinterpret_cast<const uint4*>(dst)[i];
+    const uint4 v = reinterpret_cast<const uint4*>(src)[i];
+    T* dv = reinterpret_cast<T*>(&d);
+    const T* sv = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) Store(dv, k, Load(dv, k) + Load(sv, k));
+    reinterpret_cast<uint4*>(dst)[i] = d;
+  }
+}
+template <typename T>
+void AccumulateTyped(T* dst, const T* src, int64_t n, bool aligned, cudaStream_t s) {
+  constexpr int64_t per = 16 / sizeof(T);
+  const int64_t chunks = aligned ? n / per : 0, done = chunks * per;
+  if (chunks > 0) AccumulateChunksKernel<T><<<Blocks(chunks), kThreads, 0, s>>>(dst, src, chunks);
+  if (done < n) AccumulateKernel<T><<<Blocks(n - done), kThreads, 0, s>>>(dst + done, src + done, n - done);
+}
 
 __device__ __forceinline__ uint64_t SplitMixAt(uint64_t seed, uint64_t index) {
   uint64_t z = seed + (index + 1) * 0x9E3779B97F4A7C15ull;
@@ -320,10 +342,217 @@ __global__ void BatchNormDxKernel(const T* x, const T* dy, T* dx, int64_t n, int
 
 template <typename T>
 __global__ void BatchNormInferenceKernel(const T* x, T* y, int64_t n, int channels, const float* scale,
-                                         const float* shift, const float* mean, const float* var, float eps) {
+                                         const float* shift, const float* mean, const float* var, float eps,
+                                         bool relu) {
   STOKE_GRID_LOOP(i, n) {
     const int c = static_cast<int>(i % channels);
-    Store(y, i, (Load(x, i) - mean[c]) * rsqrtf(var[c] + eps) * scale[c] + shift[c]);
+    const float v = (Load(x, i) - mean[c]) * rsqrtf(var[c] + eps) * scale[c] + shift[c];
+    Store(y, i, relu ? fmaxf(v, 0.f) : v);
+  }
+}
+
+// ---------------------------------------------------------------- batch norm + ReLU (fused)
+//
+// Rows x channels in 16-byte vectors: a thread owns one group of kVec<T> consecutive channels (its
+// per-channel constants stay in registers) and walks rows. Block: gx channel groups (x) by gy rows
+// (y); grid: the groups (x) by chunks of rows (y).
+
+template <typename T>
+constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+
+template <typename T>
+__device__ __forceinline__ void LoadVec(const T* p, int64_t i, float (&v)[kVec<T>]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p + i);
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int k = 0; k < kVec<T>; ++k) v[k] = Load(e, k);
+}
+template <typename T>
+__device__ __forceinline__ void StoreVec(T* p, int64_t i, const float (&v)[kVec<T>]) {
+  uint4 raw;
+  T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+  for (int k = 0; k < kVec<T>; ++k) Store(e, k, v[k]);
+  *reinterpret_cast<uint4*>(p + i) = raw;
+}
+template <int N>
+__device__ __forceinline__ void LoadConsts(const float* p, int c0, float (&v)[N]) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) v[k] = p[c0 + k];
+}
+
+// The block's per-thread sums a and b of its group reduced over threadIdx.y (in order) into this
+// chunk's row of the two partial planes (BatchNormWorkspace's layout: chunk x channels, sums of a
+// then sums of b). `shared`: blockDim.x * blockDim.y * 2N floats.
+template <int N>
+__device__ void StoreGroupPartials(const float (&a)[N], const float (&b)[N], int g, int groups, int channels,
+                                   float* partials, float* shared) {
+  const int slot = (threadIdx.y * blockDim.x + threadIdx.x) * 2 * N;
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    shared[slot + k] = a[k];
+    shared[slot + N + k] = b[k];
+  }
+  __syncthreads();
+  if (threadIdx.y != 0 || g >= groups) return;
+  float ta[N] = {}, tb[N] = {};
+  for (unsigned y = 0; y < blockDim.y; ++y) {
+    const int o = (y * blockDim.x + threadIdx.x) * 2 * N;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      ta[k] += shared[o + k];
+      tb[k] += shared[o + N + k];
+    }
+  }
+  const int64_t plane = static_cast<int64_t>(gridDim.y) * channels;
+  const int64_t at = static_cast<int64_t>(blockIdx.y) * channels + static_cast<int64_t>(g) * N;
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    partials[at + k] = ta[k];
+    partials[plane + at + k] = tb[k];
+  }
+}
+
+// This thread's channel group (of `groups`) and the rows [begin, end) of its block's chunk.
+struct GroupChunk {
+  int groups, g;
+  int64_t begin, end;
+};
+__device__ __forceinline__ GroupChunk ThisGroupChunk(int64_t rows, int channels, int n) {
+  const int64_t per_chunk = (rows + gridDim.y - 1) / gridDim.y;
+  const int64_t begin = blockIdx.y * per_chunk;
+  return {channels / n, static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), begin, min(rows, begin + per_chunk)};
+}
+
+// Per chunk: sums of x and of x^2 (one read of x).
+template <typename T>
+__global__ void MomentsVecKernel(const T* x, int64_t rows, int channels, float* partials) {
+  constexpr int N = kVec<T>;
+  extern __shared__ float shared[];
+  const auto [groups, g, begin, end] = ThisGroupChunk(rows, channels, N);
+  float s[N] = {}, s2[N] = {};
+  if (g < groups) {
+#pragma unroll 4
+    for (int64_t r = begin + threadIdx.y; r < end; r += blockDim.y) {
+      float v[N];
+      LoadVec(x, r * channels + static_cast<int64_t>(g) * N, v);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        s[k] += v[k];
+        s2[k] += v[k] * v[k];
+      }
+    }
+  }
+  StoreGroupPartials<N>(s, s2, g, groups, channels, partials, shared);
+}
+
+// affine = (a, b): a = scale * inv_std, b = shift - mean * a.
+__global__ void BatchNormAffineKernel(int channels, const float* scale, const float* shift, const float* mean,
+                                      const float* inv_std, float* affine) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= channels) return;
+  const float a = scale[c] * inv_std[c];
+  affine[c] = a;
+  affine[channels + c] = shift[c] - mean[c] * a;
+}
+
+// z = max(a x + b, 0), the pre-activation as fmaf(x, a, b) (backward recomputes the same value).
+template <typename T>
+__global__ void AffineReluVecKernel(const T* x, T* z, int64_t rows, int channels, const float* affine) {
+  constexpr int N = kVec<T>;
+  const int groups = channels / N, g = blockIdx.x * blockDim.x + threadIdx.x;
+  if (g >= groups) return;
+  float a[N], b[N];
+  LoadConsts(affine, g * N, a);
+  LoadConsts(affine + channels, g * N, b);
+#pragma unroll 4
+  for (int64_t r = blockIdx.y * static_cast<int64_t>(blockDim.y) + threadIdx.y; r < rows;
+       r += static_cast<int64_t>(gridDim.y) * blockDim.y) {
+    const int64_t i = r * channels + static_cast<int64_t>(g) * N;
+    float v[N];
+    LoadVec(x, i, v);
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = fmaxf(fmaf(v[k], a[k], b[k]), 0.f);
+    StoreVec(z, i, v);
+  }
+}
+
+// A channel group's constants for the fused backward: a, b (affine), mean and inv_std.
+template <int N>
+struct BnReluConsts {
+  float a[N], b[N], m[N], inv[N];
+  __device__ __forceinline__ BnReluConsts(const float* affine, const float* mean, const float* inv_std, int channels,
+                                          int c0) {
+    LoadConsts(affine, c0, a);
+    LoadConsts(affine + channels, c0, b);
+    LoadConsts(mean, c0, m);
+    LoadConsts(inv_std, c0, inv);
+  }
+};
+// Row r of group g: x, and dy = dz where fmaf(x, a, b) > 0 (else 0), as forward decided; returns
+// the element index of the row's vector.
+template <typename T, int N>
+__device__ __forceinline__ int64_t MaskedRow(const T* x, const T* dz, int64_t r, int channels, int g,
+                                             const BnReluConsts<N>& k, float (&xv)[N], float (&dy)[N]) {
+  const int64_t i = r * channels + static_cast<int64_t>(g) * N;
+  LoadVec(x, i, xv);
+  LoadVec(dz, i, dy);
+#pragma unroll
+  for (int j = 0; j < N; ++j) dy[j] = fmaf(xv[j], k.a[j], k.b[j]) > 0.f ? dy[j] : 0.f;
+  return i;
+}
+
+// Per chunk, dy = dz where a x + b > 0 (else 0): sums of dy and of dy * xhat.
+template <typename T>
+__global__ void BatchNormReluGradPartialsKernel(const T* x, const T* dz, int64_t rows, int channels,
+                                                const float* affine, const float* mean, const float* inv_std,
+                                                float* partials) {
+  constexpr int N = kVec<T>;
+  extern __shared__ float shared[];
+  const auto [groups, g, begin, end] = ThisGroupChunk(rows, channels, N);
+  float s[N] = {}, s2[N] = {};
+  if (g < groups) {
+    const BnReluConsts<N> k(affine, mean, inv_std, channels, g * N);
+#pragma unroll 4
+    for (int64_t r = begin + threadIdx.y; r < end; r += blockDim.y) {
+      float xv[N], dy[N];
+      MaskedRow<T, N>(x, dz, r, channels, g, k, xv, dy);
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        s[j] += dy[j];
+        s2[j] += dy[j] * (xv[j] - k.m[j]) * k.inv[j];
+      }
+    }
+  }
+  StoreGroupPartials<N>(s, s2, g, groups, channels, partials, shared);
+}
+
+// dx = a (dy - sum_dy / count - xhat sum_dy_xhat / count), dy masked as above.
+template <typename T>
+__global__ void BatchNormReluDxKernel(const T* x, const T* dz, T* dx, int64_t rows, int channels, int64_t count,
+                                      const float* affine, const float* mean, const float* inv_std,
+                                      const float* sum_dy_xhat, const float* sum_dy) {
+  constexpr int N = kVec<T>;
+  const int groups = channels / N, g = blockIdx.x * blockDim.x + threadIdx.x;
+  if (g >= groups) return;
+  const BnReluConsts<N> k(affine, mean, inv_std, channels, g * N);
+  float k1[N], k2[N];
+  LoadConsts(sum_dy, g * N, k1);
+  LoadConsts(sum_dy_xhat, g * N, k2);
+  const float per = 1.f / static_cast<float>(count);
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    k1[j] *= per;
+    k2[j] *= per;
+  }
+#pragma unroll 4
+  for (int64_t r = blockIdx.y * static_cast<int64_t>(blockDim.y) + threadIdx.y; r < rows;
+       r += static_cast<int64_t>(gridDim.y) * blockDim.y) {
+    float xv[N], dy[N];
+    const int64_t i = MaskedRow<T, N>(x, dz, r, channels, g, k, xv, dy);
+#pragma unroll
+    for (int j = 0; j < N; ++j) dy[j] = k.a[j] * (dy[j] - k1[j] - (xv[j] - k.m[j]) * k.inv[j] * k2[j]);
+    StoreVec(dx, i, dy);
   }
 }
 
@@ -544,8 +773,8 @@ void Add(const void* a, const void* b, void* y, DType t, int64_t n, cudaStream_t
                                                                static_cast<T*>(y), n)));
 }
 void Accumulate(void* dst, const void* src, DType t, int64_t n, cudaStream_t s) {
-  STOKE_DISPATCH(t, (AccumulateKernel<T><<<Blocks(n), kThreads, 0, s>>>(static_cast<T*>(dst),
-                                                                       static_cast<const T*>(src), n)));
+  const bool aligned = reinterpret_cast<uintptr_t>(dst) % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0;
+  STOKE_DISPATCH(t, (AccumulateTyped<T>(static_cast<T*>(dst), static_cast<const T*>(src), n, aligned, s)));
 }
 
 void Dropout(const void* x, void* y, uint8_t* keep, DType t, int64_t n, int c, int h, int w, uint64_t seed, double p,
@@ -649,10 +878,86 @@ void BatchNormBackwardFromSums(const void* x, const void* dy, void* dx, DType t,
 }
 
 void BatchNormInference(const void* x, void* y, DType t, int64_t rows, int channels, const float* scale,
-                        const float* shift, const float* mean, const float* var, float eps, cudaStream_t s) {
+                        const float* shift, const float* mean, const float* var, float eps, cudaStream_t s,
+                        bool relu) {
   const int64_t n = rows * channels;
   STOKE_DISPATCH(t, (BatchNormInferenceKernel<T><<<Blocks(n), kThreads, 0, s>>>(
-                        static_cast<const T*>(x), static_cast<T*>(y), n, channels, scale, shift, mean, var, eps)));
+                        static_cast<const T*>(x), static_cast<T*>(y), n, channels, scale, shift, mean, var, eps,
+                        relu)));
+}
+
+namespace {
+
+// The fused kernels' launch shape for rows x channels of T: gx channel groups by gy rows (at most
+// 256 threads); `reduce`: grid rows are Chunks(rows) chunks (the partial planes' rows), else blocks
+// over the rows up to about 4,096 in all (a few waves on a large GPU; each thread then walks
+// several rows with its channels' constants in registers).
+struct GroupLaunch {
+  dim3 block, grid;
+  size_t shared;
+};
+GroupLaunch GroupShape(int groups, int64_t rows, bool reduce, int floats_per_group) {
+  const int gx = std::min(groups, 32), gy = std::max(1, 256 / gx);
+  const auto x_blocks = static_cast<unsigned>((groups + gx - 1) / gx);
+  const auto y_blocks = reduce ? static_cast<unsigned>(Chunks(rows))
+                               : static_cast<unsigned>(std::clamp<int64_t>(
+                                     std::min<int64_t>((rows + gy - 1) / gy, 4096 / x_blocks), 1, 65535));
+  return {dim3(gx, gy), dim3(x_blocks, y_blocks),
+          static_cast<size_t>(gx) * gy * static_cast<size_t>(floats_per_group) * sizeof(float)};
+}
+
+template <typename T>
+void BatchNormReluTrainTyped(const T* x, T* z, int64_t rows, int channels, const float* scale, const float* shift,
+                             float eps, float momentum, float* running_mean, float* running_var, float* save_mean,
+                             float* save_inv_std, float* affine, float* partials, cudaStream_t s) {
+  constexpr int N = kVec<T>;
+  const int groups = channels / N;
+  const GroupLaunch m = GroupShape(groups, rows, true, 2 * N);
+  MomentsVecKernel<T><<<m.grid, m.block, m.shared, s>>>(x, rows, channels, partials);
+  BatchNormStatsKernel<<<(channels + 127) / 128, 128, 0, s>>>(partials, Chunks(rows), channels, rows, eps, momentum,
+                                                              running_mean, running_var, save_mean, save_inv_std);
+  BatchNormAffineKernel<<<(channels + 127) / 128, 128, 0, s>>>(channels, scale, shift, save_mean, save_inv_std,
+                                                               affine);
+  const GroupLaunch e = GroupShape(groups, rows, false, 0);
+  AffineReluVecKernel<T><<<e.grid, e.block, 0, s>>>(x, z, rows, channels, affine);
+}
+
+template <typename T>
+void BatchNormReluBackwardTyped(const T* x, const T* dz, T* dx, int64_t rows, int channels, const float* save_mean,
+                                const float* save_inv_std, const float* affine, float* dscale, float* dshift,
+                                float* partials, cudaStream_t s) {
+  constexpr int N = kVec<T>;
+  const int groups = channels / N;
+  const GroupLaunch m = GroupShape(groups, rows, true, 2 * N);
+  BatchNormReluGradPartialsKernel<T><<<m.grid, m.block, m.shared, s>>>(x, dz, rows, channels, affine, save_mean,
+                                                                       save_inv_std, partials);
+  BatchNormGradCombineKernel<<<(channels + 127) / 128, 128, 0, s>>>(partials, Chunks(rows), channels, dscale, dshift);
+  const GroupLaunch e = GroupShape(groups, rows, false, 0);
+  BatchNormReluDxKernel<T><<<e.grid, e.block, 0, s>>>(x, dz, dx, rows, channels, rows, affine, save_mean,
+                                                      save_inv_std, dscale, dshift);
+}
+
+}  // namespace
+
+bool FusedBatchNormReluFits(DType t, int channels) {
+  const int per = 16 / static_cast<int>(SizeOf(t));
+  return channels > 0 && channels % per == 0;
+}
+
+void BatchNormReluTrain(const void* x, void* z, DType t, int64_t rows, int channels, const float* scale,
+                        const float* shift, float eps, float momentum, float* running_mean, float* running_var,
+                        float* save_mean, float* save_inv_std, float* affine, float* partials, cudaStream_t s) {
+  STOKE_DISPATCH(t, (BatchNormReluTrainTyped<T>(static_cast<const T*>(x), static_cast<T*>(z), rows, channels, scale,
+                                                shift, eps, momentum, running_mean, running_var, save_mean,
+                                                save_inv_std, affine, partials, s)));
+}
+
+void BatchNormReluBackward(const void* x, const void* dz, void* dx, DType t, int64_t rows, int channels,
+                           const float* save_mean, const float* save_inv_std, const float* affine, float* dscale,
+                           float* dshift, float* partials, cudaStream_t s) {
+  STOKE_DISPATCH(t, (BatchNormReluBackwardTyped<T>(static_cast<const T*>(x), static_cast<const T*>(dz),
+                                                   static_cast<T*>(dx), rows, channels, save_mean, save_inv_std,
+                                                   affine, dscale, dshift, partials, s)));
 }
 
 void Pool(const void* x, void* y, int32_t* argmax, DType t, PoolShape p, cudaStream_t s) {

@@ -85,9 +85,28 @@ void BatchNormLocalGradSums(const void* x, const void* dy, DType t, int64_t rows
 void BatchNormBackwardFromSums(const void* x, const void* dy, void* dx, DType t, int64_t rows, int channels,
                                const float* scale, const float* save_mean, const float* save_inv_std,
                                const double* sums, int64_t count, float* scratch, cudaStream_t s);
-// Evaluation: y = (x - mean) / sqrt(var + eps) * scale + shift.
+// Evaluation: y = (x - mean) / sqrt(var + eps) * scale + shift; with `relu`, max(y, 0).
 void BatchNormInference(const void* x, void* y, DType t, int64_t rows, int channels, const float* scale,
-                        const float* shift, const float* mean, const float* var, float eps, cudaStream_t s);
+                        const float* shift, const float* mean, const float* var, float eps, cudaStream_t s,
+                        bool relu = false);
+
+// Batch norm and the ReLU after it as one step each way (training, this rank's batch), over
+// 16-byte vectors: channels a multiple of 16 / SizeOf(t) (FusedBatchNormReluFits) and 16-byte
+// aligned buffers. A thread keeps one group of channels' constants in registers and walks rows.
+// Forward: one read of x for both moments (per-chunk float partials in `partials`, summed in double
+// in a fixed order; running statistics updated as BatchNormTrain does), then z = max(fmaf(x, a, b), 0)
+// with a = scale * inv_std and b = shift - mean * a, kept in `affine` (2 x channels floats) for
+// backward. The batch-norm output itself is never stored.
+bool FusedBatchNormReluFits(DType t, int channels);
+void BatchNormReluTrain(const void* x, void* z, DType t, int64_t rows, int channels, const float* scale,
+                        const float* shift, float eps, float momentum, float* running_mean, float* running_var,
+                        float* save_mean, float* save_inv_std, float* affine, float* partials, cudaStream_t s);
+// Backward from dz (the ReLU output's gradient); the ReLU's mask is fmaf(x, a, b) > 0, recomputed
+// exactly as forward computed it. One read of x and dz for the sums of dy and dy * xhat (written to
+// dshift and dscale, the parameter gradients), one more for dx.
+void BatchNormReluBackward(const void* x, const void* dz, void* dx, DType t, int64_t rows, int channels,
+                           const float* save_mean, const float* save_inv_std, const float* affine, float* dscale,
+                           float* dshift, float* partials, cudaStream_t s);
 
 struct PoolShape {
   int n, h, w, c, oh, ow, kh, kw, stride, pad;
