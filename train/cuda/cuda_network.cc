@@ -629,9 +629,15 @@ class BatchNormLayer final : public OneInputLayer {
   }
   // Before binding: whether this batch norm and `relu`, its only consumer, can run as one fused
   // step (model.sync_batchnorm off, channels in whole 16-byte vectors, the same gradient needs).
-  bool CanFuse(const Net& net, int relu) const {
+  bool CanFuse(Net& net, int relu) const {
+    // The kernels load 16-byte vectors: every buffer they touch must start on a 16-byte boundary
+    // (all do today, being whole allocations; a future view at an offset would not be fused).
+    auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    const bool buffers = aligned(net.In(in_)) && aligned(net.node(relu).out.get()) &&
+                         aligned(net.node(relu).diff.get()) && aligned(net.scratch.get()) &&
+                         (in_ < 0 || aligned(net.node(in_).diff.get()));
     return !net.opt.sync_batchnorm && cuda::FusedBatchNormReluFits(net.t, static_cast<int>(c_)) &&
-           net.NeedsGrad(self_) == net.NeedsGrad(relu);
+           net.NeedsGrad(self_) == net.NeedsGrad(relu) && buffers;
   }
   // Makes this layer write the ReLU's output (and read its gradient) directly: this node's buffers
   // become views of `relu`'s, and the ReLU layer does nothing.
