@@ -92,6 +92,19 @@ double RelativeError(const std::vector<float>& got, const std::vector<float>& wa
   return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-12);
 }
 
+// A plain NCHW input of `batch` normal images (3 x size x size) and labels i % 5.
+struct RandomBatch {
+  std::vector<float> input;
+  std::vector<int32_t> labels;
+  RandomBatch(int batch, int size, uint32_t seed)
+      : input(static_cast<size_t>(batch) * 3 * size * size), labels(static_cast<size_t>(batch)) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal;
+    for (auto& v : input) v = normal(rng);
+    for (size_t i = 0; i < labels.size(); ++i) labels[i] = static_cast<int32_t>(i % 5);
+  }
+};
+
 NetworkOptions Options(std::vector<LayerSpec> layers, Precision p, int batch = 8, int size = 16) {
   NetworkOptions o;
   o.model.layers = std::move(layers);
@@ -132,15 +145,9 @@ int CompareWithTheCpu(const Case& c, Precision precision, bool fuse) {
       EXPECT_EQ(cpu_state[i].values, gpu_state[i].values) << cpu_state[i].name;
     }
 
-    std::mt19937 rng(7);
-    std::normal_distribution<float> normal;
-    std::vector<float> input(8 * 3 * 16 * 16);
-    for (auto& v : input) v = normal(rng);
-    std::vector<int32_t> labels(8);
-    for (size_t i = 0; i < labels.size(); ++i) labels[i] = static_cast<int32_t>(i % 5);
-
-    ASSERT_OK_AND_ASSIGN(BatchStats want, cpu->ForwardBackward(input, labels, 3));
-    ASSERT_OK_AND_ASSIGN(BatchStats got, gpu->ForwardBackward(input, labels, 3));
+    const RandomBatch in(8, 16, 7);
+    ASSERT_OK_AND_ASSIGN(BatchStats want, cpu->ForwardBackward(in.input, in.labels, 3));
+    ASSERT_OK_AND_ASSIGN(BatchStats got, gpu->ForwardBackward(in.input, in.labels, 3));
     EXPECT_NEAR(got.loss(), want.loss(), tol.loss * std::max(1.0, want.loss()));
     EXPECT_LE(RelativeError(gpu->LastLogits(), cpu->LastLogits()), tol.logits);
     ASSERT_OK_AND_ASSIGN(const auto cpu_grads, cpu->Gradients());
@@ -396,15 +403,10 @@ TEST(CudaNetwork, AutotuningKeepsTheResultsAndIsDecidedOncePerProcess) {
       EXPECT_EQ(second.timed, 0) << "the decisions of the first tuned network were not reused";
       EXPECT_EQ(second.reused, first.timed);
 
-      std::mt19937 rng(5);
-      std::normal_distribution<float> normal;
-      std::vector<float> input(32 * 3 * 32 * 32);
-      for (auto& v : input) v = normal(rng);
-      std::vector<int32_t> labels(32);
-      for (size_t i = 0; i < labels.size(); ++i) labels[i] = static_cast<int32_t>(i % 5);
-      ASSERT_OK_AND_ASSIGN(BatchStats want, plain->ForwardBackward(input, labels, 1));
-      ASSERT_OK_AND_ASSIGN(BatchStats got, tuned->ForwardBackward(input, labels, 1));
-      ASSERT_OK_AND_ASSIGN(BatchStats same, again->ForwardBackward(input, labels, 1));
+      const RandomBatch in(32, 32, 5);
+      ASSERT_OK_AND_ASSIGN(BatchStats want, plain->ForwardBackward(in.input, in.labels, 1));
+      ASSERT_OK_AND_ASSIGN(BatchStats got, tuned->ForwardBackward(in.input, in.labels, 1));
+      ASSERT_OK_AND_ASSIGN(BatchStats same, again->ForwardBackward(in.input, in.labels, 1));
       EXPECT_NEAR(got.loss(), want.loss(), tol.loss * std::max(1.0, want.loss()));
       EXPECT_LE(RelativeError(tuned->LastLogits(), plain->LastLogits()), tol.logits);
       EXPECT_EQ(same.loss_sum, got.loss_sum);

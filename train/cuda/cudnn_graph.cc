@@ -270,6 +270,39 @@ bool HasNote(const std::vector<cudnnBackendNumericalNote_t>& notes, cudnnBackend
   return std::find(notes.begin(), notes.end(), note) != notes.end();
 }
 
+// The notes of kind `type` (attribute `name`) an engine carries; none when cuDNN will not say.
+template <typename Note>
+std::vector<Note> ReadNotes(cudnnBackendDescriptor_t engine, cudnnBackendAttributeName_t name,
+                            cudnnBackendAttributeType_t type, int64_t most) {
+  std::vector<Note> notes(static_cast<size_t>(most));
+  int64_t count = 0;
+  if (cudnnBackendGetAttribute(engine, name, type, most, &count, notes.data()) != CUDNN_STATUS_SUCCESS) return {};
+  notes.resize(static_cast<size_t>(count));
+  return notes;
+}
+
+// What the engine behind an engine configuration is: read into `engine` (kept by the caller).
+struct EngineInfo {
+  int64_t index = -1;  // cuDNN's global engine index
+  std::vector<cudnnBackendNumericalNote_t> notes;
+  std::vector<cudnnBackendBehaviorNote_t> behaviour;
+};
+EngineInfo ReadEngine(cudnnBackendDescriptor_t config, const Desc& engine) {
+  EngineInfo info;
+  cudnnBackendDescriptor_t raw = engine.get();
+  int64_t n = 0;
+  if (cudnnBackendGetAttribute(config, CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &n, &raw) !=
+      CUDNN_STATUS_SUCCESS) {
+    return info;
+  }
+  info.notes = ReadNotes<cudnnBackendNumericalNote_t>(raw, CUDNN_ATTR_ENGINE_NUMERICAL_NOTE,
+                                                      CUDNN_TYPE_NUMERICAL_NOTE, CUDNN_NUMERICAL_NOTE_TYPE_COUNT);
+  info.behaviour = ReadNotes<cudnnBackendBehaviorNote_t>(raw, CUDNN_ATTR_ENGINE_BEHAVIOR_NOTE,
+                                                         CUDNN_TYPE_BEHAVIOR_NOTE, CUDNN_BEHAVIOR_NOTE_TYPE_COUNT);
+  cudnnBackendGetAttribute(raw, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &n, &info.index);
+  return info;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<Graphs>> Graphs::Create(cudnnHandle_t handle, bool allow_reduced_precision, bool autotune) {
@@ -408,33 +441,11 @@ Result<const Plan*> Graphs::PlanFor(const OpSpec& op) {
       for (int64_t i : order) {
         // The engine behind the configuration: its numerical and behaviour notes and index.
         STOKE_ASSIGN_OR_RETURN(Desc engine, Desc::Make(CUDNN_BACKEND_ENGINE_DESCRIPTOR));
-        cudnnBackendDescriptor_t engine_raw = engine.get();
-        int64_t n = 0, index = -1;
-        std::vector<cudnnBackendNumericalNote_t> notes(CUDNN_NUMERICAL_NOTE_TYPE_COUNT);
-        std::vector<cudnnBackendBehaviorNote_t> behaviour(CUDNN_BEHAVIOR_NOTE_TYPE_COUNT);
-        if (cudnnBackendGetAttribute(raw[static_cast<size_t>(i)], CUDNN_ATTR_ENGINECFG_ENGINE,
-                                     CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &n, &engine_raw) == CUDNN_STATUS_SUCCESS) {
-          int64_t note_count = 0;
-          if (cudnnBackendGetAttribute(engine_raw, CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, CUDNN_TYPE_NUMERICAL_NOTE,
-                                       static_cast<int64_t>(notes.size()), &note_count,
-                                       notes.data()) == CUDNN_STATUS_SUCCESS) {
-            notes.resize(static_cast<size_t>(note_count));
-          } else {
-            notes.clear();
-          }
-          note_count = 0;
-          if (cudnnBackendGetAttribute(engine_raw, CUDNN_ATTR_ENGINE_BEHAVIOR_NOTE, CUDNN_TYPE_BEHAVIOR_NOTE,
-                                       static_cast<int64_t>(behaviour.size()), &note_count,
-                                       behaviour.data()) == CUDNN_STATUS_SUCCESS) {
-            behaviour.resize(static_cast<size_t>(note_count));
-          } else {
-            behaviour.clear();
-          }
-          cudnnBackendGetAttribute(engine_raw, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &n, &index);
-        } else {
-          notes.clear();
-          behaviour.clear();
-        }
+        const EngineInfo info = ReadEngine(raw[static_cast<size_t>(i)], engine);
+        const auto& notes = info.notes;
+        const auto& behaviour = info.behaviour;
+        const int64_t index = info.index;
+        int64_t n = 0;
         if (HasNote(notes, CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC) != nondeterministic_pass) continue;
         // Float32 reference: no engine that rounds inputs (TF32 tensor cores on float data).
         if (!reduced_ && (HasNote(notes, CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS) ||
