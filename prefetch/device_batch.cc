@@ -6,8 +6,9 @@
 #include <cuda_runtime.h>
 
 namespace stoke::prefetch::detail {
-cudaError_t LaunchNormalize(const uint8_t* src, int64_t valid_values, int64_t total_values, const float* scale,
-                            const float* shift, int dtype, void* dst, cudaStream_t s);  // device_normalize.cu
+// device_normalize.cu
+cudaError_t LaunchNormalize(const uint8_t* src, int64_t valid_pixels, int64_t total_pixels, int channels,
+                            const float* scale, const float* shift, int dtype, void* dst, cudaStream_t s);
 }  // namespace stoke::prefetch::detail
 #endif
 
@@ -39,9 +40,12 @@ Status WaitForCopy(const Batch& batch, void*) {
 
 Status NormalizeOnDevice(const uint8_t* images, int valid, int total, int64_t pixels,
                          const std::array<float, 3>& mean, const std::array<float, 3>& std, DeviceDType t,
-                         void* dst, void* stream) {
+                         void* dst, void* stream, int channels) {
   if (valid < 0 || total < valid || pixels < 0) {
     return InvalidArgumentError(fmt::format("normalise on device: {} of {} images of {} pixels", valid, total, pixels));
+  }
+  if (channels != 3 && channels != 4 && channels != 8) {
+    return InvalidArgumentError(fmt::format("normalise on device: {} channels out; expected 3, 4 or 8", channels));
   }
   float scale[3], shift[3];
   for (int c = 0; c < 3; ++c) {
@@ -51,11 +55,11 @@ Status NormalizeOnDevice(const uint8_t* images, int valid, int total, int64_t pi
     scale[c] = 1.f / (255.f * std[static_cast<size_t>(c)]);
     shift[c] = -mean[static_cast<size_t>(c)] / std[static_cast<size_t>(c)];
   }
-  const int64_t values = int64_t{total} * pixels * 3;
-  if (values == 0) return OkStatus();
+  if (int64_t{total} * pixels == 0) return OkStatus();
 #if STOKE_WITH_CUDA
-  const cudaError_t rc = detail::LaunchNormalize(images, int64_t{valid} * pixels * 3, values, scale, shift,
-                                                 static_cast<int>(t), dst, static_cast<cudaStream_t>(stream));
+  const cudaError_t rc = detail::LaunchNormalize(images, int64_t{valid} * pixels, int64_t{total} * pixels, channels,
+                                                 scale, shift, static_cast<int>(t), dst,
+                                                 static_cast<cudaStream_t>(stream));
   return rc == cudaSuccess ? OkStatus() : Failed(rc, "normalise kernel launch");
 #else
   (void)images, (void)t, (void)dst, (void)stream;

@@ -20,10 +20,12 @@ enum class DeviceDType { kFloat32, kFloat16, kBFloat16 };
 
 // (v / 255 - mean[c]) / std[c] for the uint8 HWC pixels of `valid` images of `pixels` pixels
 // each at device address `images`, written to `dst` as `total` >= `valid` images in `t` (the
-// images past `valid` are zero: a short batch padded to a network's fixed batch). Asynchronous
-// on `stream`; `images` and `dst` must be on the current device. kInvalidArgument for a std <= 0.
+// images past `valid` are zero: a short batch padded to a network's fixed batch). `channels`
+// (3, 4 or 8) values a pixel are written: the image's 3, then zeros (an input padded for
+// tensor-core convolutions). Asynchronous on `stream`; `images` and `dst` must be on the current
+// device. kInvalidArgument for a std <= 0 or another channel count.
 Status NormalizeOnDevice(const uint8_t* images, int valid, int total, int64_t pixels,
                          const std::array<float, 3>& mean, const std::array<float, 3>& std, DeviceDType t,
-                         void* dst, void* stream);
+                         void* dst, void* stream, int channels = 3);
 
 }  // namespace stoke::prefetch

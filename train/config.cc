@@ -413,6 +413,9 @@ Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::str
   STOKE_ASSIGN_OR_RETURN(Section cu, top.Sub("cuda"));
   STOKE_RETURN_IF_ERROR(cu.Bool("autotune", &c.cuda.autotune));
   STOKE_RETURN_IF_ERROR(cu.Bool("fuse_bn_relu", &c.cuda.fuse_bn_relu));
+  std::string channels = std::to_string(c.cuda.input_channels);
+  STOKE_RETURN_IF_ERROR(cu.String("input_channels", &channels, {"3", "4", "8"}));
+  c.cuda.input_channels = std::stoi(channels);
   STOKE_RETURN_IF_ERROR(cu.Finish());
   STOKE_RETURN_IF_ERROR(top.Finish());
   for (int m : c.schedule.milestones) {
@@ -575,6 +578,7 @@ std::string ConfigToYaml(const TrainConfig& c) {
   Put(e, "cuda", YAML::BeginMap);
   Put(e, "autotune", c.cuda.autotune);
   Put(e, "fuse_bn_relu", c.cuda.fuse_bn_relu);
+  Put(e, "input_channels", c.cuda.input_channels);
   e << YAML::EndMap;
   e << YAML::EndMap;
   return std::string(e.c_str()) + "\n";

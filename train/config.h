@@ -80,6 +80,7 @@ struct CheckpointConfig {
 struct CudaConfig {
   bool autotune = true;        // time each convolution's cuDNN engines at start, keep the fastest
   bool fuse_bn_relu = false;   // batch norm + the ReLU after it as one kernel each way
+  int input_channels = 3;      // 4 or 8: the input padded with zero channels for the first convolutions
 };
 
 // Data-parallel runs (under mpirun or srun; see docs/DISTRIBUTED.md).

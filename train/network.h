@@ -44,6 +44,11 @@ struct NetworkOptions {
   // CUDA backend: a batch norm whose only consumer is a ReLU runs both as stoke's fused kernels
   // (one pass fewer over the activations each way; not with sync_batchnorm). cuda.fuse_bn_relu.
   bool fuse_bn_relu = false;
+  // CUDA backend: channels of the input on the device, 3, or 4 or 8 with zero channels added, for
+  // the tensor-core engines that want whole vectors of channels. Only where every layer reading
+  // the input is a convolution (its weights for the added channels stay zero and are never saved:
+  // checkpoints keep 3 input channels). cuda.input_channels.
+  int input_channels = 3;
   // Data-parallel runs: batch statistics of batch norm over the global batch (every rank's
   // samples) instead of this rank's; see StepSync. No effect on one rank.
   bool sync_batchnorm = false;

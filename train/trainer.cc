@@ -54,6 +54,7 @@ Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c, const dist:
   o.seed = c.seed;
   o.autotune = c.cuda.autotune;
   o.fuse_bn_relu = c.cuda.fuse_bn_relu;
+  o.input_channels = c.cuda.input_channels;
   o.threads = c.compute_threads;
   if (o.threads == 0 && comm && comm->local_size() > 1) {
     // Ranks sharing a machine share its cores rather than each starting a team of all of them.

@@ -565,11 +565,15 @@ TEST(LoaderDevice, DeviceWorkOnAHostBatchOrWithBadArgumentsIsRefusedWithoutAGpu)
   EXPECT_NE(bad.message().find("std[1]"), std::string::npos) << bad.ToString();
   bad = NormalizeOnDevice(nullptr, 3, 2, 4, {0, 0, 0}, {1, 1, 1}, DeviceDType::kFloat32, nullptr, nullptr);
   EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad.ToString();
+  bad = NormalizeOnDevice(nullptr, 1, 1, 4, {0, 0, 0}, {1, 1, 1}, DeviceDType::kFloat32, nullptr, nullptr, 5);
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad.ToString();
+  EXPECT_NE(bad.message().find("expected 3, 4 or 8"), std::string::npos) << bad.ToString();
 }
 
 // The device normalisation (the CUDA trainer's first step, the Python package's device batches)
 // against the host's augment::Normalize: float32 within rounding, float16 and bfloat16 within
-// their precision, and the images past `valid` zero.
+// their precision, and the images past `valid` zero; in 3 channels a pixel, and in 4 and 8 (the
+// channels past the image's zero).
 TEST(LoaderDevice, NormalizeOnDeviceIsTheHostNormalize) {
   const CudaProbe probe = ProbeCuda();
   if (probe.devices == 0) GTEST_SKIP() << "no GPU: " << probe.reason;
@@ -590,30 +594,42 @@ TEST(LoaderDevice, NormalizeOnDeviceIsTheHostNormalize) {
   std::vector<std::byte> want_bytes(augment::NormalizedBytes(b.size, b.width, b.height, augment::DType::kFloat32));
   ASSERT_OK(augment::Normalize(b.images, b.size, b.width, b.height, n, want_bytes));
   const auto* want = reinterpret_cast<const float*>(want_bytes.data());
-  const int64_t pixels = int64_t{b.width} * b.height, values = b.size * pixels * 3;
+  const int64_t pixels = int64_t{b.width} * b.height, image_pixels = b.size * pixels;
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
   ASSERT_OK(WaitForCopy(b, stream));
   void* out = nullptr;
-  ASSERT_EQ(cudaMalloc(&out, (values + pixels * 3) * 4), cudaSuccess);
-  for (DeviceDType t : {DeviceDType::kFloat32, DeviceDType::kFloat16, DeviceDType::kBFloat16}) {
-    const size_t width = t == DeviceDType::kFloat32 ? 4 : 2;
-    ASSERT_EQ(cudaMemsetAsync(out, 0xff, (values + pixels * 3) * width, stream), cudaSuccess);
-    ASSERT_OK(NormalizeOnDevice(static_cast<const uint8_t*>(b.device_images), b.size, b.size + 1, pixels, n.mean,
-                                n.std, t, out, stream));
-    std::vector<std::byte> got((values + pixels * 3) * width);
-    ASSERT_EQ(cudaMemcpyAsync(got.data(), out, got.size(), cudaMemcpyDeviceToHost, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    auto value = [&](int64_t i) -> float {
-      if (t == DeviceDType::kFloat32) return reinterpret_cast<const float*>(got.data())[i];
-      if (t == DeviceDType::kFloat16) return __half2float(reinterpret_cast<const __half*>(got.data())[i]);
-      return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(got.data())[i]);
-    };
-    const float tol = t == DeviceDType::kFloat32 ? 1e-5f : t == DeviceDType::kFloat16 ? 4e-3f : 3e-2f;
-    int64_t wrong = 0;
-    for (int64_t i = 0; i < values; ++i) wrong += std::abs(value(i) - want[i]) > tol * std::max(1.f, std::abs(want[i]));
-    for (int64_t i = values; i < values + pixels * 3; ++i) wrong += value(i) != 0.f;
-    EXPECT_EQ(wrong, 0) << "dtype " << static_cast<int>(t);
+  ASSERT_EQ(cudaMalloc(&out, (image_pixels + pixels) * 8 * 4), cudaSuccess);
+  for (const int channels : {3, 4, 8}) {
+    for (DeviceDType t : {DeviceDType::kFloat32, DeviceDType::kFloat16, DeviceDType::kBFloat16}) {
+      const size_t width = t == DeviceDType::kFloat32 ? 4 : 2;
+      const int64_t written = (image_pixels + pixels) * channels;  // one zero image past `valid`
+      ASSERT_EQ(cudaMemsetAsync(out, 0xff, static_cast<size_t>(written) * width, stream), cudaSuccess);
+      ASSERT_OK(NormalizeOnDevice(static_cast<const uint8_t*>(b.device_images), b.size, b.size + 1, pixels, n.mean,
+                                  n.std, t, out, stream, channels));
+      std::vector<std::byte> got(static_cast<size_t>(written) * width);
+      ASSERT_EQ(cudaMemcpyAsync(got.data(), out, got.size(), cudaMemcpyDeviceToHost, stream), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      auto value = [&](int64_t i) -> float {
+        if (t == DeviceDType::kFloat32) return reinterpret_cast<const float*>(got.data())[i];
+        if (t == DeviceDType::kFloat16) return __half2float(reinterpret_cast<const __half*>(got.data())[i]);
+        return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(got.data())[i]);
+      };
+      const float tol = t == DeviceDType::kFloat32 ? 1e-5f : t == DeviceDType::kFloat16 ? 4e-3f : 3e-2f;
+      int64_t wrong = 0;
+      for (int64_t p = 0; p < image_pixels + pixels; ++p) {
+        for (int c = 0; c < channels; ++c) {
+          const float v = value(p * channels + c);
+          if (p >= image_pixels || c >= 3) {
+            wrong += v != 0.f;
+          } else {
+            const float w = want[p * 3 + c];
+            wrong += std::abs(v - w) > tol * std::max(1.f, std::abs(w));
+          }
+        }
+      }
+      EXPECT_EQ(wrong, 0) << "dtype " << static_cast<int>(t) << ", " << channels << " channels";
+    }
   }
   lease->Release(stream);
   cudaFree(out);

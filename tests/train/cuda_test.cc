@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cmath>
 #include <random>
+#include <set>
 
 #include <cuda_runtime.h>
 #include <fmt/format.h>
@@ -422,6 +423,62 @@ TEST(CudaNetwork, AutotuningKeepsTheResultsAndIsDecidedOncePerProcess) {
   }
 }
 
+// cuda.input_channels: the input padded with zero channels for the first convolution computes
+// what 3 channels compute (up to the engines' rounding), keeps its checkpoints at 3 input channels,
+// trains to the same state, and is not applied where another layer reads the input.
+TEST(CudaNetwork, PaddedInputChannelsComputeTheSameModel) {
+  SKIP_WITHOUT_GPU();
+  const Task task = MakeTask(3, 8, 16);
+  SgdOptions sgd;
+  for (const Precision precision : {Precision::kFloat32, Precision::kBFloat16}) {
+    const Tolerance tol = For(precision);
+    NetworkOptions o = Options(Cases()[1].layers, precision);
+    ASSERT_OK_AND_ASSIGN(auto plain, CudaNetwork::Create(o));
+    ASSERT_OK_AND_ASSIGN(const auto start, plain->State());
+    const RandomBatch in(8, 16, 9);
+    ASSERT_OK_AND_ASSIGN(const BatchStats want, plain->ForwardBackward(in.input, in.labels, 1));
+    ASSERT_OK_AND_ASSIGN(const auto want_grads, plain->Gradients());
+    for (int s = 0; s < 3; ++s) ASSERT_OK(plain->TrainStep(task.Get(s, 8, 16), 0.05f, sgd, s).status());
+    ASSERT_OK_AND_ASSIGN(const auto want_state, plain->State());
+    for (const int channels : {4, 8}) {
+      SCOPED_TRACE(fmt::format("{}, {} channels", PrecisionName(precision), channels));
+      o.input_channels = channels;
+      ASSERT_OK_AND_ASSIGN(auto padded, CudaNetwork::Create(o));
+      EXPECT_EQ(padded->InputChannels(), channels);
+      ASSERT_OK_AND_ASSIGN(const auto padded_start, padded->State());
+      ASSERT_EQ(padded_start.size(), start.size());
+      for (size_t i = 0; i < start.size(); ++i) {
+        EXPECT_EQ(padded_start[i].dims, start[i].dims) << start[i].name;
+        EXPECT_EQ(padded_start[i].values, start[i].values) << start[i].name;
+      }
+      ASSERT_OK_AND_ASSIGN(const BatchStats got, padded->ForwardBackward(in.input, in.labels, 1));
+      EXPECT_NEAR(got.loss(), want.loss(), tol.loss * std::max(1.0, want.loss()));
+      ASSERT_OK_AND_ASSIGN(const auto got_grads, padded->Gradients());
+      ASSERT_EQ(got_grads.size(), want_grads.size());
+      for (size_t i = 0; i < want_grads.size(); ++i) {
+        EXPECT_EQ(got_grads[i].dims, want_grads[i].dims) << want_grads[i].name;
+        EXPECT_LE(RelativeError(got_grads[i].values, want_grads[i].values), tol.grads) << want_grads[i].name;
+      }
+      // Three steps from the host's pixels (the device normalisation writes the zero channels).
+      for (int s = 0; s < 3; ++s) ASSERT_OK(padded->TrainStep(task.Get(s, 8, 16), 0.05f, sgd, s).status());
+      ASSERT_OK_AND_ASSIGN(const auto got_state, padded->State());
+      for (size_t i = 0; i < want_state.size(); ++i) {
+        EXPECT_LE(RelativeError(got_state[i].values, want_state[i].values), tol.grads) << want_state[i].name;
+      }
+    }
+  }
+  // A layer other than a convolution reads the input: it keeps its 3 channels.
+  NetworkOptions vectors = Options(Cases()[5].layers, Precision::kFloat32);
+  vectors.input_channels = 4;
+  ASSERT_OK_AND_ASSIGN(auto kept, CudaNetwork::Create(vectors));
+  EXPECT_EQ(kept->InputChannels(), 3);
+  vectors.input_channels = 5;
+  const auto refused = CudaNetwork::Create(vectors);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("input channels must be 3, 4 or 8"), std::string::npos)
+      << refused.status().ToString();
+}
+
 TEST(CudaNetwork, Float16OverflowSkipsTheUpdateAndHalvesTheLossScale) {
   SKIP_WITHOUT_GPU();
   ASSERT_OK_AND_ASSIGN(auto gpu, CudaNetwork::Create(Options(Cases()[0].layers, Precision::kFloat16)));
@@ -764,8 +821,9 @@ run_dir: {0}/run
 // cuDNN checks descriptors on the host: every graph the backend builds for whole models, through
 // its own per-layer builders, must finalise (tensors, operation, operation graph). Every preset at
 // its usual input (ResNet-50's 7x7/2 stem on 3 channels, bottlenecks, strided projections, pools)
-// and the parity models (BN on vectors, padded average pooling), in each precision. Engines and
-// plans need the GPU.
+// and the parity models (BN on vectors, padded average pooling), in each precision; and the graphs
+// of the layers reading the input again with it padded to 4 and 8 channels. Engines and plans
+// need the GPU.
 TEST(CudnnGraph, EveryGraphOfEveryPresetFinalisesWithoutADevice) {
   struct Model {
     std::string name;
@@ -787,19 +845,30 @@ TEST(CudnnGraph, EveryGraphOfEveryPresetFinalisesWithoutADevice) {
     m.layers = c.layers;
     models.push_back({c.name, m, 16});
   }
-  size_t checked = 0;
+  size_t checked = 0, padded = 0;
   for (auto& [name, spec, size] : models) {
     ASSERT_OK_AND_ASSIGN(auto shapes, ResolveModel(spec, Shape{3, size, size}));
+    std::set<std::string> first;  // the layers reading the input, whose graphs padding changes
+    for (const LayerSpec& l : spec.layers) {
+      if (l.type == LayerType::kConv && l.inputs[0] == "input") first.insert(l.name + ": ");
+    }
     for (Precision p : {Precision::kFloat32, Precision::kBFloat16, Precision::kFloat16}) {
-      for (const auto& [what, op] : cuda::ModelGraphs(spec, shapes, 8, size, p)) {
-        const Status s = cuda::Graphs::Validate(op);
-        EXPECT_TRUE(s.ok()) << name << " " << PrecisionName(p) << " " << what << ": " << s.ToString();
-        ++checked;
+      for (int channels : {3, 4, 8}) {
+        for (const auto& [what, op] : cuda::ModelGraphs(spec, shapes, 8, size, p, channels)) {
+          if (channels != 3 && !first.contains(what.substr(0, what.find(": ") + 2))) continue;
+          const Status s = cuda::Graphs::Validate(op);
+          EXPECT_TRUE(s.ok()) << name << " " << PrecisionName(p) << " " << channels << " channels " << what << ": "
+                              << s.ToString();
+          ++(channels == 3 ? checked : padded);
+        }
       }
     }
   }
-  std::printf("%zu graphs finalised (4 presets and %zu parity models, 3 precisions)\n", checked, Cases().size());
+  std::printf("%zu graphs finalised (4 presets and %zu parity models, 3 precisions), and %zu of them with the input "
+              "padded to 4 or 8 channels\n",
+              checked, Cases().size(), padded);
   EXPECT_GT(checked, 1000u);
+  EXPECT_GT(padded, 40u);
 }
 
 TEST(CudnnGraph, ShapeMistakesAreRefusedWithCudnnsReason) {

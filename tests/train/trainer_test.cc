@@ -43,6 +43,10 @@ TEST(Config, DefaultsAndRoundTrip) {
   ASSERT_OK_AND_ASSIGN(TrainConfig back, ParseConfig(yaml, "resolved.yaml"));
   EXPECT_EQ(ConfigToYaml(back), yaml);
   EXPECT_NE(yaml.find("scale: [0.08, 1]"), std::string::npos) << yaml;
+  EXPECT_EQ(c.cuda.input_channels, 3);
+  ASSERT_OK_AND_ASSIGN(TrainConfig padded, ParseConfig(std::string(kMinimal) + "cuda: {input_channels: 4}\n", "p.yaml"));
+  EXPECT_EQ(padded.cuda.input_channels, 4);
+  EXPECT_NE(ConfigToYaml(padded).find("input_channels: 4"), std::string::npos);
 
   // An explicit layer list survives the round trip too.
   const std::string layers = R"(data: {train: t.lmdb, image_size: 16}
@@ -107,6 +111,8 @@ TEST(Config, ErrorsNameFileLineKeyAndExpectation) {
             "run.yaml:10: optimizer.lr: given twice (first on line 8); keep one");
   EXPECT_EQ(ErrorOf(base + "cuda: {autotune: maybe}\n"),
             "run.yaml:7: cuda.autotune: 'maybe' is not a boolean; expected true or false");
+  EXPECT_EQ(ErrorOf(base + "cuda: {input_channels: 5}\n"),
+            "run.yaml:7: cuda.input_channels: '5' is not allowed; expected one of: 3, 4, 8");
 }
 
 TEST(Schedule, ShapesAtKnownPoints) {

@@ -229,6 +229,9 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
     if (gpu->FusedBatchNormRelu() > 0) {
       out += fmt::format("  batch norm + ReLU fused (stoke's kernels): {} pairs\n", gpu->FusedBatchNormRelu());
     }
+    if (gpu->InputChannels() != 3) {
+      out += fmt::format("  input padded to {} channels for the first convolution\n", gpu->InputChannels());
+    }
     if (!gpu->FallbackKernels().empty()) {
       out += fmt::format("  on stoke's kernels (cuDNN had no engine): {}\n", fmt::join(gpu->FallbackKernels(), "; "));
     }

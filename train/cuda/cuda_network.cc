@@ -126,6 +126,7 @@ struct ParamInfo {
   int group = 0;              // 0: convolution weights (gradient in the compute type); 1: the rest (float32)
   int64_t offset = 0, count = 0;
   bool krsc = false;  // convolution weights: stored K x R x S x C on the device, O x I x KH x KW in checkpoints
+  int64_t device_c = 0;  // krsc: C on the device (more than I where the input is padded: those weights are 0)
   bool decay = true;
   bool copy = false;  // needs a copy in the compute type (convolution and linear weights)
   int layer = 0;      // the layer that owns it (its backward writes the gradient)
@@ -188,6 +189,7 @@ class Net {
   std::vector<GraphOp*> bound;       // every bound graph operation (while the network is made)
   std::string autotuned;             // what autotuning reported ("" without it)
   int fused_pairs = 0;               // batch norm + ReLU pairs running as one step
+  int64_t in_c = 3;                  // channels of the input on the device (NetworkOptions::input_channels)
   size_t partial_floats = 0;
   std::array<cudaEvent_t, 2> done{};
   cudaEvent_t ready = nullptr;
@@ -224,7 +226,7 @@ class Net {
   const void* In(int i) const { return i < 0 ? input.get() : nodes[static_cast<size_t>(i)].out.get(); }
   // Dims of a node (or of the input, -1).
   std::array<int64_t, 4> Dims(int i) const {
-    if (i < 0) return {opt.batch, 3, opt.height(), opt.image_size};
+    if (i < 0) return {opt.batch, in_c, opt.height(), opt.image_size};
     const Node& n = nodes[static_cast<size_t>(i)];
     return {n.n, n.c, n.h, n.w};
   }
@@ -337,22 +339,24 @@ class OneInputLayer : public Layer {
   bool direct_ = false;
 };
 
-std::vector<float> KrscFromOihw(const std::vector<float>& v, const std::vector<int64_t>& d) {
-  std::vector<float> out(v.size());
+// Checkpoint O x I x KH x KW (dims `d`) to the device's K x R x S x C with C = `c` >= I; the
+// channels past I are zero. OihwFromKrsc is its inverse (dropping them).
+std::vector<float> KrscFromOihw(const std::vector<float>& v, const std::vector<int64_t>& d, int64_t c) {
   const int64_t o = d[0], i = d[1], kh = d[2], kw = d[3];
+  std::vector<float> out(static_cast<size_t>(o * kh * kw * c), 0.f);
   for (int64_t a = 0; a < o; ++a)
     for (int64_t b = 0; b < i; ++b)
       for (int64_t y = 0; y < kh; ++y)
-        for (int64_t x = 0; x < kw; ++x) out[static_cast<size_t>(((a * kh + y) * kw + x) * i + b)] = v[static_cast<size_t>(((a * i + b) * kh + y) * kw + x)];
+        for (int64_t x = 0; x < kw; ++x) out[static_cast<size_t>(((a * kh + y) * kw + x) * c + b)] = v[static_cast<size_t>(((a * i + b) * kh + y) * kw + x)];
   return out;
 }
-std::vector<float> OihwFromKrsc(const std::vector<float>& v, const std::vector<int64_t>& d) {
-  std::vector<float> out(v.size());
+std::vector<float> OihwFromKrsc(const std::vector<float>& v, const std::vector<int64_t>& d, int64_t c) {
   const int64_t o = d[0], i = d[1], kh = d[2], kw = d[3];
+  std::vector<float> out(static_cast<size_t>(o * i * kh * kw));
   for (int64_t a = 0; a < o; ++a)
     for (int64_t b = 0; b < i; ++b)
       for (int64_t y = 0; y < kh; ++y)
-        for (int64_t x = 0; x < kw; ++x) out[static_cast<size_t>(((a * i + b) * kh + y) * kw + x)] = v[static_cast<size_t>(((a * kh + y) * kw + x) * i + b)];
+        for (int64_t x = 0; x < kw; ++x) out[static_cast<size_t>(((a * i + b) * kh + y) * kw + x)] = v[static_cast<size_t>(((a * kh + y) * kw + x) * c + b)];
   return out;
 }
 
@@ -401,11 +405,12 @@ class ConvLayer final : public OneInputLayer {
   Status Init(Net& net, const LayerSpec& l, uint64_t seed) {
     const auto x = net.Dims(in_);
     const Shape out = net.shapes[static_cast<size_t>(self_)];
-    const std::vector<int64_t> w_dims{l.out, x[1], l.kernel, l.kernel};
+    // The input may carry zero channels past the image's 3 (NetworkOptions::input_channels): the
+    // weights for them live on the device only.
+    const std::vector<int64_t> w_dims{l.out, in_ < 0 ? 3 : x[1], l.kernel, l.kernel};
     InitialParameters init = InitialWeights(l, w_dims, seed);
-    int64_t count = 1;
-    for (auto d : w_dims) count *= d;
-    weight_ = net.AddParam({.name = l.name + ".weight", .dims = w_dims, .group = 0, .count = count, .krsc = true,
+    weight_ = net.AddParam({.name = l.name + ".weight", .dims = w_dims, .group = 0,
+                            .count = l.out * l.kernel * l.kernel * x[1], .krsc = true, .device_c = x[1],
                             .decay = true, .copy = true, .init = std::move(init.weight)});
     if (l.bias) {
       bias_ = net.AddParam({.name = l.name + ".bias", .dims = {l.out}, .group = 1, .count = l.out, .decay = false,
@@ -1318,7 +1323,7 @@ struct CudaNetwork::Impl {
 
   // Plain values of one parameter into `base` (a group's master or momentum).
   Status Upload(const ParamInfo& p, const std::vector<float>& plain, float* base) {
-    const std::vector<float> v = p.krsc ? KrscFromOihw(plain, p.dims) : plain;
+    const std::vector<float> v = p.krsc ? KrscFromOihw(plain, p.dims, p.device_c) : plain;
     STOKE_CUDA_OK(cudaMemcpyAsync(base + p.offset, v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice,
                                   net.stream));
     STOKE_CUDA_OK(cudaStreamSynchronize(net.stream));
@@ -1330,7 +1335,7 @@ struct CudaNetwork::Impl {
     if (divide != 1) {
       for (auto& x : v) x /= divide;
     }
-    return p.krsc ? OihwFromKrsc(v, p.dims) : v;
+    return p.krsc ? OihwFromKrsc(v, p.dims, p.device_c) : v;
   }
   void RefreshCopies() {
     if (net.t == DType::kF32) return;
@@ -1358,8 +1363,8 @@ struct CudaNetwork::Impl {
                                                            : prefetch::DeviceDType::kBFloat16;
     const int64_t pixels_per_image = int64_t{net.opt.image_size} * net.opt.height();
     return prefetch::NormalizeOnDevice(pixels, valid, net.opt.batch, pixels_per_image, net.opt.normalize.mean,
-                                       net.opt.normalize.std, t, net.input.get(),
-                                       net.stream);
+                                       net.opt.normalize.std, t, net.input.get(), net.stream,
+                                       static_cast<int>(net.in_c));
   }
 
   Status Forward(bool training, int64_t step) {
@@ -1436,6 +1441,10 @@ Result<std::unique_ptr<CudaNetwork>> CudaNetwork::CreateUnguarded(NetworkOptions
   if (!(options.label_smoothing >= 0 && options.label_smoothing < 1)) {
     return InvalidArgumentError(fmt::format("label smoothing must be in [0, 1), got {}", options.label_smoothing));
   }
+  if (options.input_channels != 3 && options.input_channels != 4 && options.input_channels != 8) {
+    return InvalidArgumentError(
+        fmt::format("input channels must be 3, 4 or 8 (the image's 3 and zeros), got {}", options.input_channels));
+  }
   const Shape input{3, options.height(), options.image_size};
   STOKE_ASSIGN_OR_RETURN(auto shapes, ResolveModel(options.model, input));
   STOKE_RETURN_IF_ERROR(CudaAvailable());
@@ -1463,14 +1472,27 @@ Result<std::unique_ptr<CudaNetwork>> CudaNetwork::CreateUnguarded(NetworkOptions
   STOKE_CUDA_OK(cudaEventCreate(&net.ready));
   STOKE_CUDA_OK(cudaMallocHost(&net.host_stats, sizeof(cuda::StepStats)));
 
+  const ModelSpec& model = net.opt.model;
+  // Zero channels on the input only where convolutions alone read it (they keep zero weights for
+  // them); any other layer would see them.
+  if (net.opt.input_channels != 3) {
+    const auto other = std::find_if(model.layers.begin(), model.layers.end(), [](const LayerSpec& l) {
+      return l.type != LayerType::kConv && std::find(l.inputs.begin(), l.inputs.end(), "input") != l.inputs.end();
+    });
+    if (other == model.layers.end()) {
+      net.in_c = net.opt.input_channels;
+    } else {
+      STOKE_LOG(WARN, "cuda.input_channels {}: layer '{}' ({}) reads the input, so it keeps its 3 channels",
+                net.opt.input_channels, other->name, LayerTypeName(other->type));
+    }
+  }
   const int n = net.opt.batch;
   const size_t pixels = static_cast<size_t>(n) * net.opt.image_size * net.opt.height() * 3;
-  STOKE_RETURN_IF_ERROR(net.input.Alloc(pixels * cuda::SizeOf(net.t)));
+  STOKE_RETURN_IF_ERROR(net.input.Alloc(pixels / 3 * static_cast<size_t>(net.in_c) * cuda::SizeOf(net.t)));
   STOKE_RETURN_IF_ERROR(net.staging.Alloc(pixels));
   STOKE_RETURN_IF_ERROR(net.labels.Alloc(static_cast<size_t>(n) * sizeof(int32_t)));
   STOKE_RETURN_IF_ERROR(net.stats.Alloc(sizeof(cuda::StepStats)));
 
-  const ModelSpec& model = net.opt.model;
   std::map<std::string, int> index{{"input", -1}};
   for (size_t i = 0; i < model.layers.size(); ++i) index[model.layers[i].name] = static_cast<int>(i);
   net.nodes.resize(model.layers.size());
@@ -1555,10 +1577,11 @@ Result<std::unique_ptr<CudaNetwork>> CudaNetwork::CreateUnguarded(NetworkOptions
   }
   net.fused_pairs = fused;
   STOKE_LOG(INFO,
-            "CUDA backend: {} layers, {} precision, {} cuDNN operations sharing {} plans, workspace {} MiB{}",
+            "CUDA backend: {} layers, {} precision, {} cuDNN operations sharing {} plans, workspace {} MiB{}{}",
             net.layers.size(), PrecisionName(net.opt.precision), net.bound.size(), net.graphs->cached_plans(),
             net.graphs->max_workspace() >> 20,
-            fused > 0 ? fmt::format(", {} batch norm + ReLU pairs fused", fused) : "");
+            fused > 0 ? fmt::format(", {} batch norm + ReLU pairs fused", fused) : "",
+            net.in_c != 3 ? fmt::format(", input padded to {} channels", net.in_c) : "");
   net.bound.clear();
   return std::unique_ptr<CudaNetwork>(new CudaNetwork(std::move(impl)));
 }
@@ -1630,10 +1653,11 @@ Result<BatchStats> CudaNetwork::ForwardBackward(std::span<const float> input, st
     if (input.size() != static_cast<size_t>(n) * 3 * plane || labels.size() != static_cast<size_t>(n)) {
       return InvalidArgumentError("ForwardBackward: input or labels do not match the batch shape");
     }
-    std::vector<float> nhwc(input.size());
+    const auto channels = static_cast<size_t>(net.in_c);  // the image's 3, then zeros
+    std::vector<float> nhwc(input.size() / 3 * channels, 0.f);
     for (size_t s = 0; s < static_cast<size_t>(n); ++s)
       for (size_t c = 0; c < 3; ++c)
-        for (size_t p = 0; p < plane; ++p) nhwc[(s * plane + p) * 3 + c] = input[(s * 3 + c) * plane + p];
+        for (size_t p = 0; p < plane; ++p) nhwc[(s * plane + p) * channels + c] = input[(s * 3 + c) * plane + p];
     DeviceBuffer tmp;
     STOKE_RETURN_IF_ERROR(tmp.Alloc(nhwc.size() * sizeof(float)));
     STOKE_CUDA_OK(cudaMemcpyAsync(tmp.get(), nhwc.data(), nhwc.size() * sizeof(float), cudaMemcpyHostToDevice,
@@ -1711,6 +1735,7 @@ void* CudaNetwork::stream() const { return impl_->net.stream; }
 double CudaNetwork::LastInputWaitSeconds() const { return impl_->net.last_wait; }
 const std::string& CudaNetwork::AutotuneSummary() const { return impl_->net.autotuned; }
 int CudaNetwork::FusedBatchNormRelu() const { return impl_->net.fused_pairs; }
+int CudaNetwork::InputChannels() const { return static_cast<int>(impl_->net.in_c); }
 CudaNetwork::AutotuneCounts CudaNetwork::Autotuned() const {
   const cuda::AutotuneReport& r = impl_->autotune;
   return {r.shapes, r.changed, r.reused, r.single};

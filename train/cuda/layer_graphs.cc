@@ -58,9 +58,10 @@ PairOps PoolOps(cudnnDataType_t t, const Dims4& x, const Dims4& y, int64_t windo
 }
 
 std::vector<std::pair<std::string, OpSpec>> ModelGraphs(const ModelSpec& model, const std::vector<Shape>& shapes,
-                                                         int batch, int image_size, Precision precision) {
+                                                         int batch, int image_size, Precision precision,
+                                                         int input_channels) {
   const cudnnDataType_t t = CudnnType(precision);
-  std::map<std::string, Dims4> dims{{"input", Dims4{batch, 3, image_size, image_size}}};
+  std::map<std::string, Dims4> dims{{"input", Dims4{batch, input_channels, image_size, image_size}}};
   std::vector<std::pair<std::string, OpSpec>> out;
   for (size_t i = 0; i < model.layers.size(); ++i) {
     const LayerSpec& l = model.layers[i];

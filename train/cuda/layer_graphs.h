@@ -34,8 +34,11 @@ PairOps PoolOps(cudnnDataType_t t, const Dims4& x, const Dims4& y, int64_t windo
                 bool max);
 
 // Every graph of a resolved model at `batch` (names "layer: operation"), in the order the backend
-// builds them. Layers with no cuDNN graph (linear, flatten, dropout) contribute none.
+// builds them, with the input on the device in `input_channels` channels (3, or 4 or 8 padded:
+// NetworkOptions::input_channels). Layers with no cuDNN graph (linear, flatten, dropout)
+// contribute none.
 std::vector<std::pair<std::string, OpSpec>> ModelGraphs(const ModelSpec& model, const std::vector<Shape>& shapes,
-                                                         int batch, int image_size, Precision precision);
+                                                         int batch, int image_size, Precision precision,
+                                                         int input_channels = 3);
 
 }  // namespace stoke::train::cuda
