@@ -45,9 +45,9 @@ struct NetworkOptions {
   // (one pass fewer over the activations each way; not with sync_batchnorm). cuda.fuse_bn_relu.
   bool fuse_bn_relu = false;
   // CUDA backend: channels of the input on the device, 3, or 4 or 8 with zero channels added, for
-  // the tensor-core engines that want whole vectors of channels. Only where every layer reading
-  // the input is a convolution (its weights for the added channels stay zero and are never saved:
-  // checkpoints keep 3 input channels). cuda.input_channels.
+  // the tensor-core engines that want whole vectors of channels. Only in bfloat16 and float16, and
+  // where every layer reading the input is a convolution (its weights for the added channels stay
+  // zero and are never saved: checkpoints keep 3 input channels). cuda.input_channels.
   int input_channels = 3;
   // Data-parallel runs: batch statistics of batch norm over the global batch (every rank's
   // samples) instead of this rank's; see StepSync. No effect on one rank.

@@ -425,12 +425,12 @@ TEST(CudaNetwork, AutotuningKeepsTheResultsAndIsDecidedOncePerProcess) {
 
 // cuda.input_channels: the input padded with zero channels for the first convolution computes
 // what 3 channels compute (up to the engines' rounding), keeps its checkpoints at 3 input channels,
-// trains to the same state, and is not applied where another layer reads the input.
+// trains to the same state, and is not applied in float32 or where another layer reads the input.
 TEST(CudaNetwork, PaddedInputChannelsComputeTheSameModel) {
   SKIP_WITHOUT_GPU();
   const Task task = MakeTask(3, 8, 16);
   SgdOptions sgd;
-  for (const Precision precision : {Precision::kFloat32, Precision::kBFloat16}) {
+  for (const Precision precision : {Precision::kBFloat16, Precision::kFloat16}) {
     const Tolerance tol = For(precision);
     NetworkOptions o = Options(Cases()[1].layers, precision);
     ASSERT_OK_AND_ASSIGN(auto plain, CudaNetwork::Create(o));
@@ -467,16 +467,28 @@ TEST(CudaNetwork, PaddedInputChannelsComputeTheSameModel) {
       }
     }
   }
-  // A layer other than a convolution reads the input: it keeps its 3 channels.
-  NetworkOptions vectors = Options(Cases()[5].layers, Precision::kFloat32);
+  // A layer other than a convolution reads the input, or float32 (no tensor-core engine): 3 channels.
+  NetworkOptions vectors = Options(Cases()[5].layers, Precision::kBFloat16);
   vectors.input_channels = 4;
   ASSERT_OK_AND_ASSIGN(auto kept, CudaNetwork::Create(vectors));
   EXPECT_EQ(kept->InputChannels(), 3);
-  vectors.input_channels = 5;
-  const auto refused = CudaNetwork::Create(vectors);
-  ASSERT_FALSE(refused.ok());
-  EXPECT_NE(refused.status().message().find("input channels must be 3, 4 or 8"), std::string::npos)
-      << refused.status().ToString();
+  NetworkOptions f32 = Options(Cases()[1].layers, Precision::kFloat32);
+  f32.input_channels = 8;
+  ASSERT_OK_AND_ASSIGN(auto unpadded, CudaNetwork::Create(f32));
+  EXPECT_EQ(unpadded->InputChannels(), 3);
+}
+
+// Refused before any device is touched, so this runs everywhere.
+TEST(CudaNetwork, InputChannelsOtherThan348AreRefused) {
+  NetworkOptions o = Options(Cases()[1].layers, Precision::kBFloat16);
+  for (const int channels : {0, 2, 5, 16}) {
+    o.input_channels = channels;
+    const auto refused = CudaNetwork::Create(o);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument) << refused.status().ToString();
+    EXPECT_NE(refused.status().message().find("input channels must be 3, 4 or 8"), std::string::npos)
+        << refused.status().ToString();
+  }
 }
 
 TEST(CudaNetwork, Float16OverflowSkipsTheUpdateAndHalvesTheLossScale) {
@@ -822,8 +834,8 @@ run_dir: {0}/run
 // its own per-layer builders, must finalise (tensors, operation, operation graph). Every preset at
 // its usual input (ResNet-50's 7x7/2 stem on 3 channels, bottlenecks, strided projections, pools)
 // and the parity models (BN on vectors, padded average pooling), in each precision; and the graphs
-// of the layers reading the input again with it padded to 4 and 8 channels. Engines and plans
-// need the GPU.
+// of the layers reading the input again with it padded to 4 and 8 channels (bfloat16 and float16,
+// where padding applies). Engines and plans need the GPU.
 TEST(CudnnGraph, EveryGraphOfEveryPresetFinalisesWithoutADevice) {
   struct Model {
     std::string name;
@@ -854,6 +866,7 @@ TEST(CudnnGraph, EveryGraphOfEveryPresetFinalisesWithoutADevice) {
     }
     for (Precision p : {Precision::kFloat32, Precision::kBFloat16, Precision::kFloat16}) {
       for (int channels : {3, 4, 8}) {
+        if (channels != 3 && cuda::DeviceInputChannels(spec, p, channels) == 3) continue;  // not applied
         for (const auto& [what, op] : cuda::ModelGraphs(spec, shapes, 8, size, p, channels)) {
           if (channels != 3 && !first.contains(what.substr(0, what.find(": ") + 2))) continue;
           const Status s = cuda::Graphs::Validate(op);

@@ -1428,8 +1428,17 @@ CudaNetwork::~CudaNetwork() = default;
 const NetworkOptions& CudaNetwork::options() const { return impl_->net.opt; }
 
 Result<std::unique_ptr<CudaNetwork>> CudaNetwork::Create(NetworkOptions options) {
-  return CatchExceptions(fmt::format("cuda backend: building the model (batch {})", options.batch),
-                         [&] { return CreateUnguarded(std::move(options)); });
+  return CatchExceptions(fmt::format("cuda backend: building the model (batch {})", options.batch), [&] {
+    auto made = CreateUnguarded(options);
+    // A padded input whose convolution cuDNN cannot plan: the unpadded network, said so.
+    if (!made.ok() && made.status().code() == StatusCode::kInternal && options.input_channels != 3) {
+      STOKE_LOG(WARN, "cuda.input_channels {}: {}; building with 3 input channels", options.input_channels,
+                made.status().message());
+      options.input_channels = 3;
+      made = CreateUnguarded(std::move(options));
+    }
+    return made;
+  });
 }
 
 Result<std::unique_ptr<CudaNetwork>> CudaNetwork::CreateUnguarded(NetworkOptions options) {
@@ -1473,18 +1482,12 @@ Result<std::unique_ptr<CudaNetwork>> CudaNetwork::CreateUnguarded(NetworkOptions
   STOKE_CUDA_OK(cudaMallocHost(&net.host_stats, sizeof(cuda::StepStats)));
 
   const ModelSpec& model = net.opt.model;
-  // Zero channels on the input only where convolutions alone read it (they keep zero weights for
-  // them); any other layer would see them.
-  if (net.opt.input_channels != 3) {
-    const auto other = std::find_if(model.layers.begin(), model.layers.end(), [](const LayerSpec& l) {
-      return l.type != LayerType::kConv && std::find(l.inputs.begin(), l.inputs.end(), "input") != l.inputs.end();
-    });
-    if (other == model.layers.end()) {
-      net.in_c = net.opt.input_channels;
-    } else {
-      STOKE_LOG(WARN, "cuda.input_channels {}: layer '{}' ({}) reads the input, so it keeps its 3 channels",
-                net.opt.input_channels, other->name, LayerTypeName(other->type));
-    }
+  net.in_c = cuda::DeviceInputChannels(model, net.opt.precision, net.opt.input_channels);
+  if (net.in_c != net.opt.input_channels) {
+    STOKE_LOG(WARN, "cuda.input_channels {} not applied: {}", net.opt.input_channels,
+              net.opt.precision == Precision::kFloat32
+                  ? "float32 runs no tensor-core engine, so the zeros would only add work"
+                  : "a layer other than a convolution reads the input");
   }
   const int n = net.opt.batch;
   const size_t pixels = static_cast<size_t>(n) * net.opt.image_size * net.opt.height() * 3;

@@ -1,5 +1,6 @@
 #include "train/cuda/layer_graphs.h"
 
+#include <algorithm>
 #include <map>
 
 namespace stoke::train::cuda {
@@ -57,11 +58,20 @@ PairOps PoolOps(cudnnDataType_t t, const Dims4& x, const Dims4& y, int64_t windo
           Op(OpSpec::Kind::kPoolBackward, std::move(b), pad, stride, window, max)};
 }
 
+int64_t DeviceInputChannels(const ModelSpec& model, Precision precision, int wanted) {
+  if (wanted == 3 || precision == Precision::kFloat32) return 3;
+  const bool only_convolutions = std::none_of(model.layers.begin(), model.layers.end(), [](const LayerSpec& l) {
+    return l.type != LayerType::kConv && std::find(l.inputs.begin(), l.inputs.end(), "input") != l.inputs.end();
+  });
+  return only_convolutions ? wanted : 3;
+}
+
 std::vector<std::pair<std::string, OpSpec>> ModelGraphs(const ModelSpec& model, const std::vector<Shape>& shapes,
                                                          int batch, int image_size, Precision precision,
                                                          int input_channels) {
   const cudnnDataType_t t = CudnnType(precision);
-  std::map<std::string, Dims4> dims{{"input", Dims4{batch, input_channels, image_size, image_size}}};
+  const int64_t c = DeviceInputChannels(model, precision, input_channels);
+  std::map<std::string, Dims4> dims{{"input", Dims4{batch, c, image_size, image_size}}};
   std::vector<std::pair<std::string, OpSpec>> out;
   for (size_t i = 0; i < model.layers.size(); ++i) {
     const LayerSpec& l = model.layers[i];

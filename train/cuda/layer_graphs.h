@@ -33,10 +33,14 @@ OpSpec AddOp(cudnnDataType_t t, const Dims4& x);
 PairOps PoolOps(cudnnDataType_t t, const Dims4& x, const Dims4& y, int64_t window, int64_t stride, int64_t pad,
                 bool max);
 
+// The channels of the input on the device for NetworkOptions::input_channels `wanted`: `wanted`
+// where the precision has tensor-core engines (not float32) and only convolutions read the input
+// (they keep zero weights for the added channels; other layers would see them), else 3.
+int64_t DeviceInputChannels(const ModelSpec& model, Precision precision, int wanted);
+
 // Every graph of a resolved model at `batch` (names "layer: operation"), in the order the backend
-// builds them, with the input on the device in `input_channels` channels (3, or 4 or 8 padded:
-// NetworkOptions::input_channels). Layers with no cuDNN graph (linear, flatten, dropout)
-// contribute none.
+// builds them, with the input on the device in DeviceInputChannels(model, precision,
+// input_channels) channels. Layers with no cuDNN graph (linear, flatten, dropout) contribute none.
 std::vector<std::pair<std::string, OpSpec>> ModelGraphs(const ModelSpec& model, const std::vector<Shape>& shapes,
                                                          int batch, int image_size, Precision precision,
                                                          int input_channels = 3);
