@@ -1031,11 +1031,8 @@ Result<std::unique_ptr<CpuNetwork>> CpuNetwork::Create(NetworkOptions options) {
     std::map<std::string, int> index{{"input", -1}};
     for (size_t i = 0; i < model.layers.size(); ++i) index[model.layers[i].name] = static_cast<int>(i);
     net.nodes.resize(model.layers.size());
-    for (const LayerSpec& l : model.layers) {
-      for (const auto& in : l.inputs) {
-        if (index[in] >= 0) net.nodes[static_cast<size_t>(index[in])].consumers++;
-      }
-    }
+    const std::vector<std::vector<int>> readers = LayerReaders(model);
+    for (size_t i = 0; i < readers.size(); ++i) net.nodes[i].consumers = static_cast<int>(readers[i].size());
     for (size_t i = 0; i < model.layers.size(); ++i) {
       const LayerSpec& l = model.layers[i];
       const int self = static_cast<int>(i);

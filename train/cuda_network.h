@@ -66,8 +66,8 @@ class CudaNetwork final : public Network {
   AutotuneCounts Autotuned() const;
   // Batch norm + ReLU pairs running as stoke's fused kernels (NetworkOptions::fuse_bn_relu).
   int FusedBatchNormRelu() const;
-  // Channels of the input on the device: NetworkOptions::input_channels, or 3 where a layer other
-  // than a convolution reads the input.
+  // Channels of the input on the device: NetworkOptions::input_channels where it applies
+  // (cuda::DeviceInputChannels: bfloat16 or float16, only convolutions reading the input), else 3.
   int InputChannels() const;
   // "layer: operation" for each step running on stoke's own kernel because cuDNN had no engine.
   const std::vector<std::string>& FallbackKernels() const;

@@ -128,18 +128,14 @@ Result<ExportReport> ExportOnnx(const ExportSource& source, const ExportOptions&
   for (const NamedTensor* t : *found) by_name[t->name] = t;
   auto tensor = [&](size_t layer, const char* suffix) { return by_name.at(model.layers[layer].name + suffix); };
 
-  // The layers each layer reads (-1: the network input), and how many layers read each one.
+  // The layers each layer reads (-1: the network input), and the layers reading each one.
   std::unordered_map<std::string, int> index{{"input", -1}};
   std::vector<std::vector<int>> inputs(n_layers);
-  std::vector<int> consumers(n_layers, 0);
   for (size_t i = 0; i < n_layers; ++i) {
-    for (const std::string& name : model.layers[i].inputs) {
-      const int k = index.at(name);
-      inputs[i].push_back(k);
-      if (k >= 0) ++consumers[static_cast<size_t>(k)];
-    }
+    for (const std::string& name : model.layers[i].inputs) inputs[i].push_back(index.at(name));
     index[model.layers[i].name] = static_cast<int>(i);
   }
+  const std::vector<std::vector<int>> readers = LayerReaders(model);
 
   ExportReport report;
   onnx::ModelProto proto;
@@ -212,29 +208,26 @@ Result<ExportReport> ExportOnnx(const ExportSource& source, const ExportOptions&
         size_t target = i;  // the layer whose tensor this node computes
         // A batch norm that is the only reader of this layer folds into it:
         //   w' = w * gamma / sqrt(var + eps),  b' = (b - mean) * gamma / sqrt(var + eps) + beta.
-        if (options.fold_batchnorm && consumers[i] == 1) {
-          for (size_t j = i + 1; j < n_layers; ++j) {
-            if (inputs[j].size() == 1 && inputs[j][0] == static_cast<int>(i) &&
-                model.layers[j].type == LayerType::kBatchNorm) {
-              const NamedTensor *gamma = tensor(j, ".weight"), *beta = tensor(j, ".bias");
-              const NamedTensor *mean = tensor(j, ".running_mean"), *var = tensor(j, ".running_var");
-              const size_t per_out = weight.size() / static_cast<size_t>(l.out);
-              for (size_t o = 0; o < static_cast<size_t>(l.out); ++o) {
-                const double k = static_cast<double>(gamma->values[o]) / std::sqrt(static_cast<double>(var->values[o]) + eps);
-                for (size_t e = 0; e < per_out; ++e) {
-                  float& v = weight[o * per_out + e];
-                  v = static_cast<float>(static_cast<double>(v) * k);
-                }
-                bias[o] = static_cast<float>((static_cast<double>(bias[o]) - mean->values[o]) * k + beta->values[o]);
-              }
-              has_bias = true;
-              folded[j] = true;
-              target = j;
-              output = tensor_name(model.layers[j].name);
-              ++report.folded_batchnorms;
-              break;
+        const std::vector<int>& next = readers[i];
+        if (options.fold_batchnorm && next.size() == 1 && inputs[static_cast<size_t>(next[0])].size() == 1 &&
+            model.layers[static_cast<size_t>(next[0])].type == LayerType::kBatchNorm) {
+          const auto j = static_cast<size_t>(next[0]);
+          const NamedTensor *gamma = tensor(j, ".weight"), *beta = tensor(j, ".bias");
+          const NamedTensor *mean = tensor(j, ".running_mean"), *var = tensor(j, ".running_var");
+          const size_t per_out = weight.size() / static_cast<size_t>(l.out);
+          for (size_t o = 0; o < static_cast<size_t>(l.out); ++o) {
+            const double k = static_cast<double>(gamma->values[o]) / std::sqrt(static_cast<double>(var->values[o]) + eps);
+            for (size_t e = 0; e < per_out; ++e) {
+              float& v = weight[o * per_out + e];
+              v = static_cast<float>(static_cast<double>(v) * k);
             }
+            bias[o] = static_cast<float>((static_cast<double>(bias[o]) - mean->values[o]) * k + beta->values[o]);
           }
+          has_bias = true;
+          folded[j] = true;
+          target = j;
+          output = tensor_name(model.layers[j].name);
+          ++report.folded_batchnorms;
         }
         const std::string wname = l.name + ".weight", bname = l.name + ".bias";
         if (conv) {

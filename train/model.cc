@@ -303,6 +303,18 @@ std::vector<bool> LayersNeedingGradient(const ModelSpec& model) {
   return needs;
 }
 
+std::vector<std::vector<int>> LayerReaders(const ModelSpec& model) {
+  std::map<std::string, size_t> index;
+  std::vector<std::vector<int>> readers(model.layers.size());
+  for (size_t i = 0; i < model.layers.size(); ++i) {
+    for (const std::string& name : model.layers[i].inputs) {
+      if (auto it = index.find(name); it != index.end()) readers[it->second].push_back(static_cast<int>(i));
+    }
+    index[model.layers[i].name] = i;
+  }
+  return readers;
+}
+
 std::vector<std::pair<std::string, std::vector<int64_t>>> ModelTensors(const ModelSpec& model,
                                                                       const std::vector<Shape>& shapes, Shape input) {
   std::map<std::string, Shape> by_name{{"input", input}};

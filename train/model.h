@@ -76,6 +76,11 @@ bool HasParameters(LayerType type);
 // backward work of the others, and never compute a gradient for the network input.
 std::vector<bool> LayersNeedingGradient(const ModelSpec& model);
 
+// For a resolved model: per layer, the layers reading its output, in layer order (a layer reading
+// it twice, an add of x and x, is listed twice). Backends and export use it to find an output
+// with a single reader.
+std::vector<std::vector<int>> LayerReaders(const ModelSpec& model);
+
 // A convolution's or linear layer's starting parameters, plain layout (`weight_dims`: O x I x KH x KW
 // for convolutions, O x I or O x C x H x W for linear layers): Kaiming-normal (fan-out, ReLU gain)
 // convolutions as in ResNet, the uniform +-1/sqrt(fan_in) of common frameworks for linear layers

@@ -33,12 +33,9 @@
 namespace stoke::train {
 namespace {
 
+using cuda::CudaError;
 using cuda::DType;
 using cuda::OpSpec;
-
-Status CudaError(cudaError_t rc, std::string_view what) {
-  return InternalError(fmt::format("CUDA: {}: {} ({})", what, cudaGetErrorString(rc), cudaGetErrorName(rc)));
-}
 
 #define STOKE_CUDA_OK(call)                                          \
   do {                                                               \
@@ -814,11 +811,11 @@ class AddLayer final : public Layer {
   }
   // Before any layer binds its buffers, in reverse layer order: an input that only this add
   // consumes gets the output's gradient as its own (the gradient of a + b with respect to either is
-  // the output's), so backward copies nothing for it. `consumers`: per node, the layers reading it.
-  Status ShareGradients(Net& net, const std::vector<int>& consumers) {
+  // the output's), so backward copies nothing for it. `readers`: LayerReaders of the model.
+  Status ShareGradients(Net& net, const std::vector<std::vector<int>>& readers) {
     if (!net.NeedsGrad(self_) || a_ == b_) return OkStatus();
     for (auto [in, shared] : {std::pair{a_, &shared_a_}, std::pair{b_, &shared_b_}}) {
-      if (!net.NeedsGrad(in) || consumers[static_cast<size_t>(in)] != 1) continue;
+      if (!net.NeedsGrad(in) || readers[static_cast<size_t>(in)].size() != 1) continue;
       STOKE_RETURN_IF_ERROR(net.node(in).diff.Share(net.node(self_).diff));
       *shared = true;
     }
@@ -1490,8 +1487,9 @@ Result<std::unique_ptr<CudaNetwork>> CudaNetwork::CreateUnguarded(NetworkOptions
                   : "a layer other than a convolution reads the input");
   }
   const int n = net.opt.batch;
-  const size_t pixels = static_cast<size_t>(n) * net.opt.image_size * net.opt.height() * 3;
-  STOKE_RETURN_IF_ERROR(net.input.Alloc(pixels / 3 * static_cast<size_t>(net.in_c) * cuda::SizeOf(net.t)));
+  const size_t image_pixels = static_cast<size_t>(n) * net.opt.image_size * net.opt.height();
+  const size_t pixels = image_pixels * 3;  // uint8 values of a batch
+  STOKE_RETURN_IF_ERROR(net.input.Alloc(image_pixels * static_cast<size_t>(net.in_c) * cuda::SizeOf(net.t)));
   STOKE_RETURN_IF_ERROR(net.staging.Alloc(pixels));
   STOKE_RETURN_IF_ERROR(net.labels.Alloc(static_cast<size_t>(n) * sizeof(int32_t)));
   STOKE_RETURN_IF_ERROR(net.stats.Alloc(sizeof(cuda::StepStats)));
@@ -1512,27 +1510,19 @@ Result<std::unique_ptr<CudaNetwork>> CudaNetwork::CreateUnguarded(NetworkOptions
   }
   // Residual adds hand their gradient on without a copy where they are an input's only consumer;
   // the last add first, so a chain of them ends up sharing one buffer.
-  std::vector<int> consumers(model.layers.size(), 0), consumer(model.layers.size(), -1);
-  for (size_t j = 0; j < model.layers.size(); ++j) {
-    for (const auto& name : model.layers[j].inputs) {
-      if (const int k = index[name]; k >= 0) {
-        ++consumers[static_cast<size_t>(k)];
-        consumer[static_cast<size_t>(k)] = static_cast<int>(j);
-      }
-    }
-  }
+  const std::vector<std::vector<int>> readers = LayerReaders(model);
   for (size_t i = net.layers.size(); i-- > 0;) {
     if (auto* add = dynamic_cast<AddLayer*>(net.layers[i].get()); add != nullptr) {
-      STOKE_RETURN_IF_ERROR(add->ShareGradients(net, consumers));
+      STOKE_RETURN_IF_ERROR(add->ShareGradients(net, readers));
     }
   }
   // Then (buffers final) batch norm + ReLU pairs, where asked for.
   int fused = 0;
   for (size_t i = 0; net.opt.fuse_bn_relu && i < net.layers.size(); ++i) {
     auto* bn = dynamic_cast<BatchNormLayer*>(net.layers[i].get());
-    const int j = consumer[i];
-    auto* relu = bn != nullptr && consumers[i] == 1 ? dynamic_cast<ReluLayer*>(net.layers[static_cast<size_t>(j)].get())
-                                                    : nullptr;
+    const int j = readers[i].size() == 1 ? readers[i][0] : -1;
+    auto* relu = bn != nullptr && j >= 0 ? dynamic_cast<ReluLayer*>(net.layers[static_cast<size_t>(j)].get())
+                                         : nullptr;
     if (relu == nullptr || !bn->CanFuse(net, j)) continue;
     STOKE_RETURN_IF_ERROR(bn->FuseRelu(net, j));
     relu->SetFused();

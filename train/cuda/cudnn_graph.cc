@@ -12,6 +12,10 @@
 
 namespace stoke::train::cuda {
 
+Status CudaError(cudaError_t rc, std::string_view what) {
+  return InternalError(fmt::format("CUDA: {}: {} ({})", what, cudaGetErrorString(rc), cudaGetErrorName(rc)));
+}
+
 Status CudnnError(cudnnStatus_t status, const std::string& what) {
   char detail[512] = {0};
   cudnnGetLastErrorString(detail, sizeof detail);
@@ -310,9 +314,7 @@ Result<std::unique_ptr<Graphs>> Graphs::Create(cudnnHandle_t handle, bool allow_
   STOKE_ASSIGN_OR_RETURN(g->device_, Desc::Make(CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR));
   STOKE_RETURN_IF_ERROR(g->device_.Set(CUDNN_ATTR_DEVICEPROP_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle));
   STOKE_RETURN_IF_ERROR(g->device_.Finalize("device properties"));
-  if (const cudaError_t e = cudaGetDevice(&g->ordinal_); e != cudaSuccess) {
-    return InternalError(fmt::format("CUDA: which device: {}", cudaGetErrorString(e)));
-  }
+  if (const cudaError_t e = cudaGetDevice(&g->ordinal_); e != cudaSuccess) return CudaError(e, "which device");
   return g;
 }
 
@@ -532,9 +534,7 @@ Result<AutotuneReport> Graphs::Autotune(cudaStream_t stream, const std::vector<P
     }
   } events{&begin, &end};
   // A CUDA failure while `what` ran: a fault on the device ends the context, so the run stops here.
-  auto cuda_error = [&](cudaError_t e, const std::string& what) {
-    return InternalError(fmt::format("CUDA: autotuning: {}: {}", what, cudaGetErrorString(e)));
-  };
+  auto cuda_error = [](cudaError_t e, const std::string& what) { return CudaError(e, "autotuning: " + what); };
   if (cudaError_t e = cudaEventCreate(&begin); e != cudaSuccess) return cuda_error(e, "create event");
   if (cudaError_t e = cudaEventCreate(&end); e != cudaSuccess) return cuda_error(e, "create event");
   auto run = [&](const Plan& plan, const Desc& pack, int times) {
@@ -569,15 +569,11 @@ Result<AutotuneReport> Graphs::Autotune(cudaStream_t stream, const std::vector<P
     return best;
   };
   // The GPU out of idle before the first timing (clocks ramp up): the first shape's plan, ~20 runs.
-  for (auto& [key, cand] : candidates_) {
-    for (const PlanUse& u : uses) {
-      if (u.plan == plans_.at(key).get()) {
-        run(*u.plan, *u.pack, 20);
-        if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess) return cuda_error(e, "warm-up");
-        break;
-      }
-    }
-    break;
+  const Plan* first_plan = plans_.at(candidates_.begin()->first).get();
+  if (const auto u = std::find_if(uses.begin(), uses.end(), [&](const PlanUse& p) { return p.plan == first_plan; });
+      u != uses.end()) {
+    run(*u->plan, *u->pack, 20);
+    if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess) return cuda_error(e, "warm-up");
   }
   cudaGetLastError();
   for (auto& [key, cand] : candidates_) {

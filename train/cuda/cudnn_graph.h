@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/status.h"
@@ -24,6 +25,8 @@
 namespace stoke::train::cuda {
 
 Status CudnnError(cudnnStatus_t status, const std::string& what);
+// kInternal "CUDA: <what>: <message> (<error name>)".
+Status CudaError(cudaError_t rc, std::string_view what);
 
 // One backend descriptor, destroyed with its owner.
 class Desc {

@@ -184,24 +184,43 @@ template <typename T>
 __global__ void AccumulateKernel(T* dst, const T* src, int64_t n) {
   STOKE_GRID_LOOP(i, n) { Store(dst, i, Load(dst, i) + Load(src, i)); }
 }
+// 16-byte vectors: 8 bfloat16 / float16 or 4 float values, converted to float and back.
+template <typename T>
+constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+
+template <typename T>
+__device__ __forceinline__ void LoadVec(const T* p, int64_t i, float (&v)[kVec<T>]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p + i);
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int k = 0; k < kVec<T>; ++k) v[k] = Load(e, k);
+}
+template <typename T>
+__device__ __forceinline__ void StoreVec(T* p, int64_t i, const float (&v)[kVec<T>]) {
+  uint4 raw;
+  T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+  for (int k = 0; k < kVec<T>; ++k) Store(e, k, v[k]);
+  *reinterpret_cast<uint4*>(p + i) = raw;
+}
+
 // The same over 16-byte chunks (both pointers 16-byte aligned): one load of each and one store
-// per 8 bfloat16 / float16 or 4 float values.
+// per vector.
 template <typename T>
 __global__ void AccumulateChunksKernel(T* dst, const T* src, int64_t chunks) {
-  constexpr int kPer = 16 / sizeof(T);
+  constexpr int N = kVec<T>;
   STOKE_GRID_LOOP(i, chunks) {
-    uint4 d = reinterpret_cast<const uint4*>(dst)[i];
-    const uint4 v = reinterpret_cast<const uint4*>(src)[i];
-    T* dv = reinterpret_cast<T*>(&d);
-    const T* sv = reinterpret_cast<const T*>(&v);
+    float d[N], v[N];
+    LoadVec(dst, i * N, d);
+    LoadVec(src, i * N, v);
 #pragma unroll
-    for (int k = 0; k < kPer; ++k) Store(dv, k, Load(dv, k) + Load(sv, k));
-    reinterpret_cast<uint4*>(dst)[i] = d;
+    for (int k = 0; k < N; ++k) d[k] += v[k];
+    StoreVec(dst, i * N, d);
   }
 }
 template <typename T>
 void AccumulateTyped(T* dst, const T* src, int64_t n, bool aligned, cudaStream_t s) {
-  constexpr int64_t per = 16 / sizeof(T);
+  constexpr int64_t per = kVec<T>;
   const int64_t chunks = aligned ? n / per : 0, done = chunks * per;
   if (chunks > 0) AccumulateChunksKernel<T><<<Blocks(chunks), kThreads, 0, s>>>(dst, src, chunks);
   if (done < n) AccumulateKernel<T><<<Blocks(n - done), kThreads, 0, s>>>(dst + done, src + done, n - done);
@@ -260,14 +279,21 @@ __device__ void StoreBatchStats(int c, double s, double s2, int64_t rows, double
   running_var[c] = static_cast<float>((1 - momentum) * running_var[c] + momentum * var * unbias);
 }
 
+// With `affine` (fused batch norm + ReLU): also a = scale * inv_std into affine[c] and
+// b = shift - mean a into affine[channels + c].
 __global__ void BatchNormStatsKernel(const float* partials, int chunks, int channels, int64_t rows, float eps,
                                      float momentum, float* running_mean, float* running_var, float* save_mean,
-                                     float* save_inv_std) {
+                                     float* save_inv_std, const float* scale = nullptr,
+                                     const float* shift = nullptr, float* affine = nullptr) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= channels) return;
   const int64_t plane = static_cast<int64_t>(chunks) * channels;
   StoreBatchStats(c, SumChunks(partials, chunks, channels, c), SumChunks(partials + plane, chunks, channels, c), rows,
                   0.0, eps, momentum, running_mean, running_var, save_mean, save_inv_std);
+  if (affine == nullptr) return;
+  const float a = scale[c] * save_inv_std[c];
+  affine[c] = a;
+  affine[channels + c] = shift[c] - save_mean[c] * a;
 }
 
 // The two partial planes summed per channel, in double: sums[c] from the first, sums[C + c] from the
@@ -357,24 +383,6 @@ __global__ void BatchNormInferenceKernel(const T* x, T* y, int64_t n, int channe
 // per-channel constants stay in registers) and walks rows. Block: gx channel groups (x) by gy rows
 // (y); grid: the groups (x) by chunks of rows (y).
 
-template <typename T>
-constexpr int kVec = 16 / static_cast<int>(sizeof(T));
-
-template <typename T>
-__device__ __forceinline__ void LoadVec(const T* p, int64_t i, float (&v)[kVec<T>]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p + i);
-  const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-  for (int k = 0; k < kVec<T>; ++k) v[k] = Load(e, k);
-}
-template <typename T>
-__device__ __forceinline__ void StoreVec(T* p, int64_t i, const float (&v)[kVec<T>]) {
-  uint4 raw;
-  T* e = reinterpret_cast<T*>(&raw);
-#pragma unroll
-  for (int k = 0; k < kVec<T>; ++k) Store(e, k, v[k]);
-  *reinterpret_cast<uint4*>(p + i) = raw;
-}
 template <int N>
 __device__ __forceinline__ void LoadConsts(const float* p, int c0, float (&v)[N]) {
 #pragma unroll
@@ -447,15 +455,6 @@ __global__ void MomentsVecKernel(const T* x, int64_t rows, int channels, float* 
 }
 
 // affine = (a, b): a = scale * inv_std, b = shift - mean * a.
-__global__ void BatchNormAffineKernel(int channels, const float* scale, const float* shift, const float* mean,
-                                      const float* inv_std, float* affine) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= channels) return;
-  const float a = scale[c] * inv_std[c];
-  affine[c] = a;
-  affine[channels + c] = shift[c] - mean[c] * a;
-}
-
 // z = max(a x + b, 0), the pre-activation as fmaf(x, a, b) (backward recomputes the same value).
 template <typename T>
 __global__ void AffineReluVecKernel(const T* x, T* z, int64_t rows, int channels, const float* affine) {
@@ -527,9 +526,9 @@ __global__ void BatchNormReluGradPartialsKernel(const T* x, const T* dz, int64_t
   StoreGroupPartials<N>(s, s2, g, groups, channels, partials, shared);
 }
 
-// dx = a (dy - sum_dy / count - xhat sum_dy_xhat / count), dy masked as above.
+// dx = a (dy - sum_dy / rows - xhat sum_dy_xhat / rows), dy masked as above.
 template <typename T>
-__global__ void BatchNormReluDxKernel(const T* x, const T* dz, T* dx, int64_t rows, int channels, int64_t count,
+__global__ void BatchNormReluDxKernel(const T* x, const T* dz, T* dx, int64_t rows, int channels,
                                       const float* affine, const float* mean, const float* inv_std,
                                       const float* sum_dy_xhat, const float* sum_dy) {
   constexpr int N = kVec<T>;
@@ -539,7 +538,7 @@ __global__ void BatchNormReluDxKernel(const T* x, const T* dz, T* dx, int64_t ro
   float k1[N], k2[N];
   LoadConsts(sum_dy, g * N, k1);
   LoadConsts(sum_dy_xhat, g * N, k2);
-  const float per = 1.f / static_cast<float>(count);
+  const float per = 1.f / static_cast<float>(rows);
 #pragma unroll
   for (int j = 0; j < N; ++j) {
     k1[j] *= per;
@@ -915,9 +914,8 @@ void BatchNormReluTrainTyped(const T* x, T* z, int64_t rows, int channels, const
   const GroupLaunch m = GroupShape(groups, rows, true, 2 * N);
   MomentsVecKernel<T><<<m.grid, m.block, m.shared, s>>>(x, rows, channels, partials);
   BatchNormStatsKernel<<<(channels + 127) / 128, 128, 0, s>>>(partials, Chunks(rows), channels, rows, eps, momentum,
-                                                              running_mean, running_var, save_mean, save_inv_std);
-  BatchNormAffineKernel<<<(channels + 127) / 128, 128, 0, s>>>(channels, scale, shift, save_mean, save_inv_std,
-                                                               affine);
+                                                              running_mean, running_var, save_mean, save_inv_std,
+                                                              scale, shift, affine);
   const GroupLaunch e = GroupShape(groups, rows, false, 0);
   AffineReluVecKernel<T><<<e.grid, e.block, 0, s>>>(x, z, rows, channels, affine);
 }
@@ -933,7 +931,7 @@ void BatchNormReluBackwardTyped(const T* x, const T* dz, T* dx, int64_t rows, in
                                                                        save_inv_std, partials);
   BatchNormGradCombineKernel<<<(channels + 127) / 128, 128, 0, s>>>(partials, Chunks(rows), channels, dscale, dshift);
   const GroupLaunch e = GroupShape(groups, rows, false, 0);
-  BatchNormReluDxKernel<T><<<e.grid, e.block, 0, s>>>(x, dz, dx, rows, channels, rows, affine, save_mean,
+  BatchNormReluDxKernel<T><<<e.grid, e.block, 0, s>>>(x, dz, dx, rows, channels, affine, save_mean,
                                                       save_inv_std, dscale, dshift);
 }
 
