@@ -30,8 +30,16 @@ elseif(STOKE_SANITIZE STREQUAL "thread")
 elseif(NOT STOKE_SANITIZE STREQUAL "")
   message(FATAL_ERROR "STOKE_SANITIZE must be '', 'address', 'thread' or 'fuzzer', not '${STOKE_SANITIZE}'")
 endif()
+# Sanitized builds are for finding faults, not for speed: -O1 (what the sanitizers' own docs advise)
+# and line tables only (-g1, enough for symbolised stacks) compile stoke's sources about twice as fast
+# as the build type's -O2 -g. These come after the build type's flags, so they win; set
+# STOKE_SANITIZE_CODEGEN to "" to keep the build type's, or to "-O0 -g" to step through a report.
+set(STOKE_SANITIZE_CODEGEN "-O1 -g1" CACHE STRING "Optimisation and debug flags of sanitized builds")
 if(_stoke_san)
-  target_compile_options(stoke_compile_options INTERFACE $<BUILD_INTERFACE:$<$<COMPILE_LANGUAGE:CXX>:${_stoke_san}>>)
+  separate_arguments(_stoke_san_codegen UNIX_COMMAND "${STOKE_SANITIZE_CODEGEN}")
+  set(_stoke_san_compile ${_stoke_san} ${_stoke_san_codegen})
+  target_compile_options(stoke_compile_options INTERFACE
+    $<BUILD_INTERFACE:$<$<COMPILE_LANGUAGE:CXX>:${_stoke_san_compile}>>)
   target_link_options(stoke_compile_options INTERFACE $<BUILD_INTERFACE:${_stoke_san}>)
 endif()
 
