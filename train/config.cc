@@ -409,6 +409,7 @@ Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::str
   STOKE_RETURN_IF_ERROR(di.Number("bucket_mb", &c.dist.bucket_mb, 0.001, 4096));
   STOKE_RETURN_IF_ERROR(di.Number("timeout_s", &c.dist.timeout_s, 1, 86400));
   STOKE_RETURN_IF_ERROR(di.Number("check_every_steps", &c.dist.check_every_steps, 0, 1e15));
+  STOKE_RETURN_IF_ERROR(di.String("device_comm", &c.dist.device_comm, {"auto", "nccl", "host"}));
   STOKE_RETURN_IF_ERROR(di.Finish());
   STOKE_ASSIGN_OR_RETURN(Section cu, top.Sub("cuda"));
   STOKE_RETURN_IF_ERROR(cu.Bool("autotune", &c.cuda.autotune));
@@ -574,6 +575,7 @@ std::string ConfigToYaml(const TrainConfig& c) {
   Put(e, "bucket_mb", c.dist.bucket_mb);
   Put(e, "timeout_s", c.dist.timeout_s);
   Put(e, "check_every_steps", c.dist.check_every_steps);
+  Put(e, "device_comm", c.dist.device_comm);
   e << YAML::EndMap;
   Put(e, "cuda", YAML::BeginMap);
   Put(e, "autotune", c.cuda.autotune);

@@ -88,6 +88,10 @@ struct DistConfig {
   double bucket_mb = 25;          // gradients averaged in buckets of about this size
   double timeout_s = 300;         // a collective slower than this ends the run (a rank is gone)
   int64_t check_every_steps = 0;  // > 0: compare a digest of every rank's model this often
+  // How the CUDA backend averages over ranks: nccl (on the GPUs), host (through pinned host memory
+  // over MPI: ranks sharing a GPU, machines without NCCL) or auto (NCCL when every rank has a GPU of
+  // its own and NCCL loads everywhere, else host).
+  std::string device_comm = "auto";
 };
 
 struct TrainConfig {

@@ -70,6 +70,10 @@ Status DataParallel::SumOverRanks(std::span<float> values) {
   return comm_.AllReduce(values.data(), values.size(), dist::DataType::kFloat32, dist::ReduceOp::kSum).Wait();
 }
 
+Status DataParallel::SumOverRanks(std::span<double> values) {
+  return comm_.AllReduce(values.data(), values.size(), dist::DataType::kFloat64, dist::ReduceOp::kSum).Wait();
+}
+
 Status DataParallel::AverageOverRanks(std::span<float> values) {
   return comm_.AllReduce(values.data(), values.size(), dist::DataType::kFloat32, dist::ReduceOp::kAvg).Wait();
 }
@@ -162,12 +166,14 @@ Result<std::vector<std::string>> RankHosts(dist::Communicator& comm) {
   return hosts;
 }
 
-Result<int> DeviceForRank(int rank, int local_rank, int local_size, int visible_devices) {
+Result<int> DeviceForRank(int rank, int local_rank, int local_size, int visible_devices, bool share) {
   if (visible_devices >= local_size && local_rank < visible_devices) return local_rank;
   if (visible_devices == 1) return 0;
+  if (share && visible_devices > 1) return local_rank % visible_devices;
   return InvalidArgumentError(fmt::format(
       "rank {}: {} ranks share this machine but it shows {} GPUs: start one rank per GPU (mpirun -np, or srun "
-      "--ntasks-per-node with --gpus-per-task=1), or show each rank one GPU through CUDA_VISIBLE_DEVICES",
+      "--ntasks-per-node with --gpus-per-task=1), show each rank one GPU through CUDA_VISIBLE_DEVICES, or let ranks "
+      "share GPUs with dist.device_comm: host",
       rank, local_size, visible_devices));
 }
 

@@ -44,6 +44,7 @@ class DataParallel final : public StepSync {
   Status FinishGradients() override;
   Status CombineMoments(std::span<float> mean, std::span<float> var) override;
   Status SumOverRanks(std::span<float> values) override;
+  Status SumOverRanks(std::span<double> values) override;
   Status AverageOverRanks(std::span<float> values) override;
   Status BroadcastBytes(std::span<std::byte> data, int root) override;
   int local_rank() const override { return comm_.local_rank(); }
@@ -89,8 +90,10 @@ Status CheckSameState(dist::Communicator& comm, const Network& net);
 
 // The GPU a rank trains on. Its local rank when the machine shows a GPU per rank of the machine;
 // GPU 0 when the launcher shows each rank a single GPU of its own (srun --gpus-per-task=1, or
-// CUDA_VISIBLE_DEVICES set per rank); otherwise kInvalidArgument naming the rank and the counts.
-Result<int> DeviceForRank(int rank, int local_rank, int local_size, int visible_devices);
+// CUDA_VISIBLE_DEVICES set per rank); with `share` (dist.device_comm: host), ranks beyond the GPUs
+// take them in turn (local rank modulo the count); otherwise kInvalidArgument naming the rank and the
+// counts.
+Result<int> DeviceForRank(int rank, int local_rank, int local_size, int visible_devices, bool share = false);
 
 // Every rank's machine (its processor name), in rank order. Collective.
 Result<std::vector<std::string>> RankHosts(dist::Communicator& comm);

@@ -38,6 +38,34 @@ float TrustRatio(const SgdOptions& sgd, double weight_norm, double grad_norm, do
   return static_cast<float>(r);
 }
 
+Result<DeviceComm> ChooseDeviceComm(DeviceComm wanted, int ranks_sharing_a_gpu, const Status& nccl_usable,
+                                    std::string* why) {
+  why->clear();
+  if (wanted == DeviceComm::kHost) {
+    *why = "dist.device_comm: host";
+    return DeviceComm::kHost;
+  }
+  if (ranks_sharing_a_gpu > 0) {
+    if (wanted == DeviceComm::kNccl) {
+      return InvalidArgumentError(fmt::format(
+          "dist.device_comm: nccl, but {} ranks share their GPU with another rank, and NCCL refuses two ranks on one "
+          "GPU: start one rank per GPU, or set dist.device_comm to host or auto",
+          ranks_sharing_a_gpu));
+    }
+    *why = fmt::format("{} ranks share their GPU with another rank (NCCL refuses that)", ranks_sharing_a_gpu);
+    return DeviceComm::kHost;
+  }
+  if (!nccl_usable.ok()) {
+    if (wanted == DeviceComm::kNccl) {
+      return UnavailableError(fmt::format("dist.device_comm: nccl: {}", nccl_usable.message()));
+    }
+    *why = std::string(nccl_usable.message());
+    return DeviceComm::kHost;
+  }
+  *why = "every rank has a GPU of its own";
+  return DeviceComm::kNccl;
+}
+
 Status CheckBatch(const NetworkOptions& opt, const prefetch::Batch& b, bool full) {
   if (b.width != opt.image_size || b.height != opt.height()) {
     return InvalidArgumentError(fmt::format("batch images are {}x{}, the network was built for {}x{}", b.width,

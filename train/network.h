@@ -23,6 +23,17 @@ namespace stoke::train {
 enum class Precision { kFloat32, kBFloat16, kFloat16 };
 std::string_view PrecisionName(Precision p);
 
+// How a device backend averages over the ranks: NCCL on the GPUs, or through the host over MPI.
+enum class DeviceComm { kAuto, kNccl, kHost };
+
+// How the CUDA backend of a data-parallel run averages, from dist.device_comm (`wanted`), the number
+// of ranks that share their GPU with another rank (NCCL refuses them), and whether NCCL can be used
+// on every rank (built, and loaded everywhere). kAuto picks NCCL when it can, else the host, and
+// says why in `why`; kNccl where NCCL cannot run is kInvalidArgument (shared GPUs) or kUnavailable
+// (no NCCL) naming dist.device_comm. The same answer on every rank when the inputs are.
+Result<DeviceComm> ChooseDeviceComm(DeviceComm wanted, int ranks_sharing_a_gpu, const Status& nccl_usable,
+                                    std::string* why);
+
 struct NetworkOptions {
   ModelSpec model;  // resolved against `input` (ResolveModel) by Create
   int image_size = 32;    // input width, and height unless image_height is set
@@ -52,6 +63,9 @@ struct NetworkOptions {
   // Data-parallel runs: batch statistics of batch norm over the global batch (every rank's
   // samples) instead of this rank's; see StepSync. No effect on one rank.
   bool sync_batchnorm = false;
+  // Data-parallel runs on the CUDA backend: how gradients are averaged (dist.device_comm; see
+  // ChooseDeviceComm above).
+  DeviceComm device_comm = DeviceComm::kAuto;
 };
 
 // Layer-wise adaptive rate scaling for large batches. Each weight tensor w (not BN scale/shift or
@@ -137,6 +151,7 @@ class StepSync {
   virtual Status CombineMoments(std::span<float> mean, std::span<float> var) = 0;
   // Blocking, in place.
   virtual Status SumOverRanks(std::span<float> values) = 0;
+  virtual Status SumOverRanks(std::span<double> values) = 0;
   virtual Status AverageOverRanks(std::span<float> values) = 0;
   // Rank `root`'s bytes on every rank (a device backend sends its collective library's id this way).
   virtual Status BroadcastBytes(std::span<std::byte> data, int root) = 0;

@@ -55,6 +55,9 @@ Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c, const dist:
   o.autotune = c.cuda.autotune;
   o.fuse_bn_relu = c.cuda.fuse_bn_relu;
   o.input_channels = c.cuda.input_channels;
+  o.device_comm = c.dist.device_comm == "nccl"   ? DeviceComm::kNccl
+                  : c.dist.device_comm == "host" ? DeviceComm::kHost
+                                                 : DeviceComm::kAuto;
   o.threads = c.compute_threads;
   if (o.threads == 0 && comm && comm->local_size() > 1) {
     // Ranks sharing a machine share its cores rather than each starting a team of all of them.
@@ -70,7 +73,7 @@ Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c, const dist:
     if (!gpu.ok()) return UnavailableError(fmt::format("backend 'cuda' was requested: {}", gpu.message()));
     if (comm) {
       STOKE_ASSIGN_OR_RETURN(o.device, DeviceForRank(comm->rank(), comm->local_rank(), comm->local_size(),
-                                                     prefetch::ProbeCuda().devices));
+                                                     prefetch::ProbeCuda().devices, c.dist.device_comm == "host"));
     }
     o.normalize.dtype = augment::DType::kFloat32;  // the device normalises; the host never does
     STOKE_ASSIGN_OR_RETURN(auto net, CudaNetwork::Create(std::move(o)));

@@ -169,16 +169,21 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
 
 #if STOKE_WITH_CUDA
-// The CUDA backend on one GPU per rank (NCCL): W ranks x B against one rank x W*B with synchronised
-// batch norm, 12 float32 steps. Runs where every rank of a machine has a GPU of its own, under
-// mpirun; skips elsewhere (CI has no GPU; NCCL refuses two ranks on one GPU).
-TEST(DataParallelCuda, RanksTrainTheModelOfOneRankWithSyncBatchNorm) {
+// The CUDA backend data-parallel: W ranks x B against one rank x W*B with synchronised batch norm,
+// 12 float32 steps, under mpirun. NCCL needs a GPU per rank (it refuses two ranks on one GPU); the
+// host's path (dist.device_comm: host) runs wherever there is a GPU, ranks sharing it. Skips
+// elsewhere (CI has no GPU).
+void RanksTrainTheModelOfOneRank(DeviceComm how) {
   dist::Communicator& comm = *World();
   if (comm.size() < 2) GTEST_SKIP() << "needs several ranks (run under mpirun -np 2)";
   const int gpus = prefetch::ProbeCuda().devices;
-  float missing[1] = {gpus >= comm.local_size() ? 0.f : 1.f};
+  const bool enough = how == DeviceComm::kHost ? gpus >= 1 : gpus >= comm.local_size();
+  float missing[1] = {enough ? 0.f : 1.f};
   ASSERT_OK(comm.AllReduce(missing, 1, dist::DataType::kFloat32, dist::ReduceOp::kSum).Wait());
-  if (missing[0] > 0) GTEST_SKIP() << "needs one GPU per rank (" << gpus << " here for " << comm.local_size() << " ranks)";
+  if (missing[0] > 0) {
+    GTEST_SKIP() << (how == DeviceComm::kHost ? "needs a GPU" : "needs one GPU per rank") << " (" << gpus
+                 << " here for " << comm.local_size() << " ranks)";
+  }
   const int w = comm.size(), b = 4, g = w * b;
   const std::vector<LayerSpec> layers = {NoBias(Conv(6, 3, 1, 1)), L(LayerType::kBatchNorm), L(LayerType::kRelu),
                                          Pool(LayerType::kMaxPool, 2, 2, 0), NoBias(Conv(8, 3, 1, 1)),
@@ -186,7 +191,8 @@ TEST(DataParallelCuda, RanksTrainTheModelOfOneRankWithSyncBatchNorm) {
                                          L(LayerType::kFlatten), Linear(kClasses)};
   auto make = [&](int batch, bool sync_bn) {
     NetworkOptions o = NetOptions(layers, batch, sync_bn);
-    o.device = comm.local_rank();
+    o.device = how == DeviceComm::kHost ? comm.local_rank() % gpus : comm.local_rank();
+    o.device_comm = how;
     return CudaNetwork::Create(o);
   };
   ASSERT_OK_AND_ASSIGN(auto ranked, make(b, true));
@@ -219,7 +225,17 @@ TEST(DataParallelCuda, RanksTrainTheModelOfOneRankWithSyncBatchNorm) {
   std::string worst;
   const double diff = MaxAbsDiff(a, r, &worst);
   EXPECT_LT(diff, 1e-3) << worst;
-  if (comm.rank() == 0) std::printf("  %d GPUs: largest parameter difference after 12 steps %.3g (%s)\n", w, diff, worst.c_str());
+  if (comm.rank() == 0) {
+    std::printf("  %d ranks on %d GPU(s), %s: largest parameter difference after 12 steps %.3g (%s)\n", w,
+                std::min(gpus, comm.local_size()), how == DeviceComm::kHost ? "through the host" : "NCCL", diff,
+                worst.c_str());
+  }
+}
+
+TEST(DataParallelCuda, RanksTrainTheModelOfOneRankWithSyncBatchNorm) { RanksTrainTheModelOfOneRank(DeviceComm::kNccl); }
+
+TEST(DataParallelCuda, RanksSharingAGpuTrainTheModelOfOneRankThroughTheHost) {
+  RanksTrainTheModelOfOneRank(DeviceComm::kHost);
 }
 #endif
 
@@ -424,6 +440,12 @@ TEST(DataParallelDevice, EachRankFindsItsGpu) {
   ASSERT_FALSE(few.ok());
   EXPECT_NE(few.status().message().find("rank 5: 4 ranks share this machine but it shows 2 GPUs"), std::string::npos)
       << few.status().ToString();
+  EXPECT_NE(few.status().message().find("dist.device_comm: host"), std::string::npos) << few.status().ToString();
+  // Ranks allowed to share (the host's averaging path) take the GPUs in turn.
+  for (int local = 0; local < 4; ++local) {
+    ASSERT_OK_AND_ASSIGN(int shared, DeviceForRank(local, local, 4, 2, /*share=*/true));
+    EXPECT_EQ(shared, local % 2);
+  }
 }
 
 }  // namespace

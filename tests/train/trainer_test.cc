@@ -47,6 +47,10 @@ TEST(Config, DefaultsAndRoundTrip) {
   ASSERT_OK_AND_ASSIGN(TrainConfig padded, ParseConfig(std::string(kMinimal) + "cuda: {input_channels: 4}\n", "p.yaml"));
   EXPECT_EQ(padded.cuda.input_channels, 4);
   EXPECT_NE(ConfigToYaml(padded).find("input_channels: 4"), std::string::npos);
+  EXPECT_EQ(c.dist.device_comm, "auto");
+  ASSERT_OK_AND_ASSIGN(TrainConfig staged, ParseConfig(std::string(kMinimal) + "dist: {device_comm: host}\n", "h.yaml"));
+  EXPECT_EQ(staged.dist.device_comm, "host");
+  EXPECT_NE(ConfigToYaml(staged).find("device_comm: host"), std::string::npos);
 
   // An explicit layer list survives the round trip too.
   const std::string layers = R"(data: {train: t.lmdb, image_size: 16}
@@ -113,6 +117,36 @@ TEST(Config, ErrorsNameFileLineKeyAndExpectation) {
             "run.yaml:7: cuda.autotune: 'maybe' is not a boolean; expected true or false");
   EXPECT_EQ(ErrorOf(base + "cuda: {input_channels: 5}\n"),
             "run.yaml:7: cuda.input_channels: '5' is not allowed; expected one of: 3, 4, 8");
+  EXPECT_EQ(ErrorOf(base + "dist: {device_comm: gloo}\n"),
+            "run.yaml:7: dist.device_comm: 'gloo' is not allowed; expected one of: auto, nccl, host");
+}
+
+// dist.device_comm: NCCL where every rank has a GPU of its own and NCCL loads everywhere; through
+// the host where ranks share a GPU or NCCL is missing, unless NCCL was asked for by name.
+TEST(DeviceComm, NcclWhereItCanRunElseTheHostUnlessNcclWasAskedFor) {
+  std::string why;
+  const Status missing = UnavailableError("NCCL could not be loaded (libnccl.so.2: not found)");
+  ASSERT_OK_AND_ASSIGN(DeviceComm a, ChooseDeviceComm(DeviceComm::kAuto, 0, OkStatus(), &why));
+  EXPECT_EQ(a, DeviceComm::kNccl);
+  EXPECT_EQ(why, "every rank has a GPU of its own");
+  ASSERT_OK_AND_ASSIGN(a, ChooseDeviceComm(DeviceComm::kAuto, 2, OkStatus(), &why));
+  EXPECT_EQ(a, DeviceComm::kHost);
+  EXPECT_EQ(why, "2 ranks share their GPU with another rank (NCCL refuses that)");
+  ASSERT_OK_AND_ASSIGN(a, ChooseDeviceComm(DeviceComm::kAuto, 0, missing, &why));
+  EXPECT_EQ(a, DeviceComm::kHost);
+  EXPECT_EQ(why, missing.message());
+  ASSERT_OK_AND_ASSIGN(a, ChooseDeviceComm(DeviceComm::kHost, 0, OkStatus(), &why));
+  EXPECT_EQ(a, DeviceComm::kHost);
+  ASSERT_OK_AND_ASSIGN(a, ChooseDeviceComm(DeviceComm::kNccl, 0, OkStatus(), &why));
+  EXPECT_EQ(a, DeviceComm::kNccl);
+
+  auto shared = ChooseDeviceComm(DeviceComm::kNccl, 2, OkStatus(), &why);
+  EXPECT_EQ(shared.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(shared.status().message().find("dist.device_comm: nccl, but 2 ranks share their GPU"), std::string::npos)
+      << shared.status().message();
+  auto absent = ChooseDeviceComm(DeviceComm::kNccl, 0, missing, &why);
+  EXPECT_EQ(absent.status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(absent.status().message(), "dist.device_comm: nccl: " + missing.message());
 }
 
 TEST(Schedule, ShapesAtKnownPoints) {

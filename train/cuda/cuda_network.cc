@@ -10,6 +10,8 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <mutex>
+#include <span>
 #include <utility>
 
 #include <fmt/format.h>
@@ -976,81 +978,39 @@ Status CudaAvailable() {
   return UnavailableError(probe.reason);
 }
 
-#if STOKE_WITH_NCCL
-// Data-parallel on GPUs: gradients averaged with NCCL on a stream of their own, bucket by bucket
-// as backward completes them (events order the streams; the host never waits for the device
-// mid-step), the step's statistics summed over the ranks on the compute stream, and the host's one
-// wait per step bounded by the world's timeout.
+// How many ranks share their GPU with another rank, the same count on every rank (a GPU's UUID is
+// unique across machines). Collective: one 16-byte broadcast per rank, once per run.
+Result<int> RanksSharingAGpu(int device, StepSync* sync) {
+  cudaDeviceProp prop{};
+  STOKE_CUDA_OK(cudaGetDeviceProperties(&prop, device));
+  std::vector<std::array<std::byte, 16>> ids(static_cast<size_t>(sync->world()));
+  static_assert(sizeof prop.uuid.bytes == 16);
+  for (int r = 0; r < sync->world(); ++r) {
+    auto& id = ids[static_cast<size_t>(r)];
+    if (r == sync->rank()) std::memcpy(id.data(), prop.uuid.bytes, id.size());
+    STOKE_RETURN_IF_ERROR(sync->BroadcastBytes(id, r));
+  }
+  std::map<std::array<std::byte, 16>, int> ranks_on;
+  for (const auto& id : ids) ranks_on[id]++;
+  int sharing = 0;
+  for (const auto& [id, n] : ranks_on) sharing += n > 1 ? n : 0;
+  return sharing;
+}
+
+// Data-parallel on GPUs. The gradients are cut into buckets (the same plan on every rank) that are
+// launched strictly in order as backward completes them, so communication overlaps the layers
+// still computing. How a bucket is averaged is the subclass's: NCCL on the device, or through the
+// host over MPI (HostStagedParallel) where NCCL cannot run.
 class DeviceParallel {
  public:
-  static Result<std::unique_ptr<DeviceParallel>> Create(Net& net, StepSync* sync) {
-    std::unique_ptr<DeviceParallel> dp(new DeviceParallel(net, sync));
-    // Every rank must reach NCCL's collective set-up, or none may: agree on the library first.
-    auto api = cuda::LoadNccl();
-    float failed[1] = {api.ok() ? 0.f : 1.f};
-    STOKE_RETURN_IF_ERROR(sync->SumOverRanks(failed));
-    if (!api.ok()) return api.status();
-    if (failed[0] != 0) return UnavailableError("NCCL could not be loaded on another rank (its error names it)");
-    dp->api_ = *api;
-    ncclUniqueId id{};
-    if (sync->rank() == 0) STOKE_RETURN_IF_ERROR(dp->api_->Check(dp->api_->GetUniqueId(&id), "unique id"));
-    STOKE_RETURN_IF_ERROR(sync->BroadcastBytes(std::span(reinterpret_cast<std::byte*>(&id), sizeof id), 0));
-    STOKE_RETURN_IF_ERROR(
-        dp->api_->Check(dp->api_->CommInitRank(&dp->comm_, sync->world(), id, sync->rank()), "communicator set-up"));
-    STOKE_CUDA_OK(cudaStreamCreateWithFlags(&dp->stream_, cudaStreamNonBlocking));
-    for (cudaEvent_t* e : {&dp->start_, &dp->done_, &dp->backward_done_}) STOKE_CUDA_OK(cudaEventCreate(e));
-    for (cudaEvent_t* e : {&dp->channels_ready_, &dp->channels_done_}) {
-      STOKE_CUDA_OK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
-    }
-
-    std::vector<DeviceParam> params;
-    for (const ParamInfo& p : net.params) {
-      params.push_back({.group = p.group, .offset = p.offset, .count = p.count, .layer = p.layer});
-    }
-    std::vector<int64_t> sizes;
-    std::vector<size_t> elem;
-    for (const Group& g : net.groups) {
-      sizes.push_back(g.size);
-      elem.push_back(cuda::SizeOf(g.grad_type));
-    }
-    dp->buckets_ = PlanDeviceBuckets(params, sizes, elem, sync->bucket_bytes(), sync->first_bucket_bytes());
-    dp->of_layer_.resize(net.layers.size());
-    dp->initial_.assign(dp->buckets_.size(), 0);
-    for (const ParamInfo& p : net.params) {
-      for (size_t b = 0; b < dp->buckets_.size(); ++b) {
-        const DeviceBucket& k = dp->buckets_[b];
-        if (k.group == p.group && p.offset >= k.begin && p.offset < k.end) {
-          dp->of_layer_[static_cast<size_t>(p.layer)].push_back(static_cast<int>(b));
-          dp->initial_[b]++;
-        }
-      }
-    }
-    double largest = 0;
-    for (const DeviceBucket& k : dp->buckets_) {
-      largest = std::max(largest, static_cast<double>(k.end - k.begin) * elem[static_cast<size_t>(k.group)] / (1 << 20));
-    }
-    sync->DescribeDeviceBuckets(static_cast<int>(dp->buckets_.size()), largest);
-    dp->ready_.resize(dp->buckets_.size());
-    for (auto& e : dp->ready_) STOKE_CUDA_OK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    STOKE_LOG(INFO, "cuda backend: rank {} of {} on GPU {}, NCCL {} ({}), {} gradient buckets", sync->rank(),
-              sync->world(), net.opt.device, dp->api_->version, dp->api_->path, dp->buckets_.size());
-    return dp;
-  }
-
-  ~DeviceParallel() {
-    // A broken world leaves NCCL's kernels waiting for ranks that are gone: abort them before
-    // anything waits for the stream.
-    if (stream_ != nullptr) cudaStreamSynchronize(stream_);  // a broken world was aborted already
-    if (comm_ != nullptr && !broken_) api_->CommDestroy(comm_);
+  virtual ~DeviceParallel() {
     for (cudaEvent_t e : ready_) cudaEventDestroy(e);
-    for (cudaEvent_t e : {start_, done_, backward_done_, channels_ready_, channels_done_}) {
-      if (e != nullptr) cudaEventDestroy(e);
-    }
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
+  DeviceParallel(const DeviceParallel&) = delete;
+  DeviceParallel& operator=(const DeviceParallel&) = delete;
 
   int world() const { return sync_->world(); }
-
+  size_t buckets() const { return buckets_.size(); }
   void BeginStep() {
     pending_ = initial_;
     next_ = 0;
@@ -1061,16 +1021,274 @@ class DeviceParallel {
     for (int b : of_layer_[static_cast<size_t>(layer)]) pending_[static_cast<size_t>(b)]--;
     while (next_ < static_cast<int>(buckets_.size()) && pending_[static_cast<size_t>(next_)] <= 0) Launch(next_++);
   }
-  // After backward: what is left, then the compute stream waits for the averaging.
-  Status FinishGradients() {
+  // After backward: what is left, then the compute stream is ordered after the averaging.
+  virtual Status FinishGradients() = 0;
+  // The step's loss, top-1 and top-5 sums and its non-finite flag, summed over the ranks, in place.
+  virtual Status SumStats(cuda::StepStats* s) = 0;
+  // Synchronised batch norm: `n` doubles on the device summed over the ranks, in place.
+  virtual Status SumChannels(double* values, size_t n) = 0;
+  // The host's wait for `event` (the end of the step).
+  virtual Status Wait(cudaEvent_t event) = 0;
+
+ protected:
+  DeviceParallel(Net& net, StepSync* sync) : net_(net), sync_(sync) {}
+  virtual void Launch(int bucket) = 0;
+  // The buckets, which parameters' layers complete each, and an event per bucket.
+  Status PlanBuckets() {
+    std::vector<DeviceParam> params;
+    for (const ParamInfo& p : net_.params) {
+      params.push_back({.group = p.group, .offset = p.offset, .count = p.count, .layer = p.layer});
+    }
+    std::vector<int64_t> sizes;
+    std::vector<size_t> elem;
+    for (const Group& g : net_.groups) {
+      sizes.push_back(g.size);
+      elem.push_back(cuda::SizeOf(g.grad_type));
+    }
+    buckets_ = PlanDeviceBuckets(params, sizes, elem, sync_->bucket_bytes(), sync_->first_bucket_bytes());
+    of_layer_.assign(net_.layers.size(), {});
+    initial_.assign(buckets_.size(), 0);
+    for (const ParamInfo& p : net_.params) {
+      for (size_t b = 0; b < buckets_.size(); ++b) {
+        const DeviceBucket& k = buckets_[b];
+        if (k.group == p.group && p.offset >= k.begin && p.offset < k.end) {
+          of_layer_[static_cast<size_t>(p.layer)].push_back(static_cast<int>(b));
+          initial_[b]++;
+        }
+      }
+    }
+    double largest = 0;
+    for (const DeviceBucket& k : buckets_) {
+      largest = std::max(largest, static_cast<double>(k.end - k.begin) * elem[static_cast<size_t>(k.group)] / (1 << 20));
+    }
+    sync_->DescribeDeviceBuckets(static_cast<int>(buckets_.size()), largest);
+    ready_.resize(buckets_.size());
+    for (auto& e : ready_) STOKE_CUDA_OK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return OkStatus();
+  }
+
+  Net& net_;
+  StepSync* sync_;
+  std::vector<DeviceBucket> buckets_;        // in launch order
+  std::vector<std::vector<int>> of_layer_;   // per layer: its parameters' buckets (one entry per parameter)
+  std::vector<int> initial_, pending_;       // per bucket: parameters not yet written this step
+  std::vector<cudaEvent_t> ready_;           // per bucket: recorded on the compute stream when it is final
+  int next_ = 0;
+  Status error_ = OkStatus();
+};
+
+// Averaging through the host, for ranks that share a GPU (NCCL refuses them) and machines without
+// NCCL. Once backward has written a bucket, a stream of its own converts it to float32 and copies
+// it into pinned memory; when the copy lands, a host function marks it ready for the StepSync's
+// reducer (the CPU backend's: MPI on the communicator's thread), which averages it while backward
+// goes on. After backward the host waits for the reducer, and the averages go back to the device,
+// in the gradients' type, on the compute stream. The price: the gradients cross PCIe twice per
+// step, and the host waits for backward to end before the update is queued.
+class HostStagedParallel final : public DeviceParallel {
+ public:
+  static Result<std::unique_ptr<DeviceParallel>> Create(Net& net, StepSync* sync) {
+    std::unique_ptr<HostStagedParallel> dp(new HostStagedParallel(net, sync));
+    STOKE_RETURN_IF_ERROR(dp->PlanBuckets());
+    std::vector<GradientSlice> slices;
+    size_t total = 0;
+    for (const DeviceBucket& k : dp->buckets_) {
+      const auto n = static_cast<size_t>(k.end - k.begin);
+      dp->staged_.push_back(total);
+      slices.push_back({.offset = total, .count = n});
+      total += n;
+    }
+    STOKE_CUDA_OK(cudaMallocHost(&dp->host_, std::max<size_t>(total, 1) * sizeof(float)));
+    STOKE_CUDA_OK(cudaMallocHost(&dp->stats_, sizeof(cuda::StepStats)));
+    STOKE_RETURN_IF_ERROR(dp->device_.Alloc(std::max<size_t>(total, 1) * sizeof(float)));
+    STOKE_CUDA_OK(cudaStreamCreateWithFlags(&dp->stream_, cudaStreamNonBlocking));
+    dp->landed_.resize(dp->buckets_.size());
+    for (size_t b = 0; b < dp->landed_.size(); ++b) dp->landed_[b] = {dp.get(), static_cast<int>(b)};
+    STOKE_RETURN_IF_ERROR(sync->AttachGradients(std::span<float>(dp->host_, total), std::move(slices)));
+    return std::unique_ptr<DeviceParallel>(std::move(dp));
+  }
+
+  ~HostStagedParallel() override {
+    if (stream_ != nullptr) {
+      cudaStreamSynchronize(stream_);  // no host function may run after this object is gone
+      cudaStreamDestroy(stream_);
+    }
+    if (host_ != nullptr) cudaFreeHost(host_);
+    if (stats_ != nullptr) cudaFreeHost(stats_);
+    if (channels_ != nullptr) cudaFreeHost(channels_);
+  }
+
+  Status FinishGradients() override {
+    while (next_ < static_cast<int>(buckets_.size())) Launch(next_++);
+    // Every bucket copied out and marked ready (the host functions have run) ...
+    STOKE_CUDA_OK(cudaStreamSynchronize(stream_));
+    STOKE_RETURN_IF_ERROR(error_);
+    Status averaged;
+    {
+      std::lock_guard lock(mutex_);
+      averaged = sync_->FinishGradients();  // ... then averaged over the ranks (bounded by the world's timeout)
+    }
+    STOKE_RETURN_IF_ERROR(averaged);
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      const DeviceBucket& k = buckets_[b];
+      const Group& g = net_.groups[static_cast<size_t>(k.group)];
+      const int64_t n = k.end - k.begin;
+      void* grad = Offset(g.grad.get(), k.begin, g.grad_type);
+      if (g.grad_type == DType::kF32) {
+        STOKE_CUDA_OK(cudaMemcpyAsync(grad, host_ + staged_[b], static_cast<size_t>(n) * sizeof(float),
+                                      cudaMemcpyHostToDevice, net_.stream));
+      } else {
+        float* dev = device_.as<float>() + staged_[b];
+        STOKE_CUDA_OK(cudaMemcpyAsync(dev, host_ + staged_[b], static_cast<size_t>(n) * sizeof(float),
+                                      cudaMemcpyHostToDevice, net_.stream));
+        cuda::CastFromFloat(dev, grad, g.grad_type, n, net_.stream);
+      }
+    }
+    return LastLaunch("putting the averaged gradients back");
+  }
+
+  Status SumStats(cuda::StepStats* s) override {
+    STOKE_CUDA_OK(cudaMemcpyAsync(stats_, s, sizeof(cuda::StepStats), cudaMemcpyDeviceToHost, net_.stream));
+    STOKE_CUDA_OK(cudaStreamSynchronize(net_.stream));
+    std::array<double, 4> v = {stats_->loss_sum, static_cast<double>(stats_->top1), static_cast<double>(stats_->top5),
+                               static_cast<double>(stats_->non_finite)};
+    STOKE_RETURN_IF_ERROR(SumOnHost(v));
+    stats_->loss_sum = v[0];
+    stats_->top1 = static_cast<unsigned long long>(std::llround(v[1]));
+    stats_->top5 = static_cast<unsigned long long>(std::llround(v[2]));
+    stats_->non_finite = static_cast<int>(std::llround(v[3]));
+    STOKE_CUDA_OK(cudaMemcpyAsync(s, stats_, sizeof(cuda::StepStats), cudaMemcpyHostToDevice, net_.stream));
+    return OkStatus();
+  }
+
+  // The host waits for the forward pass to reach the batch norm: every such layer drains the GPU.
+  Status SumChannels(double* values, size_t n) override {
+    STOKE_CUDA_OK(cudaStreamSynchronize(net_.stream));  // also: the last copy out of channels_ is done
+    if (n > channel_capacity_) {
+      if (channels_ != nullptr) STOKE_CUDA_OK(cudaFreeHost(channels_));
+      channels_ = nullptr;
+      STOKE_CUDA_OK(cudaMallocHost(&channels_, n * sizeof(double)));
+      channel_capacity_ = n;
+    }
+    STOKE_CUDA_OK(cudaMemcpyAsync(channels_, values, n * sizeof(double), cudaMemcpyDeviceToHost, net_.stream));
+    STOKE_CUDA_OK(cudaStreamSynchronize(net_.stream));
+    STOKE_RETURN_IF_ERROR(SumOnHost(std::span<double>(channels_, n)));
+    STOKE_CUDA_OK(cudaMemcpyAsync(values, channels_, n * sizeof(double), cudaMemcpyHostToDevice, net_.stream));
+    return OkStatus();
+  }
+
+  Status Wait(cudaEvent_t event) override {
+    STOKE_CUDA_OK(cudaEventSynchronize(event));  // the averaging itself was waited for (and timed) already
+    return OkStatus();
+  }
+
+ private:
+  struct Landed {
+    HostStagedParallel* dp = nullptr;
+    int bucket = 0;
+  };
+  HostStagedParallel(Net& net, StepSync* sync) : DeviceParallel(net, sync) {}
+
+  void Launch(int b) override {
+    const DeviceBucket& k = buckets_[static_cast<size_t>(b)];
+    const Group& g = net_.groups[static_cast<size_t>(k.group)];
+    Status s = [&]() -> Status {
+      STOKE_CUDA_OK(cudaEventRecord(ready_[static_cast<size_t>(b)], net_.stream));
+      STOKE_CUDA_OK(cudaStreamWaitEvent(stream_, ready_[static_cast<size_t>(b)], 0));
+      const int64_t n = k.end - k.begin;
+      const void* grad = Offset(g.grad.get(), k.begin, g.grad_type);
+      float* host = host_ + staged_[static_cast<size_t>(b)];
+      if (g.grad_type == DType::kF32) {
+        STOKE_CUDA_OK(
+            cudaMemcpyAsync(host, grad, static_cast<size_t>(n) * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+      } else {
+        float* dev = device_.as<float>() + staged_[static_cast<size_t>(b)];
+        cuda::CastToFloat(grad, g.grad_type, dev, n, stream_);
+        STOKE_CUDA_OK(
+            cudaMemcpyAsync(host, dev, static_cast<size_t>(n) * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+      }
+      STOKE_CUDA_OK(cudaLaunchHostFunc(stream_, &HostStagedParallel::OnLanded, &landed_[static_cast<size_t>(b)]));
+      return OkStatus();
+    }();
+    if (error_.ok() && !s.ok()) error_ = s;
+  }
+  // On CUDA's host-function thread (no CUDA calls here): the bucket is in host memory.
+  static void CUDART_CB OnLanded(void* token) {
+    auto* l = static_cast<Landed*>(token);
+    std::lock_guard lock(l->dp->mutex_);
+    l->dp->sync_->GradientReady(l->bucket);
+  }
+  // A blocking sum over the ranks, queued after every bucket launched so far: the buckets' host
+  // functions have all run first, so every rank queues its collectives in the same order.
+  Status SumOnHost(std::span<double> values) {
+    STOKE_CUDA_OK(cudaStreamSynchronize(stream_));
+    std::lock_guard lock(mutex_);
+    return sync_->SumOverRanks(values);
+  }
+
+  cudaStream_t stream_ = nullptr;
+  float* host_ = nullptr;            // pinned: every bucket in float32, in launch order
+  std::vector<size_t> staged_;       // per bucket: its offset in host_ and device_
+  DeviceBuffer device_;              // float32 copies of the buckets kept in another type
+  cuda::StepStats* stats_ = nullptr;  // pinned
+  double* channels_ = nullptr;       // pinned, synchronised batch norm's sums
+  size_t channel_capacity_ = 0;
+  std::vector<Landed> landed_;       // per bucket: the host function's argument
+  std::mutex mutex_;                 // the StepSync is used from the host-function thread and this one
+};
+
+#if STOKE_WITH_NCCL
+// Every rank loads NCCL, or none goes on to its collective set-up: kUnavailable on every rank when
+// any failed (that rank's message names the library; the others say another rank failed).
+Result<const cuda::Nccl*> AgreeOnNccl(StepSync* sync) {
+  auto api = cuda::LoadNccl();
+  float failed[1] = {api.ok() ? 0.f : 1.f};
+  STOKE_RETURN_IF_ERROR(sync->SumOverRanks(std::span<float>(failed)));
+  if (!api.ok()) return api.status();
+  if (failed[0] != 0) return UnavailableError("NCCL could not be loaded on another rank (its error names it)");
+  return *api;
+}
+
+// Gradients averaged with NCCL on a stream of their own, bucket by bucket (events order the
+// streams; the host never waits for the device mid-step), the step's statistics summed over the
+// ranks on the compute stream, and the host's one wait per step bounded by the world's timeout.
+class NcclParallel final : public DeviceParallel {
+ public:
+  static Result<std::unique_ptr<DeviceParallel>> Create(Net& net, StepSync* sync, const cuda::Nccl* api) {
+    std::unique_ptr<NcclParallel> dp(new NcclParallel(net, sync));
+    dp->api_ = api;
+    ncclUniqueId id{};
+    if (sync->rank() == 0) STOKE_RETURN_IF_ERROR(dp->api_->Check(dp->api_->GetUniqueId(&id), "unique id"));
+    STOKE_RETURN_IF_ERROR(sync->BroadcastBytes(std::span(reinterpret_cast<std::byte*>(&id), sizeof id), 0));
+    STOKE_RETURN_IF_ERROR(
+        dp->api_->Check(dp->api_->CommInitRank(&dp->comm_, sync->world(), id, sync->rank()), "communicator set-up"));
+    STOKE_CUDA_OK(cudaStreamCreateWithFlags(&dp->stream_, cudaStreamNonBlocking));
+    for (cudaEvent_t* e : {&dp->start_, &dp->done_, &dp->backward_done_}) STOKE_CUDA_OK(cudaEventCreate(e));
+    for (cudaEvent_t* e : {&dp->channels_ready_, &dp->channels_done_}) {
+      STOKE_CUDA_OK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+    }
+    STOKE_RETURN_IF_ERROR(dp->PlanBuckets());
+    return std::unique_ptr<DeviceParallel>(std::move(dp));
+  }
+
+  ~NcclParallel() override {
+    // A broken world leaves NCCL's kernels waiting for ranks that are gone: abort them before
+    // anything waits for the stream.
+    if (stream_ != nullptr) cudaStreamSynchronize(stream_);  // a broken world was aborted already
+    if (comm_ != nullptr && !broken_) api_->CommDestroy(comm_);
+    for (cudaEvent_t e : {start_, done_, backward_done_, channels_ready_, channels_done_}) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  Status FinishGradients() override {
     STOKE_CUDA_OK(cudaEventRecord(backward_done_, net_.stream));
     while (next_ < static_cast<int>(buckets_.size())) Launch(next_++);
     STOKE_CUDA_OK(cudaEventRecord(done_, stream_));
     STOKE_CUDA_OK(cudaStreamWaitEvent(net_.stream, done_, 0));
     return error_;
   }
-  // The step's loss, top-1 and top-5 sums and its non-finite flag, summed over the ranks, in place.
-  Status SumStats(cuda::StepStats* s) {
+  Status SumStats(cuda::StepStats* s) override {
     if (broken_) return UnavailableError("NCCL: the communicator was aborted after an earlier failure");
     STOKE_RETURN_IF_ERROR(api_->Check(api_->GroupStart(), "group start"));
     Status r = api_->Check(api_->AllReduce(&s->loss_sum, &s->loss_sum, 1, ncclFloat64, ncclSum, comm_, net_.stream),
@@ -1085,10 +1303,9 @@ class DeviceParallel {
     Status end = api_->Check(api_->GroupEnd(), "group end");
     return r.ok() ? end : r;
   }
-  // Synchronised batch norm: `n` doubles on the device summed over the ranks, in place. On NCCL's
-  // stream behind the gradient buckets already queued (one stream keeps every rank's collectives
-  // in the same order), the compute stream waiting for it by an event.
-  Status SumChannels(double* values, size_t n) {
+  // On NCCL's stream behind the gradient buckets already queued (one stream keeps every rank's
+  // collectives in the same order), the compute stream waiting for it by an event.
+  Status SumChannels(double* values, size_t n) override {
     if (broken_) return UnavailableError("NCCL: the communicator was aborted after an earlier failure");
     STOKE_CUDA_OK(cudaEventRecord(channels_ready_, net_.stream));
     STOKE_CUDA_OK(cudaStreamWaitEvent(stream_, channels_ready_, 0));
@@ -1098,9 +1315,9 @@ class DeviceParallel {
     STOKE_CUDA_OK(cudaStreamWaitEvent(net_.stream, channels_done_, 0));
     return OkStatus();
   }
-  // The host's wait for `event` (the end of the step): bounded by the world's timeout, and ended
-  // by an asynchronous NCCL error (a rank gone, a network failure) rather than hanging.
-  Status Wait(cudaEvent_t event) {
+  // Bounded by the world's timeout, and ended by an asynchronous NCCL error (a rank gone, a network
+  // failure) rather than hanging.
+  Status Wait(cudaEvent_t event) override {
     const auto t0 = std::chrono::steady_clock::now();
     while (true) {
       const cudaError_t q = cudaEventQuery(event);
@@ -1132,14 +1349,14 @@ class DeviceParallel {
   }
 
  private:
-  DeviceParallel(Net& net, StepSync* sync) : net_(net), sync_(sync) {}
+  NcclParallel(Net& net, StepSync* sync) : DeviceParallel(net, sync) {}
   // The world is broken: end NCCL's kernels now, so that nothing queued behind them (a checkpoint's
   // download) waits forever. Later steps fail at their first collective.
   void Break() {
     if (comm_ != nullptr && !broken_) api_->CommAbort(comm_);
     broken_ = true;
   }
-  void Launch(int b) {
+  void Launch(int b) override {
     if (broken_) {
       if (error_.ok()) error_ = UnavailableError("NCCL: the communicator was aborted after an earlier failure");
       return;
@@ -1161,30 +1378,12 @@ class DeviceParallel {
     if (error_.ok() && !s.ok()) error_ = s;
   }
 
-  Net& net_;
-  StepSync* sync_;
   const cuda::Nccl* api_ = nullptr;
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t start_ = nullptr, done_ = nullptr, backward_done_ = nullptr;
   cudaEvent_t channels_ready_ = nullptr, channels_done_ = nullptr;  // synchronised batch norm
-  std::vector<DeviceBucket> buckets_;        // in launch order
-  std::vector<std::vector<int>> of_layer_;   // per layer: its parameters' buckets (one entry per parameter)
-  std::vector<int> initial_, pending_;       // per bucket: parameters not yet written this step
-  std::vector<cudaEvent_t> ready_;           // per bucket
-  int next_ = 0;
-  Status error_ = OkStatus();
   bool broken_ = false;
-};
-#else
-class DeviceParallel {  // not in this build: SetStepSync refuses world > 1
- public:
-  int world() const { return 1; }
-  void BeginStep() {}
-  void LayerDone(int) {}
-  Status FinishGradients() { return OkStatus(); }
-  Status SumStats(cuda::StepStats*) { return OkStatus(); }
-  Status Wait(cudaEvent_t) { return OkStatus(); }
 };
 #endif
 
@@ -1755,7 +1954,8 @@ namespace stoke::train {
 
 Status CudaNetwork::SetStepSync(StepSync* sync) {
   Net& net = impl_->net;
-  // STOKE_NCCL_ALWAYS=1: NCCL even for a world of one (to measure what its averaging costs).
+  // STOKE_NCCL_ALWAYS=1: the device's averaging path even for a world of one (to measure what it
+  // costs): NCCL's, or the host's with dist.device_comm: host.
   const char* always = std::getenv("STOKE_NCCL_ALWAYS");
   const bool force = always != nullptr && std::string_view(always) == "1";
   net.sum_over_ranks = nullptr;
@@ -1763,10 +1963,36 @@ Status CudaNetwork::SetStepSync(StepSync* sync) {
   impl_->dp.reset();
   impl_->sync = sync;
   if (sync == nullptr || (sync->world() == 1 && !force)) return OkStatus();
-#if STOKE_WITH_NCCL
   return CatchExceptions("cuda backend: data-parallel set-up", [&]() -> Status {
     STOKE_CUDA_OK(cudaSetDevice(net.opt.device));
-    STOKE_ASSIGN_OR_RETURN(impl_->dp, DeviceParallel::Create(net, sync));
+    STOKE_ASSIGN_OR_RETURN(const int sharing, RanksSharingAGpu(net.opt.device, sync));
+#if STOKE_WITH_NCCL
+    Status nccl_usable = OkStatus();  // asked only where it decides
+    const cuda::Nccl* api = nullptr;
+    if (net.opt.device_comm != DeviceComm::kHost && sharing == 0) {
+      auto loaded = AgreeOnNccl(sync);
+      nccl_usable = loaded.status();
+      if (loaded.ok()) api = *loaded;
+    }
+#else
+    const Status nccl_usable = UnavailableError("this build did not find nccl.h");
+#endif
+    std::string why;
+    STOKE_ASSIGN_OR_RETURN(const DeviceComm how, ChooseDeviceComm(net.opt.device_comm, sharing, nccl_usable, &why));
+    std::string with;
+    if (how == DeviceComm::kNccl) {
+#if STOKE_WITH_NCCL
+      STOKE_ASSIGN_OR_RETURN(impl_->dp, NcclParallel::Create(net, sync, api));
+      with = fmt::format("with NCCL {} ({})", api->version, api->path);
+#else
+      return InternalError("NCCL was chosen in a build without it");
+#endif
+    } else {
+      STOKE_ASSIGN_OR_RETURN(impl_->dp, HostStagedParallel::Create(net, sync));
+      with = "through the host over MPI";
+    }
+    STOKE_LOG(INFO, "cuda backend: rank {} of {} on GPU {}, gradients averaged {} ({}), {} buckets", sync->rank(),
+              sync->world(), net.opt.device, with, why, impl_->dp->buckets());
     if (net.opt.sync_batchnorm) {
       DeviceParallel* dp = impl_->dp.get();
       net.sum_over_ranks = [dp](double* values, size_t n) { return dp->SumChannels(values, n); };
@@ -1774,9 +2000,6 @@ Status CudaNetwork::SetStepSync(StepSync* sync) {
     }
     return OkStatus();
   });
-#else
-  return UnavailableError("the cuda backend trains data-parallel with NCCL, and this build did not find nccl.h");
-#endif
 }
 
 Status CudaNetwork::AverageRunningStats() {
