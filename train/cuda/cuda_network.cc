@@ -1108,11 +1108,18 @@ class HostStagedParallel final : public DeviceParallel {
   }
 
   ~HostStagedParallel() override {
+    {
+      std::lock_guard lock(mutex_);
+      closing_ = true;  // the StepSync may be gone already: host functions still queued skip it
+    }
     if (stream_ != nullptr) {
       cudaStreamSynchronize(stream_);  // no host function may run after this object is gone
       cudaStreamDestroy(stream_);
     }
-    if (host_ != nullptr) cudaFreeHost(host_);
+    cudaStreamSynchronize(net_.stream);  // copies out of stats_ and channels_ that a failed step left queued
+    // A step that failed between its first bucket and the reducer's end may still have averages in
+    // flight into host_ on the communicator's thread: that buffer is then left to the process.
+    if (host_ != nullptr && !unfinished_) cudaFreeHost(host_);
     if (stats_ != nullptr) cudaFreeHost(stats_);
     if (channels_ != nullptr) cudaFreeHost(channels_);
   }
@@ -1121,12 +1128,15 @@ class HostStagedParallel final : public DeviceParallel {
     while (next_ < static_cast<int>(buckets_.size())) Launch(next_++);
     // Every bucket copied out and marked ready (the host functions have run) ...
     STOKE_CUDA_OK(cudaStreamSynchronize(stream_));
-    STOKE_RETURN_IF_ERROR(error_);
     Status averaged;
     {
+      // ... then averaged over the ranks (bounded by the world's timeout). Also after a failed
+      // launch: the reducer ends its step, so this rank's collectives stay in step with the others'.
       std::lock_guard lock(mutex_);
-      averaged = sync_->FinishGradients();  // ... then averaged over the ranks (bounded by the world's timeout)
+      averaged = sync_->FinishGradients();
+      unfinished_ = false;
     }
+    STOKE_RETURN_IF_ERROR(error_);
     STOKE_RETURN_IF_ERROR(averaged);
     for (size_t b = 0; b < buckets_.size(); ++b) {
       const DeviceBucket& k = buckets_[b];
@@ -1191,6 +1201,7 @@ class HostStagedParallel final : public DeviceParallel {
   void Launch(int b) override {
     const DeviceBucket& k = buckets_[static_cast<size_t>(b)];
     const Group& g = net_.groups[static_cast<size_t>(k.group)];
+    unfinished_ = true;
     Status s = [&]() -> Status {
       STOKE_CUDA_OK(cudaEventRecord(ready_[static_cast<size_t>(b)], net_.stream));
       STOKE_CUDA_OK(cudaStreamWaitEvent(stream_, ready_[static_cast<size_t>(b)], 0));
@@ -1215,7 +1226,7 @@ class HostStagedParallel final : public DeviceParallel {
   static void CUDART_CB OnLanded(void* token) {
     auto* l = static_cast<Landed*>(token);
     std::lock_guard lock(l->dp->mutex_);
-    l->dp->sync_->GradientReady(l->bucket);
+    if (!l->dp->closing_) l->dp->sync_->GradientReady(l->bucket);
   }
   // A blocking sum over the ranks, queued after every bucket launched so far: the buckets' host
   // functions have all run first, so every rank queues its collectives in the same order.
@@ -1234,6 +1245,8 @@ class HostStagedParallel final : public DeviceParallel {
   size_t channel_capacity_ = 0;
   std::vector<Landed> landed_;       // per bucket: the host function's argument
   std::mutex mutex_;                 // the StepSync is used from the host-function thread and this one
+  bool unfinished_ = false;          // a bucket launched this step, the reducer's step not ended yet
+  bool closing_ = false;             // under mutex_: the destructor has begun
 };
 
 #if STOKE_WITH_NCCL
