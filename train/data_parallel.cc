@@ -195,6 +195,14 @@ Status DataParallel::BroadcastBytes(std::span<std::byte> data, int root) {
   return comm_.Broadcast(data.data(), data.size(), root).Wait();
 }
 
+Status DataParallel::GatherBytes(std::span<const std::byte> mine, std::span<std::byte> all) {
+  if (all.size() != mine.size() * static_cast<size_t>(comm_.size())) {
+    return InvalidArgumentError(fmt::format("data-parallel: gathering {} bytes from {} ranks into {}", mine.size(),
+                                            comm_.size(), all.size()));
+  }
+  return comm_.AllGather(mine.data(), mine.size(), all.data()).Wait();
+}
+
 void DataParallel::AddDeviceCommTime(double comm_s, double overlapped_s, double wait_s) {
   stats_.steps++;
   stats_.comm_s += comm_s;

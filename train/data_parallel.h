@@ -47,6 +47,7 @@ class DataParallel final : public StepSync {
   Status SumOverRanks(std::span<double> values) override;
   Status AverageOverRanks(std::span<float> values) override;
   Status BroadcastBytes(std::span<std::byte> data, int root) override;
+  Status GatherBytes(std::span<const std::byte> mine, std::span<std::byte> all) override;
   int local_rank() const override { return comm_.local_rank(); }
   double timeout_s() const override { return comm_.timeout_s(); }
   // One step's communication, from the host reducer (FinishGradients) or a device backend.

@@ -155,6 +155,8 @@ class StepSync {
   virtual Status AverageOverRanks(std::span<float> values) = 0;
   // Rank `root`'s bytes on every rank (a device backend sends its collective library's id this way).
   virtual Status BroadcastBytes(std::span<std::byte> data, int root) = 0;
+  // Every rank's `mine` (the same size on every rank) in rank order: `all` holds world() of them.
+  virtual Status GatherBytes(std::span<const std::byte> mine, std::span<std::byte> all) = 0;
   // This rank's GPU among the ranks of its machine.
   virtual int local_rank() const { return 0; }
   // How long a collective may take before the world is declared broken.

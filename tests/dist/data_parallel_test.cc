@@ -4,6 +4,7 @@
 // rank x batch W*B, up to the order of floating-point sums.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -427,6 +428,20 @@ TEST(DataParallelTrain, ABatchThatDoesNotDivideIsRefusedNamingTheKey) {
 
 // Which GPU each rank of a machine takes: its own index when the machine shows one per rank, the
 // only one when the launcher pins one per task, an error naming the counts otherwise.
+// GatherBytes (a device backend's set-up exchange: which GPU each rank is on): every rank's bytes
+// in rank order, on every rank, at any world size; a buffer of the wrong size is refused.
+TEST(DataParallel, GatherBytesHandsEveryRankEveryRanksBytesInOrder) {
+  dist::Communicator& comm = *World();
+  DataParallel dp(comm);
+  std::array<std::byte, 3> mine;
+  mine.fill(std::byte(comm.rank() + 1));
+  std::vector<std::byte> all(mine.size() * static_cast<size_t>(comm.size()));
+  ASSERT_OK(dp.GatherBytes(mine, all));
+  for (size_t i = 0; i < all.size(); ++i) EXPECT_EQ(all[i], std::byte(i / mine.size() + 1)) << i;
+  std::vector<std::byte> short_by_one(all.size() - 1);
+  EXPECT_EQ(dp.GatherBytes(mine, short_by_one).code(), StatusCode::kInvalidArgument);
+}
+
 TEST(DataParallelDevice, EachRankFindsItsGpu) {
   for (int local = 0; local < 8; ++local) {
     ASSERT_OK_AND_ASSIGN(int own, DeviceForRank(8 + local, local, 8, 8));

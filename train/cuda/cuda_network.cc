@@ -979,18 +979,17 @@ Status CudaAvailable() {
 }
 
 // How many ranks share their GPU with another rank, the same count on every rank (a GPU's UUID is
-// unique across machines). Collective: one 16-byte broadcast per rank, once per run.
+// unique across machines). Collective: one gather of 16 bytes per rank, once per run.
 Result<int> RanksSharingAGpu(int device, StepSync* sync) {
   cudaDeviceProp prop{};
   STOKE_CUDA_OK(cudaGetDeviceProperties(&prop, device));
-  std::vector<std::array<std::byte, 16>> ids(static_cast<size_t>(sync->world()));
-  static_assert(sizeof prop.uuid.bytes == 16);
-  for (int r = 0; r < sync->world(); ++r) {
-    auto& id = ids[static_cast<size_t>(r)];
-    if (r == sync->rank()) std::memcpy(id.data(), prop.uuid.bytes, id.size());
-    STOKE_RETURN_IF_ERROR(sync->BroadcastBytes(id, r));
-  }
-  std::map<std::array<std::byte, 16>, int> ranks_on;
+  using Uuid = std::array<std::byte, 16>;
+  static_assert(sizeof prop.uuid.bytes == sizeof(Uuid));
+  Uuid mine;
+  std::memcpy(mine.data(), prop.uuid.bytes, mine.size());
+  std::vector<Uuid> ids(static_cast<size_t>(sync->world()));
+  STOKE_RETURN_IF_ERROR(sync->GatherBytes(mine, std::as_writable_bytes(std::span(ids))));
+  std::map<Uuid, int> ranks_on;
   for (const auto& id : ids) ranks_on[id]++;
   int sharing = 0;
   for (const auto& [id, n] : ranks_on) sharing += n > 1 ? n : 0;
