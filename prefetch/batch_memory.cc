@@ -93,7 +93,9 @@ Result<std::unique_ptr<BatchMemory>> BatchMemory::Create(int slots, size_t bytes
       STOKE_CUDA_RETURN(cudaMalloc(&d, RoundUp(bytes)));
       m->cuda_->device.push_back(d);
       cudaEvent_t copied = nullptr, consumed = nullptr;
-      STOKE_CUDA_RETURN(cudaEventCreateWithFlags(&copied, cudaEventDisableTiming));
+      // A worker refilling the slot waits on `copied` (WaitHostReusable), which waits for the consumer:
+      // it sleeps rather than spinning a core the other workers decode on.
+      STOKE_CUDA_RETURN(cudaEventCreateWithFlags(&copied, cudaEventDisableTiming | cudaEventBlockingSync));
       m->cuda_->copied.push_back(copied);
       STOKE_CUDA_RETURN(cudaEventCreateWithFlags(&consumed, cudaEventDisableTiming));
       m->cuda_->consumed.push_back(consumed);
@@ -111,6 +113,9 @@ BatchMemory::~BatchMemory() {
     const bool restore = cudaGetDevice(&current) == cudaSuccess;
     cudaSetDevice(device_);
     if (cuda_->stream != nullptr) cudaStreamSynchronize(cuda_->stream);
+    // The consumers' work on the last batches (their streams, recorded by MarkConsumed) ends before
+    // the device buffers go; an event never recorded returns at once.
+    for (auto e : cuda_->consumed) cudaEventSynchronize(e);
     for (auto e : cuda_->copied) cudaEventDestroy(e);
     for (auto e : cuda_->consumed) cudaEventDestroy(e);
     for (void* d : cuda_->device) cudaFree(d);

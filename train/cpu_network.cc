@@ -746,29 +746,53 @@ class DropoutLayer final : public Layer {
       : self_(self), in_(in_node), p_(l.p), seed_(seed) {
     const memory::desc md = net.OutMd(in_node);
     net.SetOutput(self, md);
-    mask_.resize(md.get_size() / sizeof(float));
+    mask_ = memory(md, net.eng);
+    // The mask is drawn in logical order (N, C, H, W), whatever layout oneDNN chose for the
+    // activations (channel-blocked ones differ from machine to machine): the same (seed, step)
+    // drops the same units here, on another CPU and on the CUDA backend.
+    const Dims dims = md.dims();
+    const Tag plain = dims.size() == 4 ? Tag::nchw : dims.size() == 2 ? Tag::nc : Tag::undef;
+    if (plain != Tag::undef) {
+      plain_md_ = memory::desc(dims, kF32, plain);
+      plain_mask_ = memory(plain_md_, net.eng);
+      to_layout_.Init(plain_md_, md, net.eng);
+      if (to_layout_.needed) mask_ = to_layout_.out;  // the reorder writes the mask in place
+    }
+    std::memset(Data(mask_), 0, md.get_size());  // padding of blocked layouts included
     net.InitSink(sink_, in_node, md);
   }
   void Forward(Net& net, bool training, int64_t step) override {
     net.strm.wait();
     const float* in = Data(net.Out(in_));
     float* out = Data(net.node(self_).out);
+    float* mask = Data(mask_);
+    const size_t n = Floats(mask_);
     if (!training || p_ == 0) {
-      std::fill(mask_.begin(), mask_.end(), 1.f);
+      std::fill(mask, mask + n, 1.f);
     } else {
       // One mask per step: the same (seed, step) always drops the same units.
       SplitMix64 rng(MixSeed(seed_, static_cast<uint64_t>(step)));
       const auto keep = static_cast<float>(1.0 / (1.0 - p_));
-      for (float& m : mask_) m = Uniform01(rng) < p_ ? 0.f : keep;
+      const bool reorder = to_layout_.needed;
+      float* drawn = reorder ? Data(plain_mask_) : mask;
+      const size_t count = reorder ? Floats(plain_mask_) : n;
+      for (size_t i = 0; i < count; ++i) drawn[i] = Uniform01(rng) < p_ ? 0.f : keep;
+      if (reorder) {
+        // Into the activations' layout; padding (blocked layouts) is zero on both sides.
+        to_layout_.Run(plain_mask_, net.strm);
+        net.strm.wait();
+      }
     }
-    for (size_t i = 0; i < mask_.size(); ++i) out[i] = in[i] * mask_[i];
+    for (size_t i = 0; i < n; ++i) out[i] = in[i] * mask[i];
   }
   void Backward(Net& net) override {
     if (sink_.node < 0) return;
     net.strm.wait();
     const float* diff = Data(net.node(self_).diff);
     float* dst = Data(net.SinkTarget(sink_));
-    for (size_t i = 0; i < mask_.size(); ++i) dst[i] = diff[i] * mask_[i];
+    const float* mask = Data(mask_);
+    const size_t n = Floats(mask_);
+    for (size_t i = 0; i < n; ++i) dst[i] = diff[i] * mask[i];
     net.Deliver(sink_);
   }
 
@@ -776,7 +800,10 @@ class DropoutLayer final : public Layer {
   int self_, in_;
   double p_;
   uint64_t seed_;
-  std::vector<float> mask_;
+  memory mask_;                 // in the activations' layout
+  memory::desc plain_md_;       // N x C x H x W or N x C
+  memory plain_mask_;           // drawn here first when the layout is not the plain one
+  Converter to_layout_;
   DiffSink sink_;
 };
 

@@ -71,6 +71,8 @@ class CudaNetwork final : public Network {
   int InputChannels() const;
   // "layer: operation" for each step running on stoke's own kernel because cuDNN had no engine.
   const std::vector<std::string>& FallbackKernels() const;
+  // "layer: operation" for each cuDNN step whose only engines cuDNN marks non-deterministic.
+  const std::vector<std::string>& NondeterministicSteps() const;
   // Float16: the current loss scale and the updates skipped for overflowing gradients.
   float loss_scale() const;
   int64_t skipped_steps() const;

@@ -103,12 +103,16 @@ struct BatchStats {
   // Data-parallel steps skipped by every rank because the loss or the averaged gradient was not
   // finite on some rank (the parameters are then left as they were).
   int64_t skipped = 0;
+  // Float16 steps whose scaled gradients overflowed: the update was skipped and the loss scale
+  // halved (dynamic loss scaling, expected now and then; the loss figures are not meaningful).
+  int64_t overflowed = 0;
   BatchStats& operator+=(const BatchStats& o) {
     loss_sum += o.loss_sum;
     top1 += o.top1;
     top5 += o.top5;
     count += o.count;
     skipped += o.skipped;
+    overflowed += o.overflowed;
     return *this;
   }
   double loss() const { return count ? loss_sum / static_cast<double>(count) : 0; }

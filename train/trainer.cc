@@ -442,6 +442,10 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
         }
         STOKE_LOG(WARN, "step {}: the loss or gradient is not finite on some rank; every rank skipped the update",
                   step);
+      } else if (stats->overflowed > 0) {
+        // Float16: the scaled gradients overflowed, the backend halved the loss scale and skipped
+        // the update; the step's loss is not a figure to average.
+        summary.overflow_steps++;
       } else {
         consecutive_skips = 0;
         interval += *stats;
@@ -561,6 +565,9 @@ std::string FormatSummary(const TrainSummary& s) {
                        s.comm_s > 0 ? 100 * s.overlapped_s / s.comm_s : 0.0, s.comm_wait_s);
   }
   if (s.skipped_steps > 0) out += fmt::format("steps skipped (not finite on some rank): {}\n", s.skipped_steps);
+  if (s.overflow_steps > 0) {
+    out += fmt::format("float16 steps skipped by loss scaling (the scale halved): {}\n", s.overflow_steps);
+  }
   if (s.bad_records > 0) out += fmt::format("bad records skipped: {}\n", s.bad_records);
   if (!s.checkpoint.empty()) out += fmt::format("checkpoint: {}\n", s.checkpoint);
   if (!s.plot.empty()) out += fmt::format("curves: {}\n", s.plot);

@@ -50,6 +50,7 @@ struct TrainSummary {
   double overlapped_s = 0;    // ... of it while backward was still running
   double comm_wait_s = 0;     // time steps blocked on the averaging after backward
   int64_t skipped_steps = 0;  // steps every rank skipped (the loss or gradient not finite)
+  int64_t overflow_steps = 0;  // float16 steps skipped by dynamic loss scaling (the scale halved)
   double data_wait = 0;       // fraction of the loop spent waiting for batches
   BatchStats last_epoch;      // training statistics of the last (partial) epoch
   bool has_val = false;

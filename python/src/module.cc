@@ -122,11 +122,11 @@ py::capsule Capsule(void* data, DLDataType type, std::unique_ptr<TensorOwner> ow
   t->deleter = DeleteManaged;
   PyObject* cap = PyCapsule_New(t, "dltensor", [](PyObject* self) {
     // A consumer renames the capsule "used_dltensor" and becomes responsible for the tensor.
+    // PyCapsule_IsValid sets no error; an exception already pending (the capsule freed while it
+    // propagates) must survive this destructor.
     if (PyCapsule_IsValid(self, "dltensor")) {
       auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(self, "dltensor"));
       if (managed != nullptr && managed->deleter != nullptr) managed->deleter(managed);
-    } else {
-      PyErr_Clear();
     }
   });
   if (cap == nullptr) {

@@ -87,7 +87,9 @@ class _Epoch:
             raise StopIteration
         images, labels, indices, epoch, number, replaced = got
         self.yielded += 1
-        owner._position = (self.epoch, self.yielded)
+        # After the epoch's last batch the pipeline is already on the next epoch: an iter() that
+        # comes before this iterator's StopIteration (a loop that counts its batches) goes on with it.
+        owner._position = (self.epoch, self.yielded) if self.yielded < len(owner) else (self.epoch + 1, 0)
         images = torch.utils.dlpack.from_dlpack(images)
         labels = torch.utils.dlpack.from_dlpack(labels)
         if owner._device >= 0:

@@ -81,6 +81,32 @@ TEST(Dropout, SameStepSameMaskOtherStepOtherMask) {
   EXPECT_NE(a.loss_sum, c.loss_sum);
 }
 
+// The mask is drawn in logical (N, C, H, W) order whatever layout oneDNN keeps the activations in
+// (channel-blocked after a convolution on most CPUs, padded to 8 or 16 channels by the vector
+// width): dropout on a convolution's output drops the same units as dropout on its flattened copy,
+// so masks agree across CPUs and with the CUDA backend.
+TEST(Dropout, MaskFollowsTheLogicalOrderNotTheMemoryLayout) {
+  LayerSpec drop = L(LayerType::kDropout, "d");
+  drop.p = 0.5;
+  LayerSpec nothing = L(LayerType::kDropout, "z");  // p 0: puts "d" at the same index in both models
+  nothing.p = 0;
+  // Both: conv "c" (16 channels), then "d" as the third layer, on the image or its flattened copy.
+  Fixture image = Build({NoBias(Conv(16, 1, 1, 0, "c")), nothing, drop, L(LayerType::kFlatten, "f"), Linear(3, "fc")},
+                        3, 6, 4);
+  Fixture flat = Build({NoBias(Conv(16, 1, 1, 0, "c")), L(LayerType::kFlatten, "f"), drop, Linear(3, "fc")}, 3, 6, 4);
+  ASSERT_TRUE(image.net && flat.net);
+  ASSERT_OK_AND_ASSIGN(auto state, image.net->State());
+  ASSERT_OK(flat.net->LoadState(state));
+  for (const int64_t step : {1, 2, 7}) {
+    ASSERT_OK_AND_ASSIGN(auto a, image.net->ForwardBackward(image.input, image.labels, step));
+    ASSERT_OK_AND_ASSIGN(auto b, flat.net->ForwardBackward(flat.input, flat.labels, step));
+    const std::vector<float> la = image.net->LastLogits(), lb = flat.net->LastLogits();
+    ASSERT_EQ(la.size(), lb.size());
+    for (size_t i = 0; i < la.size(); ++i) EXPECT_NEAR(la[i], lb[i], 1e-4f * (1 + std::abs(lb[i]))) << step << " " << i;
+    EXPECT_NEAR(a.loss_sum, b.loss_sum, 1e-4 * b.loss_sum) << step;
+  }
+}
+
 TEST(Model, ResolveErrorsNameTheLayer) {
   ModelSpec m;
   m.classes = 3;

@@ -235,6 +235,10 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
     if (!gpu->FallbackKernels().empty()) {
       out += fmt::format("  on stoke's kernels (cuDNN had no engine): {}\n", fmt::join(gpu->FallbackKernels(), "; "));
     }
+    if (!gpu->NondeterministicSteps().empty()) {
+      out += fmt::format("  non-deterministic cuDNN engines (no deterministic one ran): {}\n",
+                         fmt::join(gpu->NondeterministicSteps(), "; "));
+    }
   }
 #endif
   if (!comm_ms.empty()) {

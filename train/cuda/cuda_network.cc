@@ -59,6 +59,9 @@ Status LastLaunch(std::string_view where) {
   return rc == cudaSuccess ? OkStatus() : CudaError(rc, where);
 }
 
+// Begins the error of a convolution on the padded input that cuDNN could not plan.
+constexpr std::string_view kPaddedInputUnplanned = "(conv, input padded to ";
+
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
@@ -177,7 +180,7 @@ class Net {
   cudnnHandle_t dnn = nullptr;
   cublasHandle_t blas = nullptr;
   std::unique_ptr<cuda::Graphs> graphs;
-  DeviceBuffer input, staging, labels, workspace, scratch, partials, stats, upload;
+  DeviceBuffer input, staging, labels, workspace, scratch, partials, stats, row_loss, upload;
   cuda::StepStats* host_stats = nullptr;  // pinned
   std::vector<Node> nodes;
   std::vector<std::unique_ptr<Layer>> layers;
@@ -185,6 +188,7 @@ class Net {
   std::array<Group, 2> groups;
   std::vector<std::unique_ptr<RunningStat>> running;
   std::vector<std::string> fallbacks;
+  std::vector<std::string> nondeterministic;  // operations whose only engines are non-deterministic
   std::vector<GraphOp*> bound;       // every bound graph operation (while the network is made)
   std::string autotuned;             // what autotuning reported ("" without it)
   int fused_pairs = 0;               // batch norm + ReLU pairs running as one step
@@ -291,6 +295,9 @@ class Net {
       g.uids.push_back(op.tensors[k].uid);
     }
     STOKE_ASSIGN_OR_RETURN(g.plan, graphs->PlanFor(op));
+    if (g.plan->nondeterministic) {
+      nondeterministic.push_back(fmt::format("{}: {}", Name(building_layer), cuda::OpKindName(op.kind)));
+    }
     return g;
   }
   Status Bind(GraphOp& g, const std::vector<void*>& pointers) {
@@ -419,7 +426,12 @@ class ConvLayer final : public OneInputLayer {
     STOKE_RETURN_IF_ERROR(net.SetOutput(self_, out.c, out.h, out.w, false));
     cuda::ConvGraphs g = cuda::ConvOps(net.ct, x, {x[0], out.c, out.h, out.w}, l);
     auto fail = [&](const Status& s, std::string_view what) {
-      return InternalError(fmt::format("layer '{}' (conv): {}: {}", l.name, what, s.message()));
+      // kPaddedInputUnplanned tells CudaNetwork::Create that 3 input channels may still plan.
+      const bool padded = in_ < 0 && net.in_c != 3;
+      return InternalError(fmt::format("layer '{}' {}: {}: {}", l.name,
+                                       padded ? fmt::format("{}{} channels)", kPaddedInputUnplanned, net.in_c)
+                                              : std::string("(conv)"),
+                                       what, s.message()));
     };
     auto f = net.Plan(std::move(g.forward));
     if (!f.ok()) return fail(f.status(), "forward");
@@ -1268,9 +1280,24 @@ class NcclParallel final : public DeviceParallel {
   static Result<std::unique_ptr<DeviceParallel>> Create(Net& net, StepSync* sync, const cuda::Nccl* api) {
     std::unique_ptr<NcclParallel> dp(new NcclParallel(net, sync));
     dp->api_ = api;
-    ncclUniqueId id{};
-    if (sync->rank() == 0) STOKE_RETURN_IF_ERROR(dp->api_->Check(dp->api_->GetUniqueId(&id), "unique id"));
-    STOKE_RETURN_IF_ERROR(sync->BroadcastBytes(std::span(reinterpret_cast<std::byte*>(&id), sizeof id), 0));
+    dp->timeout_s_ = sync->timeout_s();
+    // Rank 0's id, and whether it has one: a failure there reaches every rank through the same
+    // broadcast, so none goes on to a collective the others are not in.
+    struct {
+      ncclUniqueId id;
+      int32_t ok;
+    } offer{};
+    Status made = OkStatus();
+    if (sync->rank() == 0) {
+      made = dp->api_->Check(dp->api_->GetUniqueId(&offer.id), "unique id");
+      offer.ok = made.ok() ? 1 : 0;
+    }
+    STOKE_RETURN_IF_ERROR(sync->BroadcastBytes(std::span(reinterpret_cast<std::byte*>(&offer), sizeof offer), 0));
+    STOKE_RETURN_IF_ERROR(made);
+    if (offer.ok != 1) {
+      return UnavailableError("NCCL: rank 0 could not make the communicator's unique id (its error says why)");
+    }
+    const ncclUniqueId& id = offer.id;
     STOKE_RETURN_IF_ERROR(
         dp->api_->Check(dp->api_->CommInitRank(&dp->comm_, sync->world(), id, sync->rank()), "communicator set-up"));
     STOKE_CUDA_OK(cudaStreamCreateWithFlags(&dp->stream_, cudaStreamNonBlocking));
@@ -1284,8 +1311,24 @@ class NcclParallel final : public DeviceParallel {
 
   ~NcclParallel() override {
     // A broken world leaves NCCL's kernels waiting for ranks that are gone: abort them before
-    // anything waits for the stream.
-    if (stream_ != nullptr) cudaStreamSynchronize(stream_);  // a broken world was aborted already
+    // anything waits for the stream. Broken worlds seen by Wait were aborted there; one that broke
+    // after the last Wait (a rank gone while an evaluation's or a failed step's collectives were
+    // queued) is found here, within the world's timeout (the StepSync may be gone: a copy of it).
+    if (stream_ != nullptr && comm_ != nullptr && !broken_) {
+      const auto t0 = std::chrono::steady_clock::now();
+      while (cudaStreamQuery(stream_) == cudaErrorNotReady) {
+        (void)cudaGetLastError();
+        ncclResult_t async = ncclSuccess;
+        api_->CommGetAsyncError(comm_, &async);
+        if ((async != ncclSuccess && async != ncclInProgress) ||
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > timeout_s_) {
+          Break();
+          break;
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+    }
+    if (stream_ != nullptr) cudaStreamSynchronize(stream_);
     if (comm_ != nullptr && !broken_) api_->CommDestroy(comm_);
     for (cudaEvent_t e : {start_, done_, backward_done_, channels_ready_, channels_done_}) {
       if (e != nullptr) cudaEventDestroy(e);
@@ -1298,6 +1341,7 @@ class NcclParallel final : public DeviceParallel {
     while (next_ < static_cast<int>(buckets_.size())) Launch(next_++);
     STOKE_CUDA_OK(cudaEventRecord(done_, stream_));
     STOKE_CUDA_OK(cudaStreamWaitEvent(net_.stream, done_, 0));
+    timed_ = error_.ok() && !buckets_.empty();  // start_, backward_done_ and done_ recorded this step
     return error_;
   }
   Status SumStats(cuda::StepStats* s) override {
@@ -1330,11 +1374,14 @@ class NcclParallel final : public DeviceParallel {
   // Bounded by the world's timeout, and ended by an asynchronous NCCL error (a rank gone, a network
   // failure) rather than hanging.
   Status Wait(cudaEvent_t event) override {
+    // A launch error of this step first: the query below clears the thread's last error.
+    STOKE_RETURN_IF_ERROR(LastLaunch("a training kernel"));
     const auto t0 = std::chrono::steady_clock::now();
     while (true) {
       const cudaError_t q = cudaEventQuery(event);
       if (q == cudaSuccess) break;
       if (q != cudaErrorNotReady) return InternalError(fmt::format("waiting for the step: {}", cudaGetErrorString(q)));
+      (void)cudaGetLastError();  // "not ready" is recorded as the thread's last error: not a failure
       ncclResult_t async = ncclSuccess;
       api_->CommGetAsyncError(comm_, &async);
       if (async != ncclSuccess && async != ncclInProgress) {
@@ -1350,12 +1397,16 @@ class NcclParallel final : public DeviceParallel {
       }
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
-    // What the averaging cost, from the events on the two streams (after the step: no stall).
+    // What the averaging cost, from the events on the two streams (after the step: no stall);
+    // once per training step (an evaluation averages nothing and would count the last step again).
+    if (!std::exchange(timed_, false)) return OkStatus();
     float comm_ms = 0, overlap_ms = 0, wait_ms = 0;
     if (cudaEventElapsedTime(&comm_ms, start_, done_) == cudaSuccess &&
         cudaEventElapsedTime(&overlap_ms, start_, backward_done_) == cudaSuccess &&
         cudaEventElapsedTime(&wait_ms, backward_done_, done_) == cudaSuccess) {
       sync_->AddDeviceCommTime(comm_ms / 1e3, std::clamp(overlap_ms, 0.f, comm_ms) / 1e3, std::max(wait_ms, 0.f) / 1e3);
+    } else {
+      (void)cudaGetLastError();  // a timing that failed is not the next step's launch error
     }
     return OkStatus();
   }
@@ -1396,6 +1447,8 @@ class NcclParallel final : public DeviceParallel {
   cudaEvent_t start_ = nullptr, done_ = nullptr, backward_done_ = nullptr;
   cudaEvent_t channels_ready_ = nullptr, channels_done_ = nullptr;  // synchronised batch norm
   bool broken_ = false;
+  bool timed_ = false;  // a training step recorded the timing events since the last Wait
+  double timeout_s_ = 0;  // the world's, for the destructor
 };
 #endif
 
@@ -1597,7 +1650,7 @@ struct CudaNetwork::Impl {
     cuda::SoftmaxCrossEntropy(last.out.get(), net.t, labels, net.opt.batch, net.opt.model.classes,
                               static_cast<float>(net.opt.label_smoothing), last.diff.get(),
                               grad_scale / static_cast<float>(net.opt.batch), net.stats.as<cuda::StepStats>(),
-                              net.stream);
+                              net.row_loss.as<double>(), net.stream);
     net.last_grad_scale = grad_scale;
     if (dp) dp->BeginStep();
     STOKE_RETURN_IF_ERROR(Backward());
@@ -1638,8 +1691,10 @@ const NetworkOptions& CudaNetwork::options() const { return impl_->net.opt; }
 Result<std::unique_ptr<CudaNetwork>> CudaNetwork::Create(NetworkOptions options) {
   return CatchExceptions(fmt::format("cuda backend: building the model (batch {})", options.batch), [&] {
     auto made = CreateUnguarded(options);
-    // A padded input whose convolution cuDNN cannot plan: the unpadded network, said so.
-    if (!made.ok() && made.status().code() == StatusCode::kInternal && options.input_channels != 3) {
+    // A padded input whose convolution cuDNN cannot plan: the unpadded network, said so. Any other
+    // failure (a later layer, autotuning, a device fault) is returned as it is.
+    if (!made.ok() && made.status().code() == StatusCode::kInternal && options.input_channels != 3 &&
+        made.status().message().find(kPaddedInputUnplanned) != std::string_view::npos) {
       STOKE_LOG(WARN, "cuda.input_channels {}: {}; building with 3 input channels", options.input_channels,
                 made.status().message());
       options.input_channels = 3;
@@ -1704,6 +1759,7 @@ Result<std::unique_ptr<CudaNetwork>> CudaNetwork::CreateUnguarded(NetworkOptions
   STOKE_RETURN_IF_ERROR(net.staging.Alloc(pixels));
   STOKE_RETURN_IF_ERROR(net.labels.Alloc(static_cast<size_t>(n) * sizeof(int32_t)));
   STOKE_RETURN_IF_ERROR(net.stats.Alloc(sizeof(cuda::StepStats)));
+  STOKE_RETURN_IF_ERROR(net.row_loss.Alloc(static_cast<size_t>(n) * sizeof(double)));
 
   std::map<std::string, int> index{{"input", -1}};
   for (size_t i = 0; i < model.layers.size(); ++i) index[model.layers[i].name] = static_cast<int>(i);
@@ -1779,6 +1835,10 @@ Result<std::unique_ptr<CudaNetwork>> CudaNetwork::CreateUnguarded(NetworkOptions
     STOKE_LOG(WARN, "cuDNN offered no engine for {} step(s); stoke's own kernels run them: {}", net.fallbacks.size(),
               fmt::join(net.fallbacks, "; "));
   }
+  if (!net.nondeterministic.empty()) {
+    STOKE_LOG(WARN, "cuDNN offered only non-deterministic engines for {} step(s) (the same inputs may differ in the "
+              "last bits from run to run): {}", net.nondeterministic.size(), fmt::join(net.nondeterministic, "; "));
+  }
   net.fused_pairs = fused;
   STOKE_LOG(INFO,
             "CUDA backend: {} layers, {} precision, {} cuDNN operations sharing {} plans, workspace {} MiB{}{}",
@@ -1804,7 +1864,14 @@ Result<BatchStats> CudaNetwork::TrainStep(const prefetch::Batch& batch, float lr
     // The device's idle time before this batch was ready: from the end of the previous step.
     const auto prev = net.done[static_cast<size_t>(1 - net.cur)];
     float ms = 0;
-    net.last_wait = net.have_prev && cudaEventElapsedTime(&ms, prev, net.ready) == cudaSuccess ? ms / 1000.0 : -1;
+    net.last_wait = -1;
+    if (net.have_prev) {
+      if (cudaEventElapsedTime(&ms, prev, net.ready) == cudaSuccess) {
+        net.last_wait = ms / 1000.0;
+      } else {
+        (void)cudaGetLastError();  // unmeasured, not the next step's launch error
+      }
+    }
     net.have_prev = true;
     net.cur = 1 - net.cur;
 
@@ -1820,10 +1887,15 @@ Result<BatchStats> CudaNetwork::TrainStep(const prefetch::Batch& batch, float lr
         net.loss_scale = std::max(1.f, net.loss_scale / 2);
         net.good_steps = 0;
         ++net.skipped;
+        stats.overflowed = 1;  // the update was skipped on the device (SgdUpdate reads the flag)
       } else if (++net.good_steps == 2000) {
         net.loss_scale = std::min(net.loss_scale * 2, 16777216.f);
         net.good_steps = 0;
       }
+    } else if (overflow && impl_->dp) {
+      // Data-parallel: every rank saw the same summed flag and skipped the update on the device;
+      // the trainer counts the step as skipped by every rank (as the CPU backend reports it).
+      stats.skipped = 1;
     } else if (overflow) {
       return InvalidArgumentError(fmt::format("the loss is not finite at step {} (learning rate {} too high?)", step, lr));
     }
@@ -1841,7 +1913,7 @@ Result<BatchStats> CudaNetwork::Evaluate(const prefetch::Batch& batch) {
     STOKE_RETURN_IF_ERROR(impl_->Forward(false, 0));
     cuda::SoftmaxCrossEntropy(net.nodes.back().out.get(), net.t, in.second, batch.size, net.opt.model.classes,
                               static_cast<float>(net.opt.label_smoothing), nullptr, 1.f,
-                              net.stats.as<cuda::StepStats>(), net.stream);
+                              net.stats.as<cuda::StepStats>(), net.row_loss.as<double>(), net.stream);
     STOKE_RETURN_IF_ERROR(impl_->Finish());
     net.have_prev = false;  // the next step's wait is not measured across an evaluation
     return impl_->Stats(batch.size);
@@ -1946,6 +2018,7 @@ CudaNetwork::AutotuneCounts CudaNetwork::Autotuned() const {
 }
 
 const std::vector<std::string>& CudaNetwork::FallbackKernels() const { return impl_->net.fallbacks; }
+const std::vector<std::string>& CudaNetwork::NondeterministicSteps() const { return impl_->net.nondeterministic; }
 float CudaNetwork::loss_scale() const { return impl_->net.loss_scale; }
 int64_t CudaNetwork::skipped_steps() const { return impl_->net.skipped; }
 

@@ -73,6 +73,22 @@ TensorSpec ChannelVector(int64_t uid, int64_t c) {
 }
 TensorSpec Scalar(int64_t uid) { return TensorSpec{uid, CUDNN_DATA_FLOAT, {1, 1, 1, 1}, {1, 1, 1, 1}, true}; }
 
+std::string_view OpKindName(OpSpec::Kind kind) {
+  switch (kind) {
+    case OpSpec::Kind::kConvForward: return "convolution forward";
+    case OpSpec::Kind::kConvBackwardData: return "convolution backward data";
+    case OpSpec::Kind::kConvBackwardFilter: return "convolution backward filter";
+    case OpSpec::Kind::kRelu: return "ReLU";
+    case OpSpec::Kind::kReluBackward: return "ReLU backward";
+    case OpSpec::Kind::kAdd: return "add";
+    case OpSpec::Kind::kBatchNormTrain: return "batch norm";
+    case OpSpec::Kind::kBatchNormBackward: return "batch norm backward";
+    case OpSpec::Kind::kPool: return "pooling";
+    case OpSpec::Kind::kPoolBackward: return "pooling backward";
+  }
+  return "operation";
+}
+
 std::string OpSpec::Key() const {
   std::string key = fmt::format("{}:{}:{}:{}:{}", static_cast<int>(kind), pad, stride, window, max_pool);
   for (const auto& t : tensors) {
@@ -491,6 +507,7 @@ Result<const Plan*> Graphs::PlanFor(const OpSpec& op) {
         p->engine = fmt::format("engine {}", index);
         p->heuristic_rank = i;
         p->engine_index = index;
+        p->nondeterministic = nondeterministic_pass;
         sources->engines.push_back(std::move(engine));
         found.push_back(std::move(p));
         if (!collect || static_cast<int>(found.size()) >= kAutotuneCandidates) break;
@@ -514,7 +531,7 @@ Result<const Plan*> Graphs::PlanFor(const OpSpec& op) {
     }
     return out;
   }
-  return UnavailableError(fmt::format("cuDNN has no engine for this operation (kind {}){}", static_cast<int>(op.kind),
+  return UnavailableError(fmt::format("cuDNN has no engine for this operation ({}){}", OpKindName(op.kind),
                                         tried.empty() ? "" : ":" + tried));
 }
 

@@ -76,6 +76,8 @@ struct OpSpec {
   bool max_pool = false;
   std::string Key() const;
 };
+// "convolution forward", "pooling backward", ...: for logs and errors.
+std::string_view OpKindName(OpSpec::Kind kind);
 
 // A finalised plan and the workspace it needs.
 struct Plan {
@@ -88,6 +90,10 @@ struct Plan {
   std::string engine;  // "engine N" for reports
   int64_t heuristic_rank = 0;  // its place in the heuristics' list (0: their first choice)
   int64_t engine_index = -1;   // cuDNN's global engine index
+  // cuDNN marks the engine non-deterministic (atomics): taken only when no deterministic engine
+  // runs the operation, and listed by the network, since the same inputs may then differ in
+  // their last bits from run to run.
+  bool nondeterministic = false;
 };
 
 // What Graphs::Autotune did: convolution shapes timed, how many changed engine, candidates that

@@ -77,7 +77,7 @@ struct SumOp {
 
 template <typename T>
 __global__ void SoftmaxCrossEntropyKernel(const T* logits, const int32_t* labels, int classes, float smoothing,
-                                          T* grad, float grad_scale, StepStats* stats) {
+                                          T* grad, float grad_scale, StepStats* stats, double* row_loss) {
   __shared__ float shared[32];
   const int64_t row = blockIdx.x;
   const T* z = logits + row * classes;
@@ -100,7 +100,7 @@ __global__ void SoftmaxCrossEntropyKernel(const T* logits, const int32_t* labels
   if (threadIdx.x == 0) {
     const double lse = static_cast<double>(zmax) + log(static_cast<double>(sum));
     const double loss = lse - static_cast<double>(on - off) * zy - static_cast<double>(off) * zsum;
-    atomicAdd(&stats->loss_sum, loss);
+    row_loss[row] = loss;  // summed in row order by SumRowLossKernel: the same bits every run
     if (!isfinite(loss)) stats->non_finite = 1;  // no update from a step whose loss overflowed
     if (above < 0.5f) atomicAdd(&stats->top1, 1ull);
     if (above < 4.5f) atomicAdd(&stats->top5, 1ull);
@@ -112,6 +112,21 @@ __global__ void SoftmaxCrossEntropyKernel(const T* logits, const int32_t* labels
       Store(g, k, (__expf(Load(z, k) - zmax) / sum - q) * grad_scale);
     }
   }
+}
+
+// stats->loss_sum += the rows' losses, in a fixed order (each thread a fixed stride, then a fixed
+// tree), unlike an atomic add whose order follows the blocks' finishing times.
+__global__ void SumRowLossKernel(const double* row_loss, int rows, StepStats* stats) {
+  __shared__ double shared[kThreads];
+  double acc = 0;
+  for (int r = threadIdx.x; r < rows; r += blockDim.x) acc += row_loss[r];
+  shared[threadIdx.x] = acc;
+  __syncthreads();
+  for (int half = blockDim.x / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) shared[threadIdx.x] += shared[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) stats->loss_sum += shared[0];
 }
 
 // ---------------------------------------------------------------- channel-wise steps
@@ -740,11 +755,12 @@ __global__ void CastToFloatKernel(const T* src, float* dst, int64_t n) {
 }  // namespace
 
 void SoftmaxCrossEntropy(const void* logits, DType t, const int32_t* labels, int rows, int classes, float smoothing,
-                         void* grad, float grad_scale, StepStats* stats, cudaStream_t s) {
+                         void* grad, float grad_scale, StepStats* stats, double* row_loss, cudaStream_t s) {
   if (rows <= 0) return;
   STOKE_DISPATCH(t, (SoftmaxCrossEntropyKernel<T><<<rows, kThreads, 0, s>>>(
                         static_cast<const T*>(logits), labels, classes, smoothing, static_cast<T*>(grad), grad_scale,
-                        stats)));
+                        stats, row_loss)));
+  SumRowLossKernel<<<1, kThreads, 0, s>>>(row_loss, rows, stats);
 }
 
 void AddChannelBias(void* y, DType t, const float* bias, int64_t rows, int channels, cudaStream_t s) {

@@ -35,9 +35,11 @@ struct SgdArgs {
 
 // Row-wise softmax cross-entropy with label smoothing over `rows` of `classes` logits (row stride
 // `classes`). Adds loss, top-1 and top-5 into `stats`; with `grad` writes
-// (softmax - target) * grad_scale there (grad_scale = loss scale / batch).
+// (softmax - target) * grad_scale there (grad_scale = loss scale / batch). `row_loss` (`rows`
+// doubles of scratch) holds each row's loss until they are summed in row order, so the same
+// logits give the same loss_sum bit for bit.
 void SoftmaxCrossEntropy(const void* logits, DType t, const int32_t* labels, int rows, int classes, float smoothing,
-                         void* grad, float grad_scale, StepStats* stats, cudaStream_t s);
+                         void* grad, float grad_scale, StepStats* stats, double* row_loss, cudaStream_t s);
 
 // y[r, c] += bias[c] for rows x channels.
 void AddChannelBias(void* y, DType t, const float* bias, int64_t rows, int channels, cudaStream_t s);
@@ -50,7 +52,7 @@ void Add(const void* a, const void* b, void* y, DType t, int64_t n, cudaStream_t
 void Accumulate(void* dst, const void* src, DType t, int64_t n, cudaStream_t s);  // dst += src
 
 // Inverted dropout. The mask of element (n, c, h, w) is the one the CPU backend draws for logical
-// index ((n * C + c) * H + h) * W + w from SplitMix64(seed): identical masks for vectors.
+// index ((n * C + c) * H + h) * W + w from SplitMix64(seed): the two backends drop the same units.
 void Dropout(const void* x, void* y, uint8_t* keep, DType t, int64_t n, int c, int h, int w, uint64_t seed, double p,
              cudaStream_t s);
 void DropoutBackward(const void* dy, const uint8_t* keep, void* dx, DType t, int64_t n, double p, cudaStream_t s);
