@@ -111,7 +111,7 @@ Status WritePlot(const std::string& metrics_path, const std::string& svg_path) {
     const auto step = j["step"].get<double>();
     max_step = std::max(max_step, step);
     const std::string type = j["type"].get<std::string>();
-    if (type == "train") {
+    if (type == "train" && j.contains("loss")) {  // an interval of skipped steps has no loss
       train_loss.points.emplace_back(step, number("loss"));
       train_top1.points.emplace_back(step, number("top1"));
     } else if (type == "val") {

@@ -384,6 +384,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     int64_t samples_total = 0, consecutive_skips = 0;
     BatchStats interval, epoch_stats;
     double interval_wait = 0;
+    int64_t interval_images = 0;  // images of the steps since the last log line, skipped ones included
     auto interval_start = Clock::now();
     Status failure = OkStatus();
     while (step < summary.total_steps) {
@@ -429,6 +430,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
       ++step;
       wait_total += wait;
       interval_wait += wait;
+      interval_images += static_cast<int64_t>(size) * world;  // skipped steps took their time too
       samples_total += static_cast<int64_t>(size) * world;
       if (stats->skipped > 0) {
         // The loss or the averaged gradient was not finite on some rank: every rank skipped the update.
@@ -460,16 +462,24 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
       if (step % config.log_every_steps == 0 || epoch_end) {
         record_bad_records(*loader);
         const double secs = Seconds(Clock::now() - interval_start);
-        const double ips = secs > 0 ? static_cast<double>(interval.count) / secs : 0;
+        const double ips = secs > 0 ? static_cast<double>(interval_images) / secs : 0;
         const double wait_frac = secs > 0 ? interval_wait / secs : 0;
-        record({{"type", "train"}, {"step", step}, {"epoch", static_cast<double>(step) / steps_per_epoch},
-                {"loss", interval.loss()}, {"top1", interval.top1_rate()}, {"lr", lr}, {"images_per_s", ips},
-                {"data_wait", wait_frac}});
-        progress.Line(fmt::format("epoch {}/{}  step {}/{}  loss {:.4f}  lr {:.4g}  {:.0f} img/s{}  data-wait {:.1f}%",
+        // Every step of the interval skipped (float16 loss scaling settling, non-finite steps): no
+        // loss to report, rather than a zero.
+        const bool measured = interval.count > 0;
+        nlohmann::json line = {{"type", "train"}, {"step", step}, {"epoch", static_cast<double>(step) / steps_per_epoch},
+                               {"lr", lr}, {"images_per_s", ips}, {"data_wait", wait_frac}};
+        if (measured) {
+          line["loss"] = interval.loss();
+          line["top1"] = interval.top1_rate();
+        }
+        record(std::move(line));
+        progress.Line(fmt::format("epoch {}/{}  step {}/{}  loss {}  lr {:.4g}  {:.0f} img/s{}  data-wait {:.1f}%",
                                   (step - 1) / steps_per_epoch + 1, config.epochs, step, summary.total_steps,
-                                  interval.loss(), lr, ips, world > 1 ? fmt::format(" on {} ranks", world) : "",
-                                  100 * wait_frac));
+                                  measured ? fmt::format("{:.4f}", interval.loss()) : std::string("n/a (skipped)"), lr,
+                                  ips, world > 1 ? fmt::format(" on {} ranks", world) : "", 100 * wait_frac));
         interval = {};
+        interval_images = 0;
         interval_wait = 0;
         interval_start = Clock::now();
       }

@@ -70,8 +70,11 @@ class _Epoch:
         if self._native is None or self._native is not self._owner._native:
             raise StopIteration  # the loader was closed, or moved on to another epoch
         if self.yielded >= len(self._owner):
-            # The pipeline is already working on the next epoch: the next iter() picks it up.
-            self._owner._position = (self.epoch + 1, 0)
+            # The pipeline is already working on the next epoch: the next iter() picks it up. An
+            # older iterator of the same pipeline (a counted loop went on with a new iter()) must
+            # not move the position back.
+            if self._owner._current is self:
+                self._owner._position = (self.epoch + 1, 0)
             self._native = None
             raise StopIteration
         owner = self._owner

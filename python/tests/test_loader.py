@@ -162,6 +162,27 @@ def test_a_loop_that_counts_its_batches_goes_on_into_the_next_epoch(data):
     whole.close()
 
 
+def test_an_older_iterator_does_not_move_the_loader_back(data):
+    loader = Loader(data["train"], batch_size=8, size=32, seed=4)
+    old = iter(loader)
+    for _ in range(len(loader)):
+        next(old)
+    new = iter(loader)  # goes on with the running pipeline, into epoch 1
+    next(new)
+    next(new)
+    with pytest.raises(StopIteration):
+        next(old)
+    state = loader.state_dict()
+    assert (state["epoch"], state["batch"]) == (1, 2)
+    loader.set_epoch(1)  # epoch 1 from its first batch: not the pipeline two batches in
+    got = nhwc_bytes(next(iter(loader))["images"])
+    fresh = Loader(data["train"], batch_size=8, size=32, seed=4)
+    fresh.set_epoch(1)
+    assert got == nhwc_bytes(next(iter(fresh))["images"])
+    loader.close()
+    fresh.close()
+
+
 def test_break_and_iter_a_hundred_times_leaves_nothing_behind(data):
     loader = Loader(data["train"], batch_size=8, size=32, threads=2)
     for _ in range(5):  # warm-up: allocator and thread pools settle

@@ -24,6 +24,12 @@ check batch_must_divide 1 "rank 0 .*data.batch_size 16 is the global batch and m
 config nan 1
 check nan_on_one_rank_skips_everywhere 0 "steps skipped \(not finite on some rank\): 1" -- \
   env STOKE_TEST_POISON=1:3 "${mpi[@]}" -x STOKE_TEST_POISON -np 2 "$stoke" train --config "$work/nan.yaml" -q
+# Logged every step, the skipped step's line has no loss (not a zero) and the progress says so.
+sed "s/log_every_steps: 2/log_every_steps: 1/; s|run_dir: .*|run_dir: $work/nan1|" "$work/nan.yaml" >"$work/nan1.yaml"
+check nan_step_logs_no_loss 0 "step 4/[0-9]+  loss n/a \(skipped\)" -- \
+  env STOKE_TEST_POISON=1:3 "${mpi[@]}" -x STOKE_TEST_POISON -np 2 "$stoke" train --config "$work/nan1.yaml"
+check nan_step_metrics_have_no_loss 0 '"step":4,' -- \
+  bash -c "grep '\"type\":\"train\"' '$work/nan1/metrics.jsonl' | grep '\"step\":4,' | grep -v '\"loss\"'"
 
 # A damaged record: zero the tables of one JPEG inside the LMDB (its CRC no longer matches).
 cp -r "$work/train.lmdb" "$work/damaged.lmdb"

@@ -1315,6 +1315,11 @@ class NcclParallel final : public DeviceParallel {
     // after the last Wait (a rank gone while an evaluation's or a failed step's collectives were
     // queued) is found here, within the world's timeout (the StepSync may be gone: a copy of it).
     if (stream_ != nullptr && comm_ != nullptr && !broken_) {
+      // The statistics' collectives are on the compute stream: NCCL's stream waits for them too,
+      // so polling it covers both.
+      if (cudaEventRecord(channels_ready_, net_.stream) == cudaSuccess) {
+        cudaStreamWaitEvent(stream_, channels_ready_, 0);
+      }
       const auto t0 = std::chrono::steady_clock::now();
       while (cudaStreamQuery(stream_) == cudaErrorNotReady) {
         (void)cudaGetLastError();
@@ -1337,6 +1342,7 @@ class NcclParallel final : public DeviceParallel {
   }
 
   Status FinishGradients() override {
+    timed_ = false;
     STOKE_CUDA_OK(cudaEventRecord(backward_done_, net_.stream));
     while (next_ < static_cast<int>(buckets_.size())) Launch(next_++);
     STOKE_CUDA_OK(cudaEventRecord(done_, stream_));
