@@ -51,6 +51,7 @@ struct BatchMemory::Cuda {
   std::vector<void*> device;
   std::vector<cudaEvent_t> copied;
   std::vector<cudaEvent_t> consumed;
+  std::vector<cudaEvent_t> copy_begin, copy_end;  // timing events around each slot's copy
 };
 
 CudaProbe ProbeCuda() {
@@ -99,6 +100,11 @@ Result<std::unique_ptr<BatchMemory>> BatchMemory::Create(int slots, size_t bytes
       m->cuda_->copied.push_back(copied);
       STOKE_CUDA_RETURN(cudaEventCreateWithFlags(&consumed, cudaEventDisableTiming));
       m->cuda_->consumed.push_back(consumed);
+      cudaEvent_t begin = nullptr, end = nullptr;
+      STOKE_CUDA_RETURN(cudaEventCreate(&begin));
+      m->cuda_->copy_begin.push_back(begin);
+      STOKE_CUDA_RETURN(cudaEventCreate(&end));
+      m->cuda_->copy_end.push_back(end);
     }
     return m;
   }
@@ -118,6 +124,8 @@ BatchMemory::~BatchMemory() {
     for (auto e : cuda_->consumed) cudaEventSynchronize(e);
     for (auto e : cuda_->copied) cudaEventDestroy(e);
     for (auto e : cuda_->consumed) cudaEventDestroy(e);
+    for (auto e : cuda_->copy_begin) cudaEventDestroy(e);
+    for (auto e : cuda_->copy_end) cudaEventDestroy(e);
     for (void* d : cuda_->device) cudaFree(d);
     for (int i = 0; i < slots_; ++i) {
       if (host_[i] != nullptr) cudaFreeHost(host_[i]);
@@ -144,14 +152,22 @@ Status BatchMemory::CopyToDevice(int slot, size_t bytes) {
   const auto i = static_cast<size_t>(slot);
   STOKE_CUDA_RETURN(cudaSetDevice(device_));  // the calling worker thread may be new to CUDA
   STOKE_CUDA_RETURN(cudaStreamWaitEvent(cuda_->stream, cuda_->consumed[i], 0));
+  STOKE_CUDA_RETURN(cudaEventRecord(cuda_->copy_begin[i], cuda_->stream));
   STOKE_CUDA_RETURN(cudaMemcpyAsync(cuda_->device[i], host_[i], bytes, cudaMemcpyHostToDevice,
                                     cuda_->stream));
+  STOKE_CUDA_RETURN(cudaEventRecord(cuda_->copy_end[i], cuda_->stream));
   STOKE_CUDA_RETURN(cudaEventRecord(cuda_->copied[i], cuda_->stream));
   return OkStatus();
 }
 
 void* BatchMemory::copied_event(int slot) const {
   return cuda_ == nullptr ? nullptr : static_cast<void*>(cuda_->copied[static_cast<size_t>(slot)]);
+}
+
+std::pair<void*, void*> BatchMemory::copy_timing_events(int slot) const {
+  if (cuda_ == nullptr) return {nullptr, nullptr};
+  const auto i = static_cast<size_t>(slot);
+  return {static_cast<void*>(cuda_->copy_begin[i]), static_cast<void*>(cuda_->copy_end[i])};
 }
 
 Status BatchMemory::MarkConsumed(int slot, void* stream) {
@@ -194,6 +210,7 @@ void* BatchMemory::device(int) const { return nullptr; }
 Status BatchMemory::WaitHostReusable(int) { return OkStatus(); }
 Status BatchMemory::CopyToDevice(int, size_t) { return OkStatus(); }
 void* BatchMemory::copied_event(int) const { return nullptr; }
+std::pair<void*, void*> BatchMemory::copy_timing_events(int) const { return {nullptr, nullptr}; }
 Status BatchMemory::MarkConsumed(int, void*) { return OkStatus(); }
 
 #endif

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "common/status.h"
 
@@ -49,6 +50,10 @@ class BatchMemory {
   // The cudaEvent_t (as void*) a consumer waits on before reading device(slot); nullptr without
   // a device.
   void* copied_event(int slot) const;
+  // Timing cudaEvent_t's (as void*) recorded on the copy stream just before and just after the
+  // slot's last copy: where the copy ran on the device's clock (a timeline's evidence that copies
+  // overlap compute). {nullptr, nullptr} without a device.
+  std::pair<void*, void*> copy_timing_events(int slot) const;
   // Records `consumed` on the consumer's cudaStream_t (nullptr: the legacy default stream): the
   // next copy into this slot waits for the work queued there so far.
   Status MarkConsumed(int slot, void* stream);

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <tuple>
 
 #include <fmt/format.h>
 #include <oneapi/tbb/concurrent_queue.h>
@@ -568,6 +569,7 @@ Result<std::unique_ptr<Loader>> Loader::Create(const dataset::Dataset& ds, Loade
       b.device_images = st->memory->device(i);
       b.device_labels_offset = st->labels_offset;
       b.copied_event = st->memory->copied_event(i);
+      std::tie(b.copy_begin_event, b.copy_end_event) = st->memory->copy_timing_events(i);
     }
     st->slots.push_back(std::move(slot));
     st->free.push(i);

@@ -97,6 +97,10 @@ struct Batch {
   const void* device_images = nullptr;
   size_t device_labels_offset = 0;
   void* copied_event = nullptr;
+  // Timing events around this batch's host-to-device copy (BatchMemory::copy_timing_events),
+  // valid while the batch is held.
+  void* copy_begin_event = nullptr;
+  void* copy_end_event = nullptr;
 };
 
 struct LoaderStats {

@@ -203,6 +203,10 @@ int Run(int argc, char** argv) {
   bench_train->add_option("--peer-script", peer_script, "The peer (default: bench/peers/torch_train.py of the source tree)");
   bench_train->add_option("--threads", bench.threads, "Compute and loader threads (default: the config's)");
   bench_train->add_option("--repeats", bench.repeats, "Timed runs (median reported)")->check(CLI::PositiveNumber);
+  bench_train->add_option("--timeline", train_bench.timeline,
+                          "After the runs, time N more end-to-end steps and their batches' copies on the GPU's clock "
+                          "(CUDA backend): which step each copy overlapped, and the device's idle time between steps")
+      ->check(CLI::NonNegativeNumber);
   bench_train->add_option("--json", bench.json_out, "Also write the results as JSON here");
 
   // ---- synth

@@ -77,6 +77,18 @@ class CudaNetwork final : public Network {
   float loss_scale() const;
   int64_t skipped_steps() const;
 
+  // A timeline on the device's clock (stoke bench train --timeline): StartTimeline() marks time 0
+  // on the network's stream; after each TrainStep, LastStepTimeline(batch) gives that step's
+  // compute (from the batch being ready to the step's end) and the interval in which the batch's
+  // host-to-device copy ran (the ring's timing events; NaN for a batch uploaded from the host),
+  // in milliseconds from the mark. Call it while the batch is still held.
+  struct TimelineStep {
+    double compute_begin_ms = 0, compute_end_ms = 0;
+    double copy_begin_ms = 0, copy_end_ms = 0;
+  };
+  Status StartTimeline();
+  Result<TimelineStep> LastStepTimeline(const prefetch::Batch& batch) const;
+
   struct Impl;
 
  private:

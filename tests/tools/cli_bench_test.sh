@@ -30,5 +30,7 @@ backend: cpu
 compute_threads: 2
 YAML
 check bench_train 0 "compute only .* img/s" -- "$stoke" bench train --config "$work/train.yaml" --seconds 0.05 --repeats 2
+check bench_train_timeline_needs_a_gpu 1 "--timeline times copies and steps on a GPU; this run's backend is cpu" -- \
+  "$stoke" bench train --config "$work/train.yaml" --seconds 0.05 --repeats 1 --timeline 4
 check bench_seconds_positive 105 "seconds" -- "$stoke" bench read --data "$work/src" --seconds 0
 finish

@@ -75,6 +75,9 @@ struct TrainBenchOptions {
   bool peer = false;
   std::string python = "/usr/bin/python3";
   std::filesystem::path peer_script;  // default: the source tree's bench/peers/torch_train.py
+  // After the runs, this many more end-to-end steps with their compute and their batches'
+  // host-to-device copies timed on the device's clock (CUDA backend only; timeline.h).
+  int timeline = 0;
 };
 
 // Training throughput of the config's model on its backend: compute alone (one batch repeated:

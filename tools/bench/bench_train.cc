@@ -1,6 +1,7 @@
 #include <cctype>
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <thread>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "prefetch/loader.h"
 #include "tools/bench/bench_commands.h"
 #include "tools/bench/bench_stats.h"
+#include "tools/bench/timeline.h"
 #include "dist/communicator.h"
 #include "train/config.h"
 #include "train/cuda_network.h"
@@ -94,6 +96,11 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
   auto created = train::CreateNetwork(c, comm.get());
   STOKE_RETURN_IF_ERROR(agree(created.status()));
   auto net = std::move(*created);
+  if (t.timeline > 0 && net->stream() == nullptr) {
+    return InvalidArgumentError(fmt::format(
+        "bench train: --timeline times copies and steps on a GPU; this run's backend is {} (backend: cuda)",
+        net->backend()));
+  }
   train::DataParallel dp(*comm, train::ReducerOptionsFromConfig(c));
   STOKE_RETURN_IF_ERROR(agree(net->SetStepSync(&dp)));
   STOKE_RETURN_IF_ERROR(train::BroadcastState(*comm, *net));
@@ -211,6 +218,30 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
     e2e_rates.push_back(steps * c.data.batch_size / secs);
     waits.push_back(wait / secs);
   }
+  std::vector<TimelineRow> timeline;
+  std::string timeline_error;
+#if STOKE_WITH_CUDA
+  if (auto* gpu = dynamic_cast<train::CudaNetwork*>(net.get()); gpu != nullptr && t.timeline > 0) {
+    // A failure here costs the timeline only: the figures above are reported.
+    Status s = gpu->StartTimeline();
+    for (int i = 0; s.ok() && i < t.timeline; ++i) {
+      auto lease = loader->Next();
+      if (!lease.ok() || !*lease) {
+        s = lease.ok() ? InternalError("the loader stopped") : lease.status();
+        break;
+      }
+      auto stats = net->TrainStep(**lease, lr, c.optimizer.sgd, step++);
+      auto row = stats.ok() ? gpu->LastStepTimeline(**lease) : Result<train::CudaNetwork::TimelineStep>(stats.status());
+      lease->Release(net->stream());
+      if (!row.ok()) {
+        s = row.status();
+        break;
+      }
+      timeline.push_back({row->compute_begin_ms, row->compute_end_ms, row->copy_begin_ms, row->copy_end_ms});
+    }
+    if (!s.ok()) timeline_error = s.ToString();
+  }
+#endif
   loader->Stop();
   if (rank != 0) return std::string();  // rank 0 reports
   const double compute = Median(compute_rates), end_to_end = Median(e2e_rates), wait = Median(waits);
@@ -249,6 +280,8 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
         world, c.data.batch_size / world, compute / world, Median(comm_ms), dp.stats().buckets, dp.stats().bucket_mb,
         100 * Median(overlap_fraction), Median(blocked_ms));
   }
+  if (!timeline.empty()) out += DescribeTimeline(timeline);
+  if (!timeline_error.empty()) out += fmt::format("  timeline: FAILED after {} steps ({})\n", timeline.size(), timeline_error);
   double ratio = 0;
   if (!peer_error.empty()) {
     while (!peer_error.empty() && std::isspace(static_cast<unsigned char>(peer_error.back()))) peer_error.pop_back();
@@ -274,6 +307,15 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
                      {"compute_img_s", compute}, {"compute_runs", compute_rates}, {"e2e_img_s", end_to_end},
                      {"e2e_runs", e2e_rates}, {"data_wait_fraction", wait}};
     if (!peer_error.empty()) j["peer_error"] = peer_error;
+    if (!timeline.empty()) {
+      nlohmann::json rows = nlohmann::json::array();
+      for (const TimelineRow& r : timeline) {
+        rows.push_back({{"compute_ms", {r.compute_begin_ms, r.compute_end_ms}},
+                        {"copy_ms", std::isnan(r.copy_begin_ms) ? nlohmann::json(nullptr)
+                                                                : nlohmann::json{r.copy_begin_ms, r.copy_end_ms}}});
+      }
+      j["timeline"] = rows;
+    }
     if (t.peer && peer_error.empty()) {
       j["torch_nchw_img_s"] = torch_nchw;
       j["torch_channels_last_img_s"] = torch_cl;

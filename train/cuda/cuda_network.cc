@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <span>
@@ -196,6 +197,7 @@ class Net {
   size_t partial_floats = 0;
   std::array<cudaEvent_t, 2> done{};
   cudaEvent_t ready = nullptr;
+  cudaEvent_t timeline_start = nullptr;  // StartTimeline's mark
   int cur = 0;
   bool have_prev = false;
   double last_wait = -1;
@@ -216,6 +218,7 @@ class Net {
       if (e != nullptr) cudaEventDestroy(e);
     }
     if (ready != nullptr) cudaEventDestroy(ready);
+    if (timeline_start != nullptr) cudaEventDestroy(timeline_start);
     if (host_stats != nullptr) cudaFreeHost(host_stats);
     if (blas != nullptr) cublasDestroy(blas);
     if (dnn != nullptr) cudnnDestroy(dnn);
@@ -2025,6 +2028,40 @@ CudaNetwork::AutotuneCounts CudaNetwork::Autotuned() const {
 
 const std::vector<std::string>& CudaNetwork::FallbackKernels() const { return impl_->net.fallbacks; }
 const std::vector<std::string>& CudaNetwork::NondeterministicSteps() const { return impl_->net.nondeterministic; }
+
+Status CudaNetwork::StartTimeline() {
+  Net& net = impl_->net;
+  if (net.timeline_start == nullptr) STOKE_CUDA_OK(cudaEventCreate(&net.timeline_start));
+  STOKE_CUDA_OK(cudaEventRecord(net.timeline_start, net.stream));
+  STOKE_CUDA_OK(cudaEventSynchronize(net.timeline_start));
+  return OkStatus();
+}
+
+Result<CudaNetwork::TimelineStep> CudaNetwork::LastStepTimeline(const prefetch::Batch& batch) const {
+  const Net& net = impl_->net;
+  if (net.timeline_start == nullptr) return InvalidArgumentError("LastStepTimeline: StartTimeline() first");
+  if (!net.have_prev) return InvalidArgumentError("LastStepTimeline: no training step since the last evaluation");
+  // Milliseconds from the mark to `e` (recorded and complete: the step has been waited for).
+  auto at = [&](void* e, const char* what) -> Result<double> {
+    float ms = 0;
+    if (const cudaError_t rc = cudaEventElapsedTime(&ms, net.timeline_start, static_cast<cudaEvent_t>(e));
+        rc != cudaSuccess) {
+      (void)cudaGetLastError();  // a timing that failed is not the next step's launch error
+      return CudaError(rc, fmt::format("timeline: {}", what));
+    }
+    return static_cast<double>(ms);
+  };
+  TimelineStep t;
+  STOKE_ASSIGN_OR_RETURN(t.compute_begin_ms, at(net.ready, "the step's start"));
+  STOKE_ASSIGN_OR_RETURN(t.compute_end_ms, at(net.done[static_cast<size_t>(1 - net.cur)], "the step's end"));
+  if (batch.copy_begin_event != nullptr && batch.copy_end_event != nullptr) {
+    STOKE_ASSIGN_OR_RETURN(t.copy_begin_ms, at(batch.copy_begin_event, "the batch's copy start"));
+    STOKE_ASSIGN_OR_RETURN(t.copy_end_ms, at(batch.copy_end_event, "the batch's copy end"));
+  } else {
+    t.copy_begin_ms = t.copy_end_ms = std::numeric_limits<double>::quiet_NaN();
+  }
+  return t;
+}
 float CudaNetwork::loss_scale() const { return impl_->net.loss_scale; }
 int64_t CudaNetwork::skipped_steps() const { return impl_->net.skipped; }
 
