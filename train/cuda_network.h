@@ -81,7 +81,8 @@ class CudaNetwork final : public Network {
   // on the network's stream; after each TrainStep, LastStepTimeline(batch) gives that step's
   // compute (from the batch being ready to the step's end) and the interval in which the batch's
   // host-to-device copy ran (the ring's timing events; NaN for a batch uploaded from the host),
-  // in milliseconds from the mark. Call it while the batch is still held.
+  // in milliseconds from the mark. Call it while the batch is still held, right after a TrainStep
+  // that succeeded; the batch must come from a loader on the network's device.
   struct TimelineStep {
     double compute_begin_ms = 0, compute_end_ms = 0;
     double copy_begin_ms = 0, copy_end_ms = 0;

@@ -222,21 +222,18 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
   std::string timeline_error;
 #if STOKE_WITH_CUDA
   if (auto* gpu = dynamic_cast<train::CudaNetwork*>(net.get()); gpu != nullptr && t.timeline > 0) {
-    // A failure here costs the timeline only: the figures above are reported.
-    Status s = gpu->StartTimeline();
+    // A failure here costs the timeline only: the figures above are reported. Under a launcher the
+    // ranks agree before each step and after it, so a failure stops every rank at the same point.
+    Status s = agree(gpu->StartTimeline());
     for (int i = 0; s.ok() && i < t.timeline; ++i) {
       auto lease = loader->Next();
-      if (!lease.ok() || !*lease) {
-        s = lease.ok() ? InternalError("the loader stopped") : lease.status();
-        break;
-      }
+      s = agree(!lease.ok() ? lease.status() : *lease ? OkStatus() : InternalError("the loader stopped"));
+      if (!s.ok()) break;
       auto stats = net->TrainStep(**lease, lr, c.optimizer.sgd, step++);
       auto row = stats.ok() ? gpu->LastStepTimeline(**lease) : Result<train::CudaNetwork::TimelineStep>(stats.status());
       lease->Release(net->stream());
-      if (!row.ok()) {
-        s = row.status();
-        break;
-      }
+      s = agree(row.status());
+      if (!s.ok()) break;
       timeline.push_back({row->compute_begin_ms, row->compute_end_ms, row->copy_begin_ms, row->copy_end_ms});
     }
     if (!s.ok()) timeline_error = s.ToString();
@@ -307,7 +304,14 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
                      {"compute_img_s", compute}, {"compute_runs", compute_rates}, {"e2e_img_s", end_to_end},
                      {"e2e_runs", e2e_rates}, {"data_wait_fraction", wait}};
     if (!peer_error.empty()) j["peer_error"] = peer_error;
+    if (!timeline_error.empty()) j["timeline_error"] = timeline_error;
     if (!timeline.empty()) {
+      const TimelineSummary ts = SummarizeTimeline(timeline);
+      j["timeline_summary"] = {{"copies", ts.copies},          {"during_compute", ts.during_compute},
+                               {"partly", ts.partly},          {"before", ts.before},
+                               {"idle", ts.idle},              {"where", ts.where},
+                               {"median_idle_ms", ts.median_idle_ms}, {"max_idle_ms", ts.max_idle_ms},
+                               {"median_step_ms", ts.median_step_ms}};
       nlohmann::json rows = nlohmann::json::array();
       for (const TimelineRow& r : timeline) {
         rows.push_back({{"compute_ms", {r.compute_begin_ms, r.compute_end_ms}},

@@ -200,6 +200,7 @@ class Net {
   cudaEvent_t timeline_start = nullptr;  // StartTimeline's mark
   int cur = 0;
   bool have_prev = false;
+  bool last_step_ok = false;  // the last call was a TrainStep that completed (its events are that step's)
   double last_wait = -1;
   float loss_scale = 1, last_grad_scale = 1;
   int good_steps = 0;
@@ -1863,6 +1864,7 @@ Result<BatchStats> CudaNetwork::TrainStep(const prefetch::Batch& batch, float lr
                                           int64_t step) {
   return CatchExceptions("cuda backend: training step", [&]() -> Result<BatchStats> {
     Net& net = impl_->net;
+    net.last_step_ok = false;
     STOKE_RETURN_IF_ERROR(CheckBatch(net.opt, batch, true));
     STOKE_ASSIGN_OR_RETURN(auto in, impl_->Input(batch));
     STOKE_CUDA_OK(cudaEventRecord(net.ready, net.stream));
@@ -1883,6 +1885,7 @@ Result<BatchStats> CudaNetwork::TrainStep(const prefetch::Batch& batch, float lr
     }
     net.have_prev = true;
     net.cur = 1 - net.cur;
+    net.last_step_ok = true;  // ready and done[1 - cur] are this step's
 
     BatchStats stats = impl_->Stats(batch.size * (impl_->dp ? impl_->dp->world() : 1));
     const bool overflow = net.host_stats->non_finite != 0 || !std::isfinite(stats.loss_sum);
@@ -1925,6 +1928,7 @@ Result<BatchStats> CudaNetwork::Evaluate(const prefetch::Batch& batch) {
                               net.stats.as<cuda::StepStats>(), net.row_loss.as<double>(), net.stream);
     STOKE_RETURN_IF_ERROR(impl_->Finish());
     net.have_prev = false;  // the next step's wait is not measured across an evaluation
+    net.last_step_ok = false;
     return impl_->Stats(batch.size);
   });
 }
@@ -1953,6 +1957,7 @@ Result<BatchStats> CudaNetwork::ForwardBackward(std::span<const float> input, st
     STOKE_RETURN_IF_ERROR(impl_->ForwardBackward(net.labels.as<int32_t>(), step, 1.f));
     STOKE_RETURN_IF_ERROR(impl_->Finish());
     net.have_prev = false;
+    net.last_step_ok = false;
     return impl_->Stats(n);
   });
 }
@@ -2031,6 +2036,7 @@ const std::vector<std::string>& CudaNetwork::NondeterministicSteps() const { ret
 
 Status CudaNetwork::StartTimeline() {
   Net& net = impl_->net;
+  STOKE_CUDA_OK(cudaSetDevice(net.opt.device));  // the mark lives on the network's device
   if (net.timeline_start == nullptr) STOKE_CUDA_OK(cudaEventCreate(&net.timeline_start));
   STOKE_CUDA_OK(cudaEventRecord(net.timeline_start, net.stream));
   STOKE_CUDA_OK(cudaEventSynchronize(net.timeline_start));
@@ -2040,7 +2046,9 @@ Status CudaNetwork::StartTimeline() {
 Result<CudaNetwork::TimelineStep> CudaNetwork::LastStepTimeline(const prefetch::Batch& batch) const {
   const Net& net = impl_->net;
   if (net.timeline_start == nullptr) return InvalidArgumentError("LastStepTimeline: StartTimeline() first");
-  if (!net.have_prev) return InvalidArgumentError("LastStepTimeline: no training step since the last evaluation");
+  if (!net.last_step_ok) {
+    return InvalidArgumentError("LastStepTimeline: the last call was not a training step that succeeded");
+  }
   // Milliseconds from the mark to `e` (recorded and complete: the step has been waited for).
   auto at = [&](void* e, const char* what) -> Result<double> {
     float ms = 0;
