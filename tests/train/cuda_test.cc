@@ -543,6 +543,14 @@ bool NcclMissing(const Status& s) {
   return s.code() == StatusCode::kUnavailable && (s.message().find("could not be loaded") != std::string::npos ||
                                                   s.message().find("did not find nccl.h") != std::string::npos);
 }
+// The network of `o`, averaging through `how`, attached to `dp` at a world of one; the error says
+// why not (NcclMissing: the caller skips).
+Result<std::unique_ptr<CudaNetwork>> AtAWorldOfOne(NetworkOptions o, DeviceComm how, DataParallel& dp) {
+  o.device_comm = how;
+  STOKE_ASSIGN_OR_RETURN(auto net, CudaNetwork::Create(std::move(o)));
+  STOKE_RETURN_IF_ERROR(AttachAtAWorldOfOne(*net, dp));
+  return net;
+}
 
 // The averaging path at a world of one: buckets launched while backward runs, statistics summed,
 // the wait; dividing by one rank changes nothing (the host's path converts bfloat16 to float32 and
@@ -551,12 +559,9 @@ bool NcclMissing(const Status& s) {
 void WorldOfOneChangesNothing(DeviceComm how) {
   auto comm = dist::Communicator::Single();
   DataParallel dp(*comm);
-  NetworkOptions o = Options(Cases()[3].layers, Precision::kBFloat16);
-  o.device_comm = how;
-  ASSERT_OK_AND_ASSIGN(auto with, CudaNetwork::Create(o));
-  Status attached = AttachAtAWorldOfOne(*with, dp);
-  if (NcclMissing(attached)) GTEST_SKIP() << attached.message();
-  ASSERT_OK(attached);
+  auto made = AtAWorldOfOne(Options(Cases()[3].layers, Precision::kBFloat16), how, dp);
+  if (!made.ok() && NcclMissing(made.status())) GTEST_SKIP() << made.status().message();
+  ASSERT_OK_AND_ASSIGN(auto with, std::move(made));
   ASSERT_OK_AND_ASSIGN(auto without, CudaNetwork::Create(Options(Cases()[3].layers, Precision::kBFloat16)));
   const Task task = MakeTask(2, 8, 16);
   SgdOptions sgd;
@@ -598,12 +603,9 @@ TEST(CudaDataParallel, HostStagedAtAWorldOfOneChangesNothing) {
 void NonFiniteLossSkipsTheStep(DeviceComm how) {
   auto comm = dist::Communicator::Single();
   DataParallel dp(*comm);
-  NetworkOptions o = Options(Cases()[0].layers, Precision::kBFloat16);
-  o.device_comm = how;
-  ASSERT_OK_AND_ASSIGN(auto net, CudaNetwork::Create(o));
-  Status attached = AttachAtAWorldOfOne(*net, dp);
-  if (NcclMissing(attached)) GTEST_SKIP() << attached.message();
-  ASSERT_OK(attached);
+  auto made = AtAWorldOfOne(Options(Cases()[0].layers, Precision::kBFloat16), how, dp);
+  if (!made.ok() && NcclMissing(made.status())) GTEST_SKIP() << made.status().message();
+  ASSERT_OK_AND_ASSIGN(auto net, std::move(made));
   ASSERT_OK_AND_ASSIGN(const auto start, net->State());
   auto huge = start;
   for (auto& t : huge) {
@@ -837,11 +839,9 @@ void SyncBatchNormAtAWorldOfOne(DeviceComm how) {
     DataParallel dp(*comm);
     NetworkOptions sync_opt = Options(c.layers, Precision::kFloat32);
     sync_opt.sync_batchnorm = true;
-    sync_opt.device_comm = how;
-    ASSERT_OK_AND_ASSIGN(auto with, CudaNetwork::Create(sync_opt));
-    Status attached = AttachAtAWorldOfOne(*with, dp);
-    if (NcclMissing(attached)) GTEST_SKIP() << attached.message();
-    ASSERT_OK(attached);
+    auto made = AtAWorldOfOne(sync_opt, how, dp);
+    if (!made.ok() && NcclMissing(made.status())) GTEST_SKIP() << made.status().message();
+    ASSERT_OK_AND_ASSIGN(auto with, std::move(made));
     ASSERT_OK_AND_ASSIGN(auto without, CudaNetwork::Create(Options(c.layers, Precision::kFloat32)));
     const Task task = MakeTask(2, 8, 16);
     SgdOptions sgd;
