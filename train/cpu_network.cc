@@ -753,10 +753,12 @@ class DropoutLayer final : public Layer {
     const Dims dims = md.dims();
     const Tag plain = dims.size() == 4 ? Tag::nchw : dims.size() == 2 ? Tag::nc : Tag::undef;
     if (plain != Tag::undef) {
-      plain_md_ = memory::desc(dims, kF32, plain);
-      plain_mask_ = memory(plain_md_, net.eng);
-      to_layout_.Init(plain_md_, md, net.eng);
-      if (to_layout_.needed) mask_ = to_layout_.out;  // the reorder writes the mask in place
+      const memory::desc plain_md(dims, kF32, plain);
+      to_layout_.Init(plain_md, md, net.eng);
+      if (to_layout_.needed) {
+        plain_mask_ = memory(plain_md, net.eng);
+        mask_ = to_layout_.out;  // the reorder writes the mask in place
+      }
     }
     std::memset(Data(mask_), 0, md.get_size());  // padding of blocked layouts included
     net.InitSink(sink_, in_node, md);
@@ -801,8 +803,7 @@ class DropoutLayer final : public Layer {
   double p_;
   uint64_t seed_;
   memory mask_;                 // in the activations' layout
-  memory::desc plain_md_;       // N x C x H x W or N x C
-  memory plain_mask_;           // drawn here first when the layout is not the plain one
+  memory plain_mask_;           // N x C x H x W or N x C, drawn here first when that is not the layout
   Converter to_layout_;
   DiffSink sink_;
 };

@@ -83,12 +83,8 @@ class CudaNetwork final : public Network {
   // host-to-device copy ran (the ring's timing events; NaN for a batch uploaded from the host),
   // in milliseconds from the mark. Call it while the batch is still held, right after a TrainStep
   // that succeeded; the batch must come from a loader on the network's device.
-  struct TimelineStep {
-    double compute_begin_ms = 0, compute_end_ms = 0;
-    double copy_begin_ms = 0, copy_end_ms = 0;
-  };
   Status StartTimeline();
-  Result<TimelineStep> LastStepTimeline(const prefetch::Batch& batch) const;
+  Result<StepTimeline> LastStepTimeline(const prefetch::Batch& batch) const;
 
   struct Impl;
 

@@ -94,6 +94,14 @@ std::string_view LayerAdaptationName(LayerAdaptation a);  // "sgd", "lars", "lar
 // The trust ratio of one tensor (see LayerAdaptation), from its norms; 1 when no adaptation applies.
 float TrustRatio(const SgdOptions& sgd, double weight_norm, double grad_norm, double weight_decay, float lr);
 
+// One training step on a device's clock, in milliseconds from a mark: its compute (from its batch
+// being ready to the step's end) and when its batch's host-to-device copy ran (NaN: the batch was
+// not copied by the ring). CudaNetwork::LastStepTimeline, read by `stoke bench train --timeline`.
+struct StepTimeline {
+  double compute_begin_ms = 0, compute_end_ms = 0;
+  double copy_begin_ms = 0, copy_end_ms = 0;
+};
+
 // Sums over the samples of one batch (or of several, with +=).
 struct BatchStats {
   double loss_sum = 0;  // cross-entropy (with label smoothing) summed over samples

@@ -72,8 +72,9 @@ Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c, const dist:
   if (c.backend == "cuda" || (c.backend == "auto" && gpu.ok())) {
     if (!gpu.ok()) return UnavailableError(fmt::format("backend 'cuda' was requested: {}", gpu.message()));
     if (comm) {
+      const bool share = o.device_comm == DeviceComm::kHost;
       STOKE_ASSIGN_OR_RETURN(o.device, DeviceForRank(comm->rank(), comm->local_rank(), comm->local_size(),
-                                                     prefetch::ProbeCuda().devices, c.dist.device_comm == "host"));
+                                                     prefetch::ProbeCuda().devices, share));
     }
     o.normalize.dtype = augment::DType::kFloat32;  // the device normalises; the host never does
     STOKE_ASSIGN_OR_RETURN(auto net, CudaNetwork::Create(std::move(o)));
@@ -384,7 +385,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     int64_t samples_total = 0, consecutive_skips = 0;
     BatchStats interval, epoch_stats;
     double interval_wait = 0;
-    int64_t interval_images = 0;  // images of the steps since the last log line, skipped ones included
+    int64_t interval_first_sample = 0;  // samples_total at the last log line: skipped steps count too
     auto interval_start = Clock::now();
     Status failure = OkStatus();
     while (step < summary.total_steps) {
@@ -430,7 +431,6 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
       ++step;
       wait_total += wait;
       interval_wait += wait;
-      interval_images += static_cast<int64_t>(size) * world;  // skipped steps took their time too
       samples_total += static_cast<int64_t>(size) * world;
       if (stats->skipped > 0) {
         // The loss or the averaged gradient was not finite on some rank: every rank skipped the update.
@@ -462,7 +462,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
       if (step % config.log_every_steps == 0 || epoch_end) {
         record_bad_records(*loader);
         const double secs = Seconds(Clock::now() - interval_start);
-        const double ips = secs > 0 ? static_cast<double>(interval_images) / secs : 0;
+        const double ips = secs > 0 ? static_cast<double>(samples_total - interval_first_sample) / secs : 0;
         const double wait_frac = secs > 0 ? interval_wait / secs : 0;
         // Every step of the interval skipped (float16 loss scaling settling, non-finite steps): no
         // loss to report, rather than a zero.
@@ -479,7 +479,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
                                   measured ? fmt::format("{:.4f}", interval.loss()) : std::string("n/a (skipped)"), lr,
                                   ips, world > 1 ? fmt::format(" on {} ranks", world) : "", 100 * wait_frac));
         interval = {};
-        interval_images = 0;
+        interval_first_sample = samples_total;
         interval_wait = 0;
         interval_start = Clock::now();
       }

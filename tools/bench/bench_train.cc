@@ -230,11 +230,11 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
       s = agree(!lease.ok() ? lease.status() : *lease ? OkStatus() : InternalError("the loader stopped"));
       if (!s.ok()) break;
       auto stats = net->TrainStep(**lease, lr, c.optimizer.sgd, step++);
-      auto row = stats.ok() ? gpu->LastStepTimeline(**lease) : Result<train::CudaNetwork::TimelineStep>(stats.status());
+      auto row = stats.ok() ? gpu->LastStepTimeline(**lease) : Result<train::StepTimeline>(stats.status());
       lease->Release(net->stream());
       s = agree(row.status());
       if (!s.ok()) break;
-      timeline.push_back({row->compute_begin_ms, row->compute_end_ms, row->copy_begin_ms, row->copy_end_ms});
+      timeline.push_back(*row);
     }
     if (!s.ok()) timeline_error = s.ToString();
   }

@@ -9,12 +9,11 @@
 #include <string>
 #include <vector>
 
+#include "train/network.h"
+
 namespace stoke::bench {
 
-struct TimelineRow {
-  double compute_begin_ms = 0, compute_end_ms = 0;
-  double copy_begin_ms = 0, copy_end_ms = 0;  // NaN: the batch was not copied by the ring
-};
+using TimelineRow = train::StepTimeline;
 
 struct TimelineSummary {
   int copies = 0;          // rows with a copy

@@ -60,6 +60,17 @@ Status LastLaunch(std::string_view where) {
   return rc == cudaSuccess ? OkStatus() : CudaError(rc, where);
 }
 
+// Milliseconds from `from` to `to` (both recorded and complete). A failed timing leaves no error
+// behind for the next step's launch check.
+Result<double> ElapsedMs(cudaEvent_t from, cudaEvent_t to, std::string_view what) {
+  float ms = 0;
+  if (const cudaError_t rc = cudaEventElapsedTime(&ms, from, to); rc != cudaSuccess) {
+    (void)cudaGetLastError();
+    return CudaError(rc, what);
+  }
+  return static_cast<double>(ms);
+}
+
 // Begins the error of a convolution on the padded input that cuDNN could not plan.
 constexpr std::string_view kPaddedInputUnplanned = "(conv, input padded to ";
 
@@ -199,8 +210,7 @@ class Net {
   cudaEvent_t ready = nullptr;
   cudaEvent_t timeline_start = nullptr;  // StartTimeline's mark
   int cur = 0;
-  bool have_prev = false;
-  bool last_step_ok = false;  // the last call was a TrainStep that completed (its events are that step's)
+  bool have_prev = false;  // the last call was a TrainStep that completed: ready and done[1 - cur] are its
   double last_wait = -1;
   float loss_scale = 1, last_grad_scale = 1;
   int good_steps = 0;
@@ -1048,6 +1058,12 @@ class DeviceParallel {
  protected:
   DeviceParallel(Net& net, StepSync* sync) : net_(net), sync_(sync) {}
   virtual void Launch(int bucket) = 0;
+  // Work queued on `stream` from now on starts once backward has written bucket `b`.
+  Status AfterBackward(int b, cudaStream_t stream) {
+    STOKE_CUDA_OK(cudaEventRecord(ready_[static_cast<size_t>(b)], net_.stream));
+    STOKE_CUDA_OK(cudaStreamWaitEvent(stream, ready_[static_cast<size_t>(b)], 0));
+    return OkStatus();
+  }
   // The buckets, which parameters' layers complete each, and an event per bucket.
   Status PlanBuckets() {
     std::vector<DeviceParam> params;
@@ -1218,8 +1234,7 @@ class HostStagedParallel final : public DeviceParallel {
     const Group& g = net_.groups[static_cast<size_t>(k.group)];
     unfinished_ = true;
     Status s = [&]() -> Status {
-      STOKE_CUDA_OK(cudaEventRecord(ready_[static_cast<size_t>(b)], net_.stream));
-      STOKE_CUDA_OK(cudaStreamWaitEvent(stream_, ready_[static_cast<size_t>(b)], 0));
+      STOKE_RETURN_IF_ERROR(AfterBackward(b, stream_));
       const int64_t n = k.end - k.begin;
       const void* grad = Offset(g.grad.get(), k.begin, g.grad_type);
       float* host = host_ + staged_[static_cast<size_t>(b)];
@@ -1410,13 +1425,12 @@ class NcclParallel final : public DeviceParallel {
     // What the averaging cost, from the events on the two streams (after the step: no stall);
     // once per training step (an evaluation averages nothing and would count the last step again).
     if (!std::exchange(timed_, false)) return OkStatus();
-    float comm_ms = 0, overlap_ms = 0, wait_ms = 0;
-    if (cudaEventElapsedTime(&comm_ms, start_, done_) == cudaSuccess &&
-        cudaEventElapsedTime(&overlap_ms, start_, backward_done_) == cudaSuccess &&
-        cudaEventElapsedTime(&wait_ms, backward_done_, done_) == cudaSuccess) {
-      sync_->AddDeviceCommTime(comm_ms / 1e3, std::clamp(overlap_ms, 0.f, comm_ms) / 1e3, std::max(wait_ms, 0.f) / 1e3);
-    } else {
-      (void)cudaGetLastError();  // a timing that failed is not the next step's launch error
+    const auto comm_ms = ElapsedMs(start_, done_, "averaging");
+    const auto overlap_ms = ElapsedMs(start_, backward_done_, "averaging during backward");
+    const auto wait_ms = ElapsedMs(backward_done_, done_, "averaging after backward");
+    if (comm_ms.ok() && overlap_ms.ok() && wait_ms.ok()) {
+      sync_->AddDeviceCommTime(*comm_ms / 1e3, std::clamp(*overlap_ms, 0.0, *comm_ms) / 1e3,
+                               std::max(*wait_ms, 0.0) / 1e3);
     }
     return OkStatus();
   }
@@ -1437,8 +1451,7 @@ class NcclParallel final : public DeviceParallel {
     const DeviceBucket& k = buckets_[static_cast<size_t>(b)];
     const Group& g = net_.groups[static_cast<size_t>(k.group)];
     Status s = [&]() -> Status {
-      STOKE_CUDA_OK(cudaEventRecord(ready_[static_cast<size_t>(b)], net_.stream));
-      STOKE_CUDA_OK(cudaStreamWaitEvent(stream_, ready_[static_cast<size_t>(b)], 0));
+      STOKE_RETURN_IF_ERROR(AfterBackward(b, stream_));
       if (b == 0) STOKE_CUDA_OK(cudaEventRecord(start_, stream_));
       void* p = Offset(g.grad.get(), k.begin, g.grad_type);
       const ncclDataType_t t = g.grad_type == DType::kF32   ? ncclFloat32
@@ -1864,7 +1877,8 @@ Result<BatchStats> CudaNetwork::TrainStep(const prefetch::Batch& batch, float lr
                                           int64_t step) {
   return CatchExceptions("cuda backend: training step", [&]() -> Result<BatchStats> {
     Net& net = impl_->net;
-    net.last_step_ok = false;
+    // Set again once this step has completed: until then the events are not a finished step's.
+    const bool after_a_step = std::exchange(net.have_prev, false);
     STOKE_RETURN_IF_ERROR(CheckBatch(net.opt, batch, true));
     STOKE_ASSIGN_OR_RETURN(auto in, impl_->Input(batch));
     STOKE_CUDA_OK(cudaEventRecord(net.ready, net.stream));
@@ -1874,18 +1888,12 @@ Result<BatchStats> CudaNetwork::TrainStep(const prefetch::Batch& batch, float lr
     STOKE_RETURN_IF_ERROR(impl_->Finish());
     // The device's idle time before this batch was ready: from the end of the previous step.
     const auto prev = net.done[static_cast<size_t>(1 - net.cur)];
-    float ms = 0;
     net.last_wait = -1;
-    if (net.have_prev) {
-      if (cudaEventElapsedTime(&ms, prev, net.ready) == cudaSuccess) {
-        net.last_wait = ms / 1000.0;
-      } else {
-        (void)cudaGetLastError();  // unmeasured, not the next step's launch error
-      }
+    if (after_a_step) {
+      if (const auto waited = ElapsedMs(prev, net.ready, "data-wait"); waited.ok()) net.last_wait = *waited / 1000.0;
     }
-    net.have_prev = true;
+    net.have_prev = true;  // ready and done[1 - cur] are now this step's
     net.cur = 1 - net.cur;
-    net.last_step_ok = true;  // ready and done[1 - cur] are this step's
 
     BatchStats stats = impl_->Stats(batch.size * (impl_->dp ? impl_->dp->world() : 1));
     const bool overflow = net.host_stats->non_finite != 0 || !std::isfinite(stats.loss_sum);
@@ -1928,7 +1936,6 @@ Result<BatchStats> CudaNetwork::Evaluate(const prefetch::Batch& batch) {
                               net.stats.as<cuda::StepStats>(), net.row_loss.as<double>(), net.stream);
     STOKE_RETURN_IF_ERROR(impl_->Finish());
     net.have_prev = false;  // the next step's wait is not measured across an evaluation
-    net.last_step_ok = false;
     return impl_->Stats(batch.size);
   });
 }
@@ -1957,7 +1964,6 @@ Result<BatchStats> CudaNetwork::ForwardBackward(std::span<const float> input, st
     STOKE_RETURN_IF_ERROR(impl_->ForwardBackward(net.labels.as<int32_t>(), step, 1.f));
     STOKE_RETURN_IF_ERROR(impl_->Finish());
     net.have_prev = false;
-    net.last_step_ok = false;
     return impl_->Stats(n);
   });
 }
@@ -2043,23 +2049,17 @@ Status CudaNetwork::StartTimeline() {
   return OkStatus();
 }
 
-Result<CudaNetwork::TimelineStep> CudaNetwork::LastStepTimeline(const prefetch::Batch& batch) const {
+Result<StepTimeline> CudaNetwork::LastStepTimeline(const prefetch::Batch& batch) const {
   const Net& net = impl_->net;
   if (net.timeline_start == nullptr) return InvalidArgumentError("LastStepTimeline: StartTimeline() first");
-  if (!net.last_step_ok) {
+  if (!net.have_prev) {
     return InvalidArgumentError("LastStepTimeline: the last call was not a training step that succeeded");
   }
   // Milliseconds from the mark to `e` (recorded and complete: the step has been waited for).
-  auto at = [&](void* e, const char* what) -> Result<double> {
-    float ms = 0;
-    if (const cudaError_t rc = cudaEventElapsedTime(&ms, net.timeline_start, static_cast<cudaEvent_t>(e));
-        rc != cudaSuccess) {
-      (void)cudaGetLastError();  // a timing that failed is not the next step's launch error
-      return CudaError(rc, fmt::format("timeline: {}", what));
-    }
-    return static_cast<double>(ms);
+  auto at = [&](void* e, const char* what) {
+    return ElapsedMs(net.timeline_start, static_cast<cudaEvent_t>(e), fmt::format("timeline: {}", what));
   };
-  TimelineStep t;
+  StepTimeline t;
   STOKE_ASSIGN_OR_RETURN(t.compute_begin_ms, at(net.ready, "the step's start"));
   STOKE_ASSIGN_OR_RETURN(t.compute_end_ms, at(net.done[static_cast<size_t>(1 - net.cur)], "the step's end"));
   if (batch.copy_begin_event != nullptr && batch.copy_end_event != nullptr) {
