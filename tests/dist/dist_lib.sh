@@ -104,6 +104,7 @@ kill_expect_end() {
   else
     echo "FAIL $test: exit $rc after $ms ms"
     sed 's/^/    /' "$work/$name.out" | tail -20
+    if declare -F diagnose >/dev/null; then diagnose 2>&1 | sed 's/^/    /'; fi
     failures=$((failures + 1))
   fi
 }

@@ -1,5 +1,6 @@
 # Shared by the CLI test scripts: a scratch directory and `check`, which runs a command and
 # compares its exit code and output with what a user should see. Source it after setting $stoke.
+# A script that defines `diagnose` gets its output under every failed check.
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 failures=0
@@ -14,6 +15,7 @@ check() {  # check NAME EXPECTED_RC PATTERN -- command...
   if [[ $rc -ne $want_rc ]] || ! grep -qE -- "$pattern" <<<"$out"; then
     echo "FAIL $name: exit $rc (want $want_rc), output lacks /$pattern/:"
     sed 's/^/    /' <<<"$out" | head -20
+    if declare -F diagnose >/dev/null; then diagnose 2>&1 | sed 's/^/    /'; fi
     failures=$((failures + 1))
   else
     echo "ok   $name"
