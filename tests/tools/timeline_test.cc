@@ -32,8 +32,8 @@ TEST(Timeline, EachCopyIsPlacedUnderTheStepWhoseComputeHoldsIt) {
   EXPECT_DOUBLE_EQ(s.median_step_ms, 10);
 
   const std::string text = DescribeTimeline(rows, 4);
-  EXPECT_NE(text.find("copies within a timed step's compute: 2 of 5 (partly: 1, before the first timed step: 1, "
-                      "while the device idled: 1)"),
+  EXPECT_NE(text.find("copies within a timed step's compute: 2 of the 4 made during the timed steps (partly: 1, "
+                      "while the device idled: 1); 1 already in the ring"),
             std::string::npos)
       << text;
   EXPECT_NE(text.find("... 2 more steps"), std::string::npos) << text;
@@ -44,7 +44,14 @@ TEST(Timeline, NoRowsGiveAnEmptySummary) {
   const TimelineSummary s = SummarizeTimeline({});
   EXPECT_EQ(s.copies, 0);
   EXPECT_EQ(s.median_idle_ms, 0);
-  EXPECT_NE(DescribeTimeline({}).find("0 of 0"), std::string::npos);
+  EXPECT_NE(DescribeTimeline({}).find("0 of the 0"), std::string::npos);
+}
+
+TEST(Timeline, OneStepHasNoIdleFigure) {
+  const std::vector<TimelineRow> rows = {{0, 10, 2, 3}};
+  const std::string text = DescribeTimeline(rows);
+  EXPECT_NE(text.find("device idle between steps: n/a (one step); step 10.000 ms"), std::string::npos) << text;
+  EXPECT_EQ(text.find("% idle"), std::string::npos) << text;
 }
 
 }  // namespace

@@ -59,7 +59,8 @@ TimelineSummary SummarizeTimeline(std::span<const TimelineRow> rows) {
 std::string DescribeTimeline(std::span<const TimelineRow> rows, int show) {
   const TimelineSummary s = SummarizeTimeline(rows);
   std::string out = fmt::format(
-      "  timeline, {} end-to-end steps on the device's clock (ms from the first timed step's mark):\n"
+      "  timeline, {} end-to-end steps on the device's clock (ms from the timeline's mark; a batch "
+      "copied before it is negative):\n"
       "    {:>4}  {:^21}  {:^21}  {:17}  {}\n",
       rows.size(), "step", "compute", "its batch's copy", "copy ran during", "idle before (ms)");
   for (size_t j = 0; j < rows.size() && static_cast<int>(j) < show; ++j) {
@@ -71,12 +72,21 @@ std::string DescribeTimeline(std::span<const TimelineRow> rows, int show) {
                        copy, s.where[j], j == 0 ? std::string("-") : fmt::format("{:.3f}", s.idle_ms[j - 1]));
   }
   if (static_cast<int>(rows.size()) > show) out += fmt::format("    ... {} more steps\n", rows.size() - show);
+  // The batches already in the ring when the timed steps began were copied under earlier, untimed
+  // steps: they are counted apart, not as copies that missed the compute.
   out += fmt::format(
-      "  copies within a timed step's compute: {} of {} (partly: {}, before the first timed step: {}, while the "
-      "device idled: {})\n"
-      "  device idle between steps: median {:.3f} ms, max {:.3f} ms; step {:.3f} ms (median): {:.2f}% idle\n",
-      s.during_compute, s.copies, s.partly, s.before, s.idle, s.median_idle_ms, s.max_idle_ms, s.median_step_ms,
-      s.median_step_ms + s.median_idle_ms > 0 ? 100 * s.median_idle_ms / (s.median_step_ms + s.median_idle_ms) : 0.0);
+      "  copies within a timed step's compute: {} of the {} made during the timed steps (partly: {}, while the "
+      "device idled: {}); {} already in the ring\n",
+      s.during_compute, s.copies - s.before, s.partly, s.idle, s.before);
+  if (s.idle_ms.empty()) {
+    out += fmt::format("  device idle between steps: n/a (one step); step {:.3f} ms\n", s.median_step_ms);
+  } else {
+    out += fmt::format(
+        "  device idle between steps: median {:.3f} ms, max {:.3f} ms; step {:.3f} ms (median): {:.2f}% idle\n",
+        s.median_idle_ms, s.max_idle_ms, s.median_step_ms,
+        s.median_step_ms + s.median_idle_ms > 0 ? 100 * s.median_idle_ms / (s.median_step_ms + s.median_idle_ms)
+                                                : 0.0);
+  }
   return out;
 }
 

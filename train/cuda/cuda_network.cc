@@ -2042,11 +2042,15 @@ const std::vector<std::string>& CudaNetwork::NondeterministicSteps() const { ret
 
 Status CudaNetwork::StartTimeline() {
   Net& net = impl_->net;
-  STOKE_CUDA_OK(cudaSetDevice(net.opt.device));  // the mark lives on the network's device
-  if (net.timeline_start == nullptr) STOKE_CUDA_OK(cudaEventCreate(&net.timeline_start));
-  STOKE_CUDA_OK(cudaEventRecord(net.timeline_start, net.stream));
-  STOKE_CUDA_OK(cudaEventSynchronize(net.timeline_start));
-  return OkStatus();
+  const Status s = [&]() -> Status {
+    STOKE_CUDA_OK(cudaSetDevice(net.opt.device));  // the mark lives on the network's device
+    if (net.timeline_start == nullptr) STOKE_CUDA_OK(cudaEventCreate(&net.timeline_start));
+    STOKE_CUDA_OK(cudaEventRecord(net.timeline_start, net.stream));
+    STOKE_CUDA_OK(cudaEventSynchronize(net.timeline_start));
+    return OkStatus();
+  }();
+  if (!s.ok()) (void)cudaGetLastError();  // a failed mark leaves no error for the next step's launch check
+  return s;
 }
 
 Result<StepTimeline> CudaNetwork::LastStepTimeline(const prefetch::Batch& batch) const {
@@ -2055,9 +2059,15 @@ Result<StepTimeline> CudaNetwork::LastStepTimeline(const prefetch::Batch& batch)
   if (!net.have_prev) {
     return InvalidArgumentError("LastStepTimeline: the last call was not a training step that succeeded");
   }
-  // Milliseconds from the mark to `e` (recorded and complete: the step has been waited for).
-  auto at = [&](void* e, const char* what) {
-    return ElapsedMs(net.timeline_start, static_cast<cudaEvent_t>(e), fmt::format("timeline: {}", what));
+  // Milliseconds from the mark to `e` (recorded and complete: the step has been waited for). A
+  // batch copied before the mark (already in the ring) is at a negative time: the span is also
+  // measured the other way round, should the driver refuse a span that ends before it begins.
+  auto at = [&](void* e, const char* what) -> Result<double> {
+    const auto event = static_cast<cudaEvent_t>(e);
+    auto ms = ElapsedMs(net.timeline_start, event, fmt::format("timeline: {}", what));
+    if (ms.ok()) return ms;
+    if (const auto back = ElapsedMs(event, net.timeline_start, "timeline"); back.ok()) return -*back;
+    return ms;
   };
   StepTimeline t;
   STOKE_ASSIGN_OR_RETURN(t.compute_begin_ms, at(net.ready, "the step's start"));
