@@ -97,11 +97,13 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
   STOKE_RETURN_IF_ERROR(agree(created.status()));
   auto net = std::move(*created);
   // Agreed, so that under a launcher a rank whose backend fell back to the CPU stops every rank.
-  STOKE_RETURN_IF_ERROR(agree(t.timeline > 0 && net->stream() == nullptr
-                                  ? InvalidArgumentError(fmt::format("bench train: --timeline times copies and steps "
-                                                                     "on a GPU; this run's backend is {} (backend: cuda)",
-                                                                     net->backend()))
-                                  : OkStatus()));
+  Status timeline_backend = OkStatus();
+  if (t.timeline > 0 && net->stream() == nullptr) {
+    timeline_backend = InvalidArgumentError(fmt::format(
+        "bench train: --timeline times copies and steps on a GPU; this run's backend is {} (backend: cuda)",
+        net->backend()));
+  }
+  STOKE_RETURN_IF_ERROR(agree(timeline_backend));
   train::DataParallel dp(*comm, train::ReducerOptionsFromConfig(c));
   STOKE_RETURN_IF_ERROR(agree(net->SetStepSync(&dp)));
   STOKE_RETURN_IF_ERROR(train::BroadcastState(*comm, *net));

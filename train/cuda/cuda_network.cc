@@ -40,10 +40,15 @@ using cuda::CudaError;
 using cuda::DType;
 using cuda::OpSpec;
 
-#define STOKE_CUDA_OK(call)                                          \
-  do {                                                               \
-    cudaError_t stoke_rc_ = (call);                                  \
-    if (stoke_rc_ != cudaSuccess) return CudaError(stoke_rc_, #call); \
+// A failed call is returned as a status and cleared from the thread's last error, so that the next
+// step's launch check (LastLaunch) does not report it a second time.
+#define STOKE_CUDA_OK(call)                          \
+  do {                                               \
+    cudaError_t stoke_rc_ = (call);                  \
+    if (stoke_rc_ != cudaSuccess) {                  \
+      (void)cudaGetLastError();                      \
+      return CudaError(stoke_rc_, #call);            \
+    }                                                \
   } while (0)
 
 #define STOKE_CUBLAS_OK(call, what)                                                                        \
@@ -2042,15 +2047,11 @@ const std::vector<std::string>& CudaNetwork::NondeterministicSteps() const { ret
 
 Status CudaNetwork::StartTimeline() {
   Net& net = impl_->net;
-  const Status s = [&]() -> Status {
-    STOKE_CUDA_OK(cudaSetDevice(net.opt.device));  // the mark lives on the network's device
-    if (net.timeline_start == nullptr) STOKE_CUDA_OK(cudaEventCreate(&net.timeline_start));
-    STOKE_CUDA_OK(cudaEventRecord(net.timeline_start, net.stream));
-    STOKE_CUDA_OK(cudaEventSynchronize(net.timeline_start));
-    return OkStatus();
-  }();
-  if (!s.ok()) (void)cudaGetLastError();  // a failed mark leaves no error for the next step's launch check
-  return s;
+  STOKE_CUDA_OK(cudaSetDevice(net.opt.device));  // the mark lives on the network's device
+  if (net.timeline_start == nullptr) STOKE_CUDA_OK(cudaEventCreate(&net.timeline_start));
+  STOKE_CUDA_OK(cudaEventRecord(net.timeline_start, net.stream));
+  STOKE_CUDA_OK(cudaEventSynchronize(net.timeline_start));
+  return OkStatus();
 }
 
 Result<StepTimeline> CudaNetwork::LastStepTimeline(const prefetch::Batch& batch) const {
