@@ -48,7 +48,10 @@ def main() -> None:
     lr = args.lr * args.batch_size / 256
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-5)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=args.epochs * len(loader), pct_start=0.25)
-    scaler = torch.cuda.amp.GradScaler(enabled=on_gpu and amp_dtype == torch.float16)
+    # Loss scaling for float16 only; torch.amp.GradScaler from torch 2.3, torch.cuda.amp's before.
+    use_scaler = on_gpu and amp_dtype == torch.float16
+    scaler = (torch.amp.GradScaler("cuda", enabled=use_scaler) if hasattr(torch.amp, "GradScaler")
+              else torch.cuda.amp.GradScaler(enabled=use_scaler))
 
     def prepare(batch):
         # Normalised [B, 3, H, W] channels-last images and int64 labels, already on `device`.

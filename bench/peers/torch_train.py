@@ -93,7 +93,9 @@ def main():
         net, x, y = net.cuda(), x.cuda(), y.cuda()
     amp_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(precision)
     use_amp = device == "cuda" and amp_dtype is not None
-    scaler = torch.cuda.amp.GradScaler() if use_amp and amp_dtype == torch.float16 else None
+    scaler = None
+    if use_amp and amp_dtype == torch.float16:  # torch.amp.GradScaler from torch 2.3, torch.cuda.amp's before
+        scaler = torch.amp.GradScaler("cuda") if hasattr(torch.amp, "GradScaler") else torch.cuda.amp.GradScaler()
     if a.channels_last:
         net = net.to(memory_format=torch.channels_last)
         x = x.to(memory_format=torch.channels_last)
