@@ -456,10 +456,16 @@ py::dict Pack(const std::string& source, const std::string& output, const py::di
   p.index = index == "none" ? pack::IndexMode::kNone : pack::IndexMode::kRestart;
   if (!progress.is_none()) {
     // Called on the writer thread after each commit with the records committed so far.
-    p.after_commit = [progress](int64_t records) {
+    // The options (and so this function) are copied and dropped on the pack's threads, without the
+    // GIL: they share one reference to the callable, taken and given back under the GIL.
+    std::shared_ptr<py::object> callable(new py::object(std::move(progress)), [](py::object* o) {
+      py::gil_scoped_acquire locked;
+      delete o;
+    });
+    p.after_commit = [callable](int64_t records) {
       py::gil_scoped_acquire locked;
       try {
-        progress(records);
+        (*callable)(records);
       } catch (py::error_already_set& e) {
         e.discard_as_unraisable("stoke.pack progress callback");
       }
