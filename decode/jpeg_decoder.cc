@@ -483,8 +483,9 @@ Result<DecodedRegion> JpegDecoder::DecodeRegion(std::span<const std::byte> jpeg,
     b.clear();
     if (scan < 4 || scan > jpeg.size()) return CorruptError("restart index: the scan starts outside the JPEG");
     b.insert(b.end(), jpeg.begin(), jpeg.begin() + scan);
-    // The frame header gets the assembled image's size.
-    bool patched = false;
+    // The frame header gets the assembled image's size; the first interval must start where the
+    // scan header ends.
+    bool patched = false, scan_header_ends_there = false;
     for (size_t at = 2; at + 4 <= b.size() && b[at] == std::byte{0xFF};) {
       const auto marker = static_cast<uint8_t>(b[at + 1]);
       const size_t len = (static_cast<size_t>(b[at + 2]) << 8) | static_cast<size_t>(b[at + 3]);
@@ -495,23 +496,38 @@ Result<DecodedRegion> JpegDecoder::DecodeRegion(std::span<const std::byte> jpeg,
         b[at + 8] = static_cast<std::byte>(sw & 0xFF);
         patched = true;
       }
-      if (marker == 0xDA) break;
+      if (marker == 0xDA) {
+        scan_header_ends_there = at + 2 + len == b.size();
+        break;
+      }
       at += 2 + len;
     }
     if (!patched) return CorruptError("restart index: no sequential frame header before the scan");
+    if (!scan_header_ends_there) {
+      return CorruptError(fmt::format("restart index: interval 0 is listed at {}, not where the scan header ends",
+                                      scan));
+    }
     int segment = 0;
     for (int r = r0; r < r1; ++r) {
       for (int j = j0; j < j1; ++j) {
         const size_t i = static_cast<size_t>(r) * static_cast<size_t>(per_row) + static_cast<size_t>(j);
         const uint32_t start = offsets[i];
         const bool last = i + 1 == n;
-        const uint64_t end = last ? jpeg.size() - 2 : uint64_t{offsets[i + 1]} - 2;
-        // Each interval ends at the marker that follows it: RSTn, or EOI after the last.
-        if (start < scan || end < start || end + 2 > jpeg.size() || jpeg[end] != std::byte{0xFF} ||
-            (last ? jpeg[end + 1] != std::byte{0xD9} : (static_cast<uint8_t>(jpeg[end + 1]) & 0xF8) != 0xD0)) {
-          return CorruptError(fmt::format("restart index: interval {} ({}..{}) does not match the JPEG's markers",
-                                          i, start, end));
+        const uint64_t next = last ? jpeg.size() : uint64_t{offsets[i + 1]};
+        // Interval i > 0 begins right after RST((i - 1) mod 8) and every interval ends at the marker
+        // that follows it: RST(i mod 8), or EOI after the last. Byte stuffing keeps these two bytes
+        // out of entropy-coded data, so a listed offset that is off by any number of bytes fails.
+        const auto is = [&](uint64_t at, unsigned marker) {
+          return jpeg[at] == std::byte{0xFF} && static_cast<unsigned>(jpeg[at + 1]) == marker;
+        };
+        if (start < scan || next < uint64_t{start} + 2 || next > jpeg.size() ||
+            !is(next - 2, last ? 0xD9u : 0xD0u + static_cast<unsigned>(i % 8)) ||
+            (i > 0 && !is(start - 2, 0xD0u + static_cast<unsigned>((i - 1) % 8)))) {
+          return CorruptError(fmt::format(
+              "restart index: interval {} (bytes {}..{}) does not lie between the JPEG's restart markers", i, start,
+              next));
         }
+        const uint64_t end = next - 2;
         if (segment > 0) {
           b.insert(b.end(), kPadding, std::byte{0});
           b.push_back(std::byte{0xFF});
@@ -559,11 +575,24 @@ Result<DecodedRegion> JpegDecoder::DecodeRegion(std::span<const std::byte> jpeg,
   const auto out_w_full = static_cast<int>(cinfo->output_width);
   const auto out_h_full = static_cast<int>(cinfo->output_height);
   // The region at this scale: whole output pixels that cover it.
-  JDIMENSION col0 = static_cast<JDIMENSION>(x0 / d);
-  JDIMENSION cols = static_cast<JDIMENSION>(std::min(out_w_full, (x1 + d - 1) / d)) - col0;
   const int row0 = y0 / d;
   const int row1 = std::min(out_h_full, (y1 + d - 1) / d);
-  if (cols < kCropColumnsBelow * out_w_full) {
+  // Columns are cropped with one iMCU of margin on each side: libjpeg-turbo upsamples chroma at a
+  // crop's edges as if they were the image's, so the columns next to them differ from a full
+  // decode. Never for sampling ratios other than 1 and 2, where its cropped output is wrong
+  // (seen with 4:1:0 and 2x4 sampling at scaled decodes).
+  bool croppable = true;
+  for (int c = 0; c < cinfo->num_components; ++c) {
+    const jpeg_component_info& comp = cinfo->comp_info[c];
+    const int rh = cinfo->max_h_samp_factor / comp.h_samp_factor;
+    const int rv = cinfo->max_v_samp_factor / comp.v_samp_factor;
+    croppable = croppable && rh * comp.h_samp_factor == cinfo->max_h_samp_factor && rh <= 2 &&
+                rv * comp.v_samp_factor == cinfo->max_v_samp_factor && rv <= 2;
+  }
+  const int margin = cinfo->min_DCT_scaled_size * cinfo->max_h_samp_factor;
+  JDIMENSION col0 = static_cast<JDIMENSION>(std::max(0, x0 / d - margin));
+  JDIMENSION cols = static_cast<JDIMENSION>(std::min(out_w_full, (x1 + d - 1) / d + margin)) - col0;
+  if (croppable && cols < kCropColumnsBelow * out_w_full) {
     jpeg_crop_scanline(cinfo, &col0, &cols);  // widens to the iMCU grid; updates output_width
   } else {
     col0 = 0;

@@ -123,8 +123,10 @@ class JpegDecoder {
   // Decodes `region` (clamped to the image) as RGB8 at the cheapest DCT scale (1/1, 1/2, 1/4 or
   // 1/8: the scales libjpeg-turbo has SIMD IDCTs for) that keeps the region at least
   // min_width x min_height. Rows above the region are skipped (entropy-decoded only), decoding
-  // stops after its last row, and columns are cropped to the iMCU grid when the region is
-  // narrow enough for that to pay. Strictness covers what is decoded: a region that reaches the
+  // stops after its last row, and columns are cropped to the iMCU grid, one iMCU wider than the
+  // region on each side, when the region is narrow enough for that to pay (never for sampling
+  // ratios other than 1 and 2). The pixels are bit-identical to the same region of a full decode
+  // at the same scale. Strictness covers what is decoded: a region that reaches the
   // last row is checked like a full decode; data below a region is not read at all. `out` receives the decoded block (a little larger than the
   // region: whole iMCU columns); the result says where the region lies in it. Grayscale and
   // CMYK/YCCK come out as RGB. Errors as Decode(). Reuses `out`'s capacity.
@@ -134,7 +136,11 @@ class JpegDecoder {
   // and the intervals across its columns, with one MCU of context on every side (what chroma
   // upsampling reads), assembled into a small JPEG of their own. The pixels are bit-identical to
   // the same region of a full decode at the same scale. kCorrupt when the index does not match
-  // the data.
+  // the data: the first interval must start where the scan header ends, and every interval used
+  // must start right after the restart marker before it and end at the one after it, numbers
+  // included. An index whose intervals are all whole but listed a multiple of 8 intervals away
+  // passes these checks; decode::CheckRestartIndex (`stoke inspect --verify`) finds it, and a
+  // record's CRC finds damage in storage.
   Result<DecodedRegion> DecodeRegion(std::span<const std::byte> jpeg, Region region,
                                      int min_width, int min_height, Image* out,
                                      int scale_denom = 0, const RestartIndex* index = nullptr);

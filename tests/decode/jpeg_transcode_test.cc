@@ -4,11 +4,16 @@
 // inputs), damage to the index is caught, and on the shared corpus the transcode accepts and
 // refuses exactly what validation does and keeps imagenet_like within 3% of its size.
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <random>
+#include <span>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <jpeglib.h>
 #include <turbojpeg.h>
 
 #include "decode/jpeg_decoder.h"
@@ -55,18 +60,53 @@ OwnedIndex IndexOf(const TranscodedJpeg& t, int entry_bytes = 4) {
   return o;
 }
 
-// Decodes random regions of `t` at every scale through the index and compares each with the same
-// pixels of a full decode at that scale. Returns the number of regions compared.
-int CheckCrops(const TranscodedJpeg& t, uint32_t seed, int crops_per_scale, const std::string& what) {
+// A JPEG of `image` (3 channels) whose components have the given sampling factors {h, v}, for
+// samplings TurboJPEG does not offer (4:1:0, 2x4, chroma sampled finer than luma).
+std::vector<std::byte> EncodeSampled(const Image& image, std::array<std::pair<int, int>, 3> sampling) {
+  jpeg_compress_struct c{};
+  jpeg_error_mgr err{};
+  c.err = jpeg_std_error(&err);
+  jpeg_create_compress(&c);
+  unsigned char* buf = nullptr;
+  unsigned long size = 0;
+  jpeg_mem_dest(&c, &buf, &size);
+  c.image_width = static_cast<JDIMENSION>(image.width);
+  c.image_height = static_cast<JDIMENSION>(image.height);
+  c.input_components = 3;
+  c.in_color_space = JCS_RGB;
+  jpeg_set_defaults(&c);
+  jpeg_set_quality(&c, 85, TRUE);
+  for (int k = 0; k < 3; ++k) {
+    c.comp_info[k].h_samp_factor = sampling[k].first;
+    c.comp_info[k].v_samp_factor = sampling[k].second;
+  }
+  jpeg_start_compress(&c, TRUE);
+  while (c.next_scanline < c.image_height) {
+    auto* row = const_cast<JSAMPROW>(image.row(static_cast<int>(c.next_scanline)));
+    jpeg_write_scanlines(&c, &row, 1);
+  }
+  jpeg_finish_compress(&c);
+  jpeg_destroy_compress(&c);
+  std::vector<std::byte> out(reinterpret_cast<std::byte*>(buf), reinterpret_cast<std::byte*>(buf) + size);
+  std::free(buf);
+  return out;
+}
+
+// Decodes random regions of `jpeg` at every scale, through `index` when there is one, and
+// compares each with the same pixels of a full decode at that scale. Returns the number of
+// regions compared.
+int CheckRegions(std::span<const std::byte> jpeg, const RestartIndex* index, uint32_t seed, int crops_per_scale,
+                 const std::string& what) {
   JpegDecoder decoder;
-  const OwnedIndex idx = IndexOf(t, seed % 2 ? 2 : 4);
   std::mt19937 rng(seed);
   int compared = 0;
-  const int w = t.info.width, h = t.info.height;
+  auto info = decoder.ReadHeader(jpeg);
+  EXPECT_TRUE(info.ok()) << what << ": " << info.status().ToString();
+  if (!info.ok()) return 0;
+  const int w = info->width, h = info->height;
   for (int d : {1, 2, 4, 8}) {
     Image full;
-    EXPECT_OK(decoder.Decode(t.jpeg, &full, d));
-    Image gray_as_rgb;
+    EXPECT_OK(decoder.Decode(jpeg, &full, d));
     for (int c = 0; c < crops_per_scale; ++c) {
       // Regions on the scale's grid, as prefetch asks for them (SnapToScale).
       const int x0 = static_cast<int>(rng() % static_cast<uint32_t>(w)) / d * d;
@@ -74,7 +114,7 @@ int CheckCrops(const TranscodedJpeg& t, uint32_t seed, int crops_per_scale, cons
       const int x1 = std::min(w, x0 + d * (1 + static_cast<int>(rng() % static_cast<uint32_t>((w - x0 + d - 1) / d))));
       const int y1 = std::min(h, y0 + d * (1 + static_cast<int>(rng() % static_cast<uint32_t>((h - y0 + d - 1) / d))));
       Image block;
-      auto where = decoder.DecodeRegion(t.jpeg, {x0, y0, x1 - x0, y1 - y0}, 1, 1, &block, d, &idx.index);
+      auto where = decoder.DecodeRegion(jpeg, {x0, y0, x1 - x0, y1 - y0}, 1, 1, &block, d, index);
       EXPECT_TRUE(where.ok()) << what << ": " << where.status().ToString();
       if (!where.ok()) return compared;
       EXPECT_EQ(where->scale_denom, d);
@@ -95,8 +135,8 @@ int CheckCrops(const TranscodedJpeg& t, uint32_t seed, int crops_per_scale, cons
             const uint8_t got = block.row(by)[3 * bx + ch];
             if (want != got) {
               ADD_FAILURE() << what << ": scale 1/" << d << " region " << x0 << "," << y0 << "-" << x1 << ","
-                            << y1 << ": pixel (" << x << "," << y << ") channel " << ch << " is " << int{got}
-                            << ", a full decode gives " << int{want};
+                            << y1 << (index ? " (index)" : " (no index)") << ": pixel (" << x << "," << y
+                            << ") channel " << ch << " is " << int{got} << ", a full decode gives " << int{want};
               return compared;
             }
           }
@@ -106,6 +146,12 @@ int CheckCrops(const TranscodedJpeg& t, uint32_t seed, int crops_per_scale, cons
     }
   }
   return compared;
+}
+
+// The same through the restart index of a transcoded JPEG (4- or 2-byte entries by the seed).
+int CheckCrops(const TranscodedJpeg& t, uint32_t seed, int crops_per_scale, const std::string& what) {
+  const OwnedIndex idx = IndexOf(t, seed % 2 ? 2 : 4);
+  return CheckRegions(t.jpeg, &idx.index, seed, crops_per_scale, what);
 }
 
 TEST(Transcode, KeepsEveryPixelAtEveryScale) {
@@ -246,6 +292,99 @@ TEST(Transcode, DamageToTheIndexIsCaught) {
             StatusCode::kCorrupt);
 }
 
+// Misplaced offsets in an index whose bytes are otherwise intact (its CRC would pass: a writer's
+// fault, not damage in storage): every region decode either refuses with kCorrupt or gives the
+// full decode's pixels, and the whole image, which reads every interval, is always refused.
+TEST(Transcode, AMisplacedIntervalIsRefusedNeverDecodedWrong) {
+  JpegTranscoder transcoder;
+  JpegDecoder decoder;
+  for (int subsamp : {TJSAMP_420, TJSAMP_444}) {
+    TranscodedJpeg t;
+    ASSERT_OK(transcoder.Transcode(Encode(testing::MakeImage(300, 200, 3, 7), subsamp), &t));
+    const int w = t.info.width, h = t.info.height;
+    Image full, out;
+    ASSERT_OK(decoder.Decode(t.jpeg, &full));
+    const size_t n = t.offsets.size();
+    ASSERT_GT(n, 16u);
+    int refused = 0, exact = 0;
+    auto check = [&](const OwnedIndex& idx, const std::string& what) {
+      EXPECT_EQ(decoder.DecodeRegion(t.jpeg, {0, 0, w, h}, 1, 1, &out, 1, &idx.index).status().code(),
+                StatusCode::kCorrupt)
+          << what;
+      for (int y = 0; y < h; y += 8) {
+        auto r = decoder.DecodeRegion(t.jpeg, {0, y, w, std::min(8, h - y)}, 1, 1, &out, 1, &idx.index);
+        if (!r.ok()) {
+          EXPECT_EQ(r.status().code(), StatusCode::kCorrupt) << what << ": " << r.status().ToString();
+          ++refused;
+          continue;
+        }
+        for (int yy = y; yy < std::min(h, y + 8); ++yy) {
+          const uint8_t* got = out.row(yy - y + static_cast<int>(r->y)) + 3 * static_cast<int>(r->x);
+          ASSERT_TRUE(std::equal(got, got + 3 * w, full.row(yy))) << what << ": row " << yy << " decoded wrong";
+        }
+        ++exact;
+      }
+    };
+    for (size_t i : {size_t{0}, size_t{1}, size_t{3}, size_t{8}, n / 2, n - 1}) {
+      for (int64_t moved : {-3, -2, -1, 1, 2, 3, 8}) {
+        OwnedIndex idx = IndexOf(t);
+        const uint32_t v = static_cast<uint32_t>(static_cast<int64_t>(t.offsets[i]) + moved);
+        std::memcpy(idx.bytes.data() + 4 * i, &v, 4);  // little-endian, as the format stores it
+        check(idx, fmt::format("subsampling {}: interval {} moved by {}", subsamp, i, moved));
+      }
+      for (uint32_t v : {0u, 1u, 2u}) {  // offsets before the scan (once read 2 bytes before the JPEG)
+        OwnedIndex idx = IndexOf(t);
+        std::memcpy(idx.bytes.data() + 4 * i, &v, 4);
+        check(idx, fmt::format("subsampling {}: interval {} at {}", subsamp, i, v));
+      }
+    }
+    for (size_t i : {size_t{1}, size_t{4}, n - 9}) {  // two entries swapped, one and eight apart
+      for (size_t j : {i + 1, i + 8}) {
+        OwnedIndex idx = IndexOf(t);
+        std::swap_ranges(idx.bytes.begin() + static_cast<ptrdiff_t>(4 * i),
+                         idx.bytes.begin() + static_cast<ptrdiff_t>(4 * i + 4),
+                         idx.bytes.begin() + static_cast<ptrdiff_t>(4 * j));
+        check(idx, fmt::format("subsampling {}: intervals {} and {} swapped", subsamp, i, j));
+      }
+    }
+    EXPECT_GT(refused, 0);
+    EXPECT_GT(exact, 0);
+  }
+}
+
+// Without an index (datasets packed with --index none, CMYK, format 1), a region is decoded
+// straight from the JPEG with its columns cropped: the same pixels as a full decode at the same
+// scale too, whatever the sampling, including those libjpeg-turbo cannot crop.
+TEST(RegionDecode, CropsWithoutAnIndexAreBitIdenticalToAFullDecode) {
+  int compared = 0;
+  uint32_t seed = 100;
+  for (int subsamp : {TJSAMP_444, TJSAMP_422, TJSAMP_420, TJSAMP_440, TJSAMP_411}) {
+    for (auto [w, h] : std::vector<std::pair<int, int>>{{500, 375}, {333, 211}, {45, 301}}) {
+      for (bool progressive : {false, true}) {
+        for (int channels : {3, 1}) {
+          if (channels == 1 && subsamp != TJSAMP_444) continue;
+          const std::string what = fmt::format("{}x{} subsampling {}{} channels {}", w, h, subsamp,
+                                               progressive ? " progressive" : "", channels);
+          const auto jpeg = Encode(testing::MakeImage(w, h, channels, ++seed), subsamp, progressive);
+          compared += CheckRegions(jpeg, nullptr, seed, 10, what);
+        }
+      }
+    }
+  }
+  // 4:1:0, luma 2x4, chroma sampled finer than luma.
+  for (auto sampling : std::vector<std::array<std::pair<int, int>, 3>>{
+           {{{4, 2}, {1, 1}, {1, 1}}}, {{{2, 4}, {1, 1}, {1, 1}}}, {{{1, 1}, {2, 2}, {1, 1}}}}) {
+    for (auto [w, h] : std::vector<std::pair<int, int>>{{333, 211}, {97, 45}}) {
+      const std::string what = fmt::format("{}x{} sampling {}x{},{}x{},{}x{}", w, h, sampling[0].first,
+                                           sampling[0].second, sampling[1].first, sampling[1].second,
+                                           sampling[2].first, sampling[2].second);
+      ++seed;
+      compared += CheckRegions(EncodeSampled(testing::MakeImage(w, h, 3, seed), sampling), nullptr, seed, 16, what);
+    }
+  }
+  EXPECT_GT(compared, 1000);
+}
+
 using testing::FilesUnder;
 
 TEST(TranscodeCorpus, PhotosKeepTheirPixelsAndCropsAreExactWithinThreePercentOfTheSize) {
@@ -296,7 +435,7 @@ TEST(TranscodeCorpus, EdgeFilesTranscodeLosslesslyOrStayAsTheyAre) {
   STOKE_REQUIRE_SHARED_DATA(data);
   JpegTranscoder transcoder;
   JpegDecoder decoder;
-  int transcoded = 0, kept = 0, compared = 0;
+  int transcoded = 0, kept = 0, compared = 0, direct = 0;
   for (const auto& f : FilesUnder(data / "edge")) {
     const auto jpeg = testing::ReadBytes(f);
     TranscodedJpeg t;
@@ -307,6 +446,7 @@ TEST(TranscodeCorpus, EdgeFilesTranscodeLosslesslyOrStayAsTheyAre) {
       EXPECT_EQ(s.message(), v.message()) << f;
       continue;
     }
+    direct += CheckRegions(jpeg, nullptr, static_cast<uint32_t>(direct), 6, f.string() + " (as it is)");
     if (s.code() == StatusCode::kUnavailable) {  // CMYK/YCCK: stored as they are
       ++kept;
       continue;
@@ -324,7 +464,8 @@ TEST(TranscodeCorpus, EdgeFilesTranscodeLosslesslyOrStayAsTheyAre) {
     compared += CheckCrops(t, static_cast<uint32_t>(transcoded), 6, f.string());
     ++transcoded;
   }
-  std::printf("edge: %d transcoded (%d crops compared), %d kept as they are\n", transcoded, compared, kept);
+  std::printf("edge: %d transcoded (%d crops compared), %d kept as they are; %d crops of the files as they are\n",
+              transcoded, compared, kept, direct);
   EXPECT_GT(transcoded, 80);
 }
 
