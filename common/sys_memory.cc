@@ -59,6 +59,15 @@ uint64_t CgroupMemoryLimitBytes() {
   return 0;
 }
 
+uint64_t PhysicalMemoryBytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  uint64_t physical = pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) : 0;
+  if (const uint64_t limit = CgroupMemoryLimitBytes(); limit > 0 && (physical == 0 || limit < physical)) {
+    physical = limit;
+  }
+  return physical;
+}
+
 uint64_t AvailableMemoryBytes() {
   uint64_t available = 0;
   {

@@ -14,4 +14,8 @@ uint64_t AvailableMemoryBytes();
 // The memory limit of the process's cgroup in bytes; 0 when there is none (or it is unlimited).
 uint64_t CgroupMemoryLimitBytes();
 
+// The machine's physical memory in bytes, capped by the cgroup's limit; 0 when unknown. What no
+// allocation of this process can exceed, however much is free.
+uint64_t PhysicalMemoryBytes();
+
 }  // namespace stoke

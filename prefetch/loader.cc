@@ -21,6 +21,7 @@
 #include "augment/transform.h"
 #include "common/logging.h"
 #include "common/random.h"
+#include "common/sys_memory.h"
 #include "common/tsan.h"
 #include "decode/jpeg_decoder.h"
 #include "prefetch/batch_memory.h"
@@ -480,8 +481,13 @@ namespace {
 
 Status ValidateOptions(const LoaderOptions& o) {
   if (o.batch_size <= 0) return InvalidArgumentError(fmt::format("loader: batch_size {} (expected > 0)", o.batch_size));
-  if (o.threads < 0) return InvalidArgumentError(fmt::format("loader: threads {} (expected >= 0; 0 = every core)", o.threads));
-  if (o.ring_size < 2) return InvalidArgumentError(fmt::format("loader: ring_size {} (expected >= 2)", o.ring_size));
+  if (o.threads < 0 || o.threads > kMaxLoaderThreads) {
+    return InvalidArgumentError(
+        fmt::format("loader: threads {} (expected 0 to {}; 0 = every core)", o.threads, kMaxLoaderThreads));
+  }
+  if (o.ring_size < 2 || o.ring_size > kMaxRingSize) {
+    return InvalidArgumentError(fmt::format("loader: ring_size {} (expected 2 to {})", o.ring_size, kMaxRingSize));
+  }
   if (!(o.max_skip_fraction >= 0 && o.max_skip_fraction <= 1)) {
     return InvalidArgumentError(fmt::format("loader: max_skip_fraction {} (expected 0 to 1)", o.max_skip_fraction));
   }
@@ -522,6 +528,15 @@ Result<std::unique_ptr<Loader>> Loader::Create(const dataset::Dataset& ds, Loade
   // pipeline's per-item cost.
   st->chunk = std::clamp(o.batch_size / (2 * st->threads), 1, 16);
   st->out_w = st->out_h = o.augment.out_size();
+  // The ring must fit in this machine's memory (which also keeps the sizes below from overflowing).
+  const double ring_bytes =  // pixels, then a label and an index per sample
+      (3.0 * st->out_w * st->out_h + sizeof(int32_t) + sizeof(int64_t)) * o.batch_size * o.ring_size;
+  if (const double physical = static_cast<double>(PhysicalMemoryBytes()); physical > 0 && ring_bytes > physical) {
+    return InvalidArgumentError(fmt::format(
+        "loader: a ring of {} batches of {} images of {}x{} takes {:.1f} GB, more than this machine's {:.1f} GB "
+        "(expected a smaller ring_size, batch_size or crop size)",
+        o.ring_size, o.batch_size, st->out_w, st->out_h, ring_bytes / 1e9, physical / 1e9));
+  }
   st->sample_bytes = static_cast<size_t>(st->out_w) * st->out_h * 3;
   const size_t images_bytes = detail::AlignUp(st->sample_bytes * static_cast<size_t>(o.batch_size));
   st->labels_offset = images_bytes;

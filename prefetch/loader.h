@@ -55,13 +55,18 @@ enum class DeviceMode {
   kCuda,  // GPU `device_id`; kUnavailable when there is none
 };
 
+// Bounds on a loader's options (and the trainer's data.threads and data.ring): beyond them a
+// request is a mistake, not a machine.
+inline constexpr int kMaxLoaderThreads = 4096;
+inline constexpr int kMaxRingSize = 1024;
+
 struct LoaderOptions {
   dataset::SamplerOptions sampler;  // order, shard and seed (the seed also keys augmentation)
   AugmentOptions augment;
   int batch_size = 256;          // > 0
   bool drop_last_batch = false;  // false: an epoch may end with a short batch
-  int threads = 0;               // decoding threads; 0 = every core
-  int ring_size = 4;             // batch buffers in the ring; >= 2
+  int threads = 0;               // decoding threads; 0 = every core; at most kMaxLoaderThreads
+  int ring_size = 4;             // batch buffers in the ring; 2 to kMaxRingSize
   ErrorPolicy on_error = ErrorPolicy::kSkip;
   // kSkip: the run fails once more than this fraction of an epoch's samples are distinct bad
   // records. [0, 1].

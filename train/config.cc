@@ -168,8 +168,8 @@ Status ParseData(Section& top, DataConfig& d) {
   STOKE_RETURN_IF_ERROR(s.String("train", &d.train));
   STOKE_RETURN_IF_ERROR(s.String("val", &d.val));
   STOKE_RETURN_IF_ERROR(s.Number("batch_size", &d.batch_size, 1, 65536));
-  STOKE_RETURN_IF_ERROR(s.Number("threads", &d.threads, 0, 4096));
-  STOKE_RETURN_IF_ERROR(s.Number("ring", &d.ring, 2, 1024));
+  STOKE_RETURN_IF_ERROR(s.Number("threads", &d.threads, 0, prefetch::kMaxLoaderThreads));
+  STOKE_RETURN_IF_ERROR(s.Number("ring", &d.ring, 2, prefetch::kMaxRingSize));
   STOKE_RETURN_IF_ERROR(s.String("shuffle", &d.shuffle, {"full", "block", "sequential"}));
   STOKE_RETURN_IF_ERROR(s.Number("block_size", &d.block_size, 1, 1 << 24));
   STOKE_RETURN_IF_ERROR(s.Number("window_blocks", &d.window_blocks, 1, 1 << 20));

@@ -476,6 +476,17 @@ TEST(Loader, RejectsBadOptionsByName) {
   o = SmallOptions(1);
   o.ring_size = 1;
   expect_error(o, "ring_size");
+  o.ring_size = kMaxRingSize + 1;
+  expect_error(o, "ring_size");
+  o = SmallOptions(1);
+  o.threads = kMaxLoaderThreads + 1;
+  expect_error(o, "threads");
+  // A ring larger than the machine is refused before anything is allocated (its byte count
+  // once wrapped around 64 bits here, and the ring came out far too small).
+  o = SmallOptions(1);
+  o.batch_size = 1 << 24;
+  o.augment.random.size = 1 << 20;
+  expect_error(o, "machine's");
   o = SmallOptions(1);
   o.max_skip_fraction = 2;
   expect_error(o, "max_skip_fraction");

@@ -728,6 +728,23 @@ TEST(Inspect, SummaryVerifyAndExtract) {
   EXPECT_EQ(inspect::ExtractRecord(dir / "out", 20, dir / "x.jpg").code(), StatusCode::kInvalidArgument);
 }
 
+TEST(Inspect, AVerifyStoppedEarlySaysSoAndBadThreadCountsAreRefused) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 5);
+  ASSERT_OK(Pack(Options(dir / "src", dir / "out")).status());
+  std::atomic<bool> stop{true};
+  inspect::InspectOptions io{.verify = true, .threads = 1, .progress = false, .stop = &stop};
+  auto stopped = inspect::Inspect(dir / "out", io);
+  EXPECT_EQ(stopped.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(stopped.status().message().find("stopped after 0 of 20"), std::string::npos)
+      << stopped.status().ToString();
+  stop = false;
+  ASSERT_OK_AND_ASSIGN(auto whole, inspect::Inspect(dir / "out", io));
+  EXPECT_TRUE(whole.verified);
+  io.threads = 1 << 30;
+  EXPECT_EQ(inspect::Inspect(dir / "out", io).status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(Inspect, RandomBitFlipsInTheDataFileAreCaughtOrHarmless) {
   // 1,000 copies of a packed dataset, each with one random bit of data.mdb flipped (B-tree pages,
   // meta pages, records, free space). Opening and verifying each must fail cleanly or report the

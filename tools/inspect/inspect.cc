@@ -71,6 +71,9 @@ Status VerifyRecord(const dataset::RecordView& r, decode::JpegDecoder& decoder, 
 }  // namespace
 
 Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOptions& options) {
+  if (options.threads < 0 || options.threads > 4096) {
+    return InvalidArgumentError(fmt::format("inspect: threads {} (expected 0 to 4096; 0 = every core)", options.threads));
+  }
   STOKE_ASSIGN_OR_RETURN(dataset::Dataset ds, dataset::Dataset::Open(path));
   const auto& m = ds.manifest();
   InspectReport report;
@@ -146,13 +149,15 @@ Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOp
   constexpr int64_t kChunk = 64;
   int64_t next = 0;
   int done = 0;
+  std::atomic<int64_t> checked{0};
+  auto stopping = [&] { return options.stop != nullptr && options.stop->load(); };
   auto chain =
       tbb::make_filter<void, int64_t>(tbb::filter_mode::serial_in_order,
                                       [&](tbb::flow_control& fc) -> int64_t {
                                         STOKE_TSAN_ACQUIRE(&stoke_tsan_sync_anchor);
                                         STOKE_TSAN_ACQUIRE(&next);
                                         const int64_t begin = next;
-                                        if (begin >= ds.size()) fc.stop();
+                                        if (begin >= ds.size() || stopping()) fc.stop();
                                         next += kChunk;
                                         STOKE_TSAN_RELEASE(&next);
                                         STOKE_TSAN_RELEASE(&done);
@@ -170,7 +175,8 @@ Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOp
             bad.push_back({begin, "", r.status().message()});
           }
         }
-        for (int64_t i = begin; t.reader && i < end; ++i) {
+        int64_t i = begin;
+        for (; t.reader && i < end && !stopping(); ++i) {
           auto rec = t.reader->Get(i);
           Status s = rec.ok() ? VerifyRecord(*rec, t.decoder, t.scratch) : rec.status();
           if (!s.ok()) {
@@ -178,6 +184,7 @@ Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOp
             bad.push_back({i, source.ok() ? *source : "", s.message()});
           }
         }
+        checked.fetch_add(i - begin);
         if (progress) progress->Advance(end - begin);
         STOKE_TSAN_RELEASE(&done);
       });
@@ -186,6 +193,10 @@ Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOp
   arena.execute([&] { tbb::parallel_pipeline(static_cast<size_t>(threads) * 2, chain); });
   STOKE_TSAN_ACQUIRE(&done);
   if (progress) progress->Finish();
+  if (stopping() && checked.load() < ds.size()) {
+    return UnavailableError(fmt::format("inspect: {}: verify stopped after {} of {} records", path.string(),
+                                        checked.load(), ds.size()));
+  }
   report.verified = true;
   // Verify re-checks every record, including any the summary pass already listed.
   report.bad.assign(bad.begin(), bad.end());

@@ -2,6 +2,7 @@
 // one record's payload (extract).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <filesystem>
 #include <string>
@@ -15,8 +16,10 @@ namespace stoke::inspect {
 
 struct InspectOptions {
   bool verify = false;  // check every CRC and strictly decode every record
-  int threads = 0;      // verify threads; 0 = all cores
+  int threads = 0;      // verify threads; 0 = all cores; at most 4096
   bool progress = true;
+  // Set from another thread to end a verify early: Inspect then returns kUnavailable. Not owned.
+  const std::atomic<bool>* stop = nullptr;
 };
 
 struct BadRecord {

@@ -488,11 +488,13 @@ constexpr int64_t kCommitBytes = 32ll << 20;
 
 class SplitPacker {
  public:
-  SplitPacker(const PackOptions& o, const InputSet& set, SplitJob job, int threads)
+  // `records_before`: what the pack's earlier splits hold (progress counts across splits).
+  SplitPacker(const PackOptions& o, const InputSet& set, SplitJob job, int threads, int64_t records_before)
       : o_(o),
         classes_(set.classes),
         job_(std::move(job)),
         threads_(threads),
+        records_before_(records_before),
         fingerprint_(Fingerprint(job_.inputs, classes_, o, job_.name)) {}
 
   Result<SplitSummary> Run(PackSummary& total) {
@@ -656,7 +658,7 @@ class SplitPacker {
 
   Status Commit() {
     Status s = writer_->Commit(state_.ToJson(fingerprint_));
-    if (s.ok() && o_.after_commit) o_.after_commit(writer_->committed_records());
+    if (s.ok() && o_.after_commit) o_.after_commit(records_before_ + writer_->committed_records());
     return s;
   }
 
@@ -789,6 +791,7 @@ class SplitPacker {
   const std::vector<std::string>& classes_;
   SplitJob job_;
   int threads_;
+  int64_t records_before_;
   std::string fingerprint_;
   SplitState state_;
   dataset::DatasetWriter* writer_ = nullptr;
@@ -797,7 +800,9 @@ class SplitPacker {
 
 Status ValidateOptions(const PackOptions& o) {
   if (o.output.empty()) return InvalidArgumentError("pack: no output path");
-  if (o.threads < 0) return InvalidArgumentError("pack: --threads must be >= 0");
+  if (o.threads < 0 || o.threads > 4096) {
+    return InvalidArgumentError(fmt::format("pack: --threads {} (expected 0 to 4096; 0 = every core)", o.threads));
+  }
   if (o.max_side < 0) return InvalidArgumentError("pack: --max-side must be >= 0");
   if (o.quality < 0 || o.quality > 100)
     return InvalidArgumentError("pack: --quality must be in 1..100");
@@ -906,13 +911,15 @@ Result<PackSummary> Pack(const PackOptions& options) {
   summary.classes = static_cast<int64_t>(set.classes.size());
   summary.threads = o.threads > 0 ? o.threads : tbb::info::default_concurrency();
   Status failure;
+  int64_t records = 0;
   for (auto& job : jobs) {
-    SplitPacker packer(o, set, std::move(job), summary.threads);
+    SplitPacker packer(o, set, std::move(job), summary.threads, records);
     auto split = packer.Run(summary);
     if (!split.ok()) {
       failure = split.status();
       break;
     }
+    records += split->records;
     summary.splits.push_back(*split);
   }
   summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

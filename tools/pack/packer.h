@@ -56,7 +56,8 @@ struct PackOptions {
   // Set from another thread (a signal handler) to stop at the next commit, leaving a resumable
   // partial dataset. Not owned.
   const std::atomic<bool>* stop = nullptr;
-  // Test hook, called on the writer thread after each commit with the committed record count.
+  // Called on the writer thread after each commit with the records committed so far (those of
+  // the pack's earlier splits included): progress for the Python package, and a test hook.
   std::function<void(int64_t)> after_commit;
 };
 
