@@ -222,7 +222,13 @@ class EpochLoader {
       normalize_->layout = augment::Layout::kNHWC;  // viewed as [N, 3, H, W] channels-last
       normalize_->dtype = e.dtype == "float16" ? augment::DType::kFloat16 : augment::DType::kFloat32;
     }
-    loader_ = Take(prefetch::Loader::Create(*ds_->ds, ToLoaderOptions(e)));
+    const prefetch::LoaderOptions options = ToLoaderOptions(e);
+    std::optional<Result<std::unique_ptr<prefetch::Loader>>> created;
+    {
+      py::gil_scoped_release unlocked;  // the ring's allocation can take a while
+      created.emplace(prefetch::Loader::Create(*ds_->ds, options));
+    }
+    loader_ = Take(std::move(*created));
   }
   ~EpochLoader() { Close(); }
 
@@ -236,22 +242,28 @@ class EpochLoader {
   // the slot's device memory, and the slot returns to the ring, ordered after the work queued on
   // `stream`, once the last of those views is freed. Indices stay on the host. Normalisation on
   // the device is the caller's (NormalizeOnDevice into a tensor of its own, then drop the view).
+  //
+  // close() may run while this waits (from another thread, or from a signal handler that runs in
+  // the Ctrl-C check): this call holds the loader until it returns, and then returns None.
   py::object Next(uintptr_t stream) {
-    if (!loader_) return py::none();
+    Held loader{loader_};
+    if (!loader.it) return py::none();
     while (true) {
       bool ready = false;
       {
         py::gil_scoped_release unlocked;
-        ready = loader_->WaitReady(std::chrono::milliseconds(50));
+        ready = loader.it->WaitReady(std::chrono::milliseconds(50));
       }
-      if (ready) break;
       if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+      if (loader_ != loader.it) return py::none();
+      if (ready) break;
     }
     std::optional<Result<prefetch::BatchLease>> got;
     {
       py::gil_scoped_release unlocked;
-      got.emplace(loader_->Next());
+      got.emplace(loader.it->Next());
     }
+    if (loader_ != loader.it) return py::none();  // the lease (if any) goes back as `got` goes
     Result<prefetch::BatchLease>& next = *got;
     if (!next.ok()) {
       const Status& s = next.status();
@@ -260,12 +272,14 @@ class EpochLoader {
             "stoke: every one of the loader's {} batch buffers is still in use by tensors you hold; a batch's "
             "tensors view the loader's memory until they are freed: .clone() what you keep beyond the next "
             "iteration (or pass a larger ring=)",
-            loader_->options().ring_size));
+            loader.it->options().ring_size));
       }
       Raise(s);
     }
     if (!*next) return py::none();
-    if ((*next)->device_images != nullptr) return DeviceBatch(std::move(*next), reinterpret_cast<void*>(stream));
+    if ((*next)->device_images != nullptr) {
+      return DeviceBatch(std::move(*next), reinterpret_cast<void*>(stream), loader.it->options().device_id);
+    }
     auto lease = std::make_shared<prefetch::BatchLease>(std::move(*next));
     const prefetch::Batch& b = **lease;
     const int64_t n = b.size, h = b.height, w = b.width;
@@ -299,10 +313,10 @@ class EpochLoader {
     return out;
   }
 
-  py::object DeviceBatch(prefetch::BatchLease got, void* stream) {
+  py::object DeviceBatch(prefetch::BatchLease got, void* stream, int device_id) {
     const prefetch::Batch& b = *got;
     const int64_t n = b.size, h = b.height, w = b.width;
-    const DLDevice device{kDLCUDA, loader_->options().device_id};
+    const DLDevice device{kDLCUDA, device_id};
     if (Status st = prefetch::WaitForCopy(b, stream); !st.ok()) Raise(st);
     auto shared = std::make_shared<DeviceLease>();
     shared->lease = std::move(got);
@@ -327,12 +341,14 @@ class EpochLoader {
     return out;
   }
 
-  // Stops the pipeline and joins its threads; batches still held stay valid.
+  // Stops the pipeline and joins its threads; batches still held stay valid. A next() in flight
+  // holds the loader and joins its threads as it returns.
   void Close() {
-    if (!loader_) return;
+    std::shared_ptr<prefetch::Loader> loader = std::move(loader_);
+    if (!loader) return;
     py::gil_scoped_release unlocked;
-    loader_->Stop();
-    loader_.reset();
+    loader->Stop();
+    loader.reset();
   }
 
   py::dict Stats() const {
@@ -354,9 +370,21 @@ class EpochLoader {
   }
 
  private:
+  // A next()'s reference to the loader: when it is the last one (close() ran meanwhile), the
+  // loader's threads are joined with the GIL released.
+  struct Held {
+    std::shared_ptr<prefetch::Loader> it;
+    ~Held() {
+      if (it.use_count() == 1) {
+        py::gil_scoped_release unlocked;
+        it.reset();
+      }
+    }
+  };
+
   std::shared_ptr<PyDataset> ds_;  // outlives the loader
   std::optional<augment::NormalizeOptions> normalize_;
-  std::unique_ptr<prefetch::Loader> loader_;
+  std::shared_ptr<prefetch::Loader> loader_;  // null once closed
 };
 
 // Normalises `count` uint8 HWC images of `pixels` pixels at device address `images` into `out`
@@ -380,10 +408,11 @@ void NormalizeOnDevice(uintptr_t images, int count, int64_t pixels, const std::a
 
 // Runs `fn` on a thread of its own while this (the main) thread waits with the GIL released,
 // checking for Ctrl-C: on one, `stop` is set (the work ends at its next safe point, leaving
-// resumable state) and KeyboardInterrupt is raised once it has.
+// resumable state) and KeyboardInterrupt is raised once it has. The worker holds no GIL, so
+// its result comes back as it is, to be raised (Take) here.
 template <typename T>
-T RunInterruptibly(std::atomic<bool>& stop, std::function<T()> fn) {
-  std::optional<T> result;
+Result<T> RunInterruptibly(std::atomic<bool>& stop, std::function<Result<T>()> fn) {
+  std::optional<Result<T>> result;
   std::exception_ptr error;
   std::atomic<bool> done{false};
   std::thread worker([&] {
@@ -454,6 +483,8 @@ py::dict Pack(const std::string& source, const std::string& output, const py::di
   p.on_error = on_error == "fail" ? pack::OnError::kFail : pack::OnError::kSkip;
   p.validate = validate == "pixels" ? pack::ValidateMode::kPixels : pack::ValidateMode::kCoefficients;
   p.index = index == "none" ? pack::IndexMode::kNone : pack::IndexMode::kRestart;
+  std::atomic<bool> stop{false};
+  std::optional<py::error_already_set> callback_error;  // written and read under the GIL
   if (!progress.is_none()) {
     // Called on the writer thread after each commit with the records committed so far.
     // The options (and so this function) are copied and dropped on the pack's threads, without the
@@ -462,18 +493,23 @@ py::dict Pack(const std::string& source, const std::string& output, const py::di
       py::gil_scoped_acquire locked;
       delete o;
     });
-    p.after_commit = [callable](int64_t records) {
+    // An exception it raises stops the pack at once (as Ctrl-C does: resumable) and is raised
+    // from stoke.pack.
+    p.after_commit = [callable, &callback_error, &stop](int64_t records) {
       py::gil_scoped_acquire locked;
+      if (callback_error) return;
       try {
         (*callable)(records);
       } catch (py::error_already_set& e) {
-        e.discard_as_unraisable("stoke.pack progress callback");
+        callback_error = std::move(e);
+        stop.store(true);
       }
     };
   }
-  std::atomic<bool> stop{false};
   p.stop = &stop;
-  pack::PackSummary summary = RunInterruptibly<pack::PackSummary>(stop, [&] { return Take(pack::Pack(p)); });
+  Result<pack::PackSummary> packed = RunInterruptibly<pack::PackSummary>(stop, [&] { return pack::Pack(p); });
+  if (callback_error) throw std::move(*callback_error);
+  pack::PackSummary summary = Take(std::move(packed));
   py::dict r;
   py::list splits;
   for (const auto& sp : summary.splits) {
@@ -504,9 +540,10 @@ py::list Verify(const std::string& path, int threads) {
   o.verify = true;
   o.threads = threads;
   o.progress = false;
-  std::atomic<bool> unused{false};
+  std::atomic<bool> stop{false};
+  o.stop = &stop;
   inspect::InspectReport report =
-      RunInterruptibly<inspect::InspectReport>(unused, [&] { return Take(inspect::Inspect(path, o)); });
+      Take(RunInterruptibly<inspect::InspectReport>(stop, [&] { return inspect::Inspect(path, o); }));
   py::list bad;
   for (const auto& b : report.bad) bad.append(py::make_tuple(b.index, b.source_path, b.reason));
   return bad;
@@ -552,6 +589,7 @@ PYBIND11_MODULE(_stoke, m) {
       .def_property_readonly("classes", [](const PyDataset& d) { return d.ds->manifest().classes; })
       .def_property_readonly("class_counts", [](const PyDataset& d) { return d.ds->manifest().class_counts; })
       .def_property_readonly("format_version", [](const PyDataset& d) { return d.ds->manifest().format_version; })
+      .def_property_readonly("payload_bytes", [](const PyDataset& d) { return d.ds->manifest().payload_bytes; })
       .def(
           "record",
           [](const std::shared_ptr<PyDataset>& d, int64_t i) {

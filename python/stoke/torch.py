@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Dict, Iterator, Optional, Tuple, Union
+import weakref
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 import torch.utils.dlpack
@@ -53,6 +54,16 @@ def _device_index(device: Union[str, "torch.device"]) -> int:
     return index
 
 
+def _is_count(v: Any) -> bool:
+    """An int >= 0 (not a bool, a float or a string)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _no_epoch() -> None:
+    """What Loader._current returns before the first iter() and after close()."""
+    return None
+
+
 class _Epoch:
     """The iterator of one epoch (what ``iter(loader)`` returns): exactly ``len(loader)`` batches,
     less those already handed out when resuming."""
@@ -73,7 +84,7 @@ class _Epoch:
             # The pipeline is already working on the next epoch: the next iter() picks it up. An
             # older iterator of the same pipeline (a counted loop went on with a new iter()) must
             # not move the position back.
-            if self._owner._current is self:
+            if self._owner._current() is self:
                 self._owner._position = (self.epoch + 1, 0)
             self._native = None
             raise StopIteration
@@ -93,6 +104,8 @@ class _Epoch:
         # After the epoch's last batch the pipeline is already on the next epoch: an iter() that
         # comes before this iterator's StopIteration (a loop that counts its batches) goes on with it.
         owner._position = (self.epoch, self.yielded) if self.yielded < len(owner) else (self.epoch + 1, 0)
+        if owner._current() is self:
+            owner._handed = (self.epoch, self.yielded)
         images = torch.utils.dlpack.from_dlpack(images)
         labels = torch.utils.dlpack.from_dlpack(labels)
         if owner._device >= 0:
@@ -199,7 +212,13 @@ class Loader:
         self._options = o
         self._next_epoch = 0
         self._start_batch = 0
-        self._current: Optional[_Epoch] = None
+        # The latest epoch iterator, held weakly: it holds the loader (a loop over a temporary
+        # Loader must keep it), so a strong reference back would keep a dropped loader's threads and
+        # ring alive until the cyclic garbage collector ran. What state_dict() needs of it is kept in
+        # _handed: (epoch, batches handed out), None once set_epoch or load_state_dict chose the next
+        # start.
+        self._current: Callable[[], Optional[_Epoch]] = _no_epoch
+        self._handed: Optional[Tuple[int, int]] = None
         # The running pipeline (endless: one epoch flows into the next without draining) and the
         # (epoch, batch) of the next batch it will hand out.
         self._native: Any = None
@@ -248,8 +267,11 @@ class Loader:
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next ``iter()`` runs (its order and augmentation come from the seed and it)."""
+        if not _is_count(epoch):
+            raise ValueError(f"stoke.torch.Loader.set_epoch: epoch {epoch!r}: expected an int >= 0")
         self._next_epoch = epoch
         self._start_batch = 0
+        self._handed = None
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         wanted = (self._next_epoch, self._start_batch)
@@ -261,42 +283,51 @@ class Loader:
             with self._on_device():
                 self._native = _stoke.EpochLoader(self._dataset, o)
             self._position = wanted
-        self._current = _Epoch(self, self._native, *wanted)
+        current = _Epoch(self, self._native, *wanted)
+        self._current = weakref.ref(current)
+        self._handed = wanted
         self._next_epoch, self._start_batch = wanted[0] + 1, 0
-        return self._current
+        return current
 
     def bad_records(self) -> list:
         """(record index, reason) of the records skipped since the pipeline started."""
         return self._native.bad_records() if self._native is not None else []
 
+    def _identity(self) -> Dict[str, Any]:
+        """What a state must match: the dataset (by content, not path) and the batches' order."""
+        o = self._options
+        return {"records": len(self._dataset), "classes": len(self._dataset.classes),
+                "payload_bytes": self._dataset.payload_bytes, "batch_size": o.batch_size, "seed": o.seed,
+                "world_size": o.world_size, "train": o.train, "drop_last": o.drop_last}
+
     def state_dict(self) -> Dict[str, Any]:
         """Where the loader is: the epoch and how many of its batches were handed out."""
-        if self._current is not None and self._current._native is not None:
-            epoch, batch = self._current.epoch, self._current.yielded
-        else:
-            epoch, batch = self._next_epoch, self._start_batch
-        o = self._options
-        return {"dataset": self._dataset.path, "records": len(self._dataset), "batch_size": o.batch_size,
-                "seed": o.seed, "rank": o.rank, "world_size": o.world_size, "train": o.train,
+        epoch, batch = self._handed if self._handed is not None else (self._next_epoch, self._start_batch)
+        if batch >= self._len:
+            epoch, batch = epoch + 1, 0
+        return {"dataset": self._dataset.path, "rank": self._options.rank, **self._identity(),
                 "epoch": epoch, "batch": batch}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """The next ``iter()`` resumes where ``state`` was taken. Refuses another dataset or batch."""
-        o = self._options
-        for key, mine in (("records", len(self._dataset)), ("batch_size", o.batch_size), ("seed", o.seed),
-                          ("world_size", o.world_size), ("train", o.train)):
-            if state.get(key) != mine:
+        """The next ``iter()`` resumes where ``state`` was taken. Refuses a state of another dataset
+        (records, classes, bytes), batch size, seed, world size, mode or ``drop_last``."""
+        for key, mine in self._identity().items():
+            if key not in state or state[key] != mine or type(state[key]) is not type(mine):
                 raise ValueError(f"stoke.torch.Loader.load_state_dict: the state has {key}={state.get(key)!r}, "
-                                 f"this loader {key}={mine!r} (a state of another dataset or batch size)")
-        if not 0 <= state["batch"] <= self._len:
-            raise ValueError(f"stoke.torch.Loader.load_state_dict: batch {state['batch']} is outside the "
-                             f"{self._len} batches of an epoch")
-        self._next_epoch, self._start_batch = state["epoch"], state["batch"]
+                                 f"this loader {key}={mine!r} (a state of another dataset or loader)")
+        epoch, batch = state.get("epoch"), state.get("batch")
+        if not _is_count(epoch):
+            raise ValueError(f"stoke.torch.Loader.load_state_dict: epoch {epoch!r}: expected an int >= 0")
+        if not _is_count(batch) or batch > self._len:
+            raise ValueError(f"stoke.torch.Loader.load_state_dict: batch {batch!r}: expected an int from 0 to "
+                             f"the {self._len} batches of an epoch")
+        self._next_epoch, self._start_batch = epoch, batch
         if self._start_batch == self._len:
             self._next_epoch, self._start_batch = self._next_epoch + 1, 0
+        self._handed = None
 
     def _close_native(self) -> None:
-        self._current = None
+        self._current = _no_epoch
         if self._native is not None:
             with self._on_device():
                 self._native.close()

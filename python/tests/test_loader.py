@@ -378,7 +378,7 @@ def test_pack_verify_and_progress(data, tmp_path):
                         progress=seen.append)
     assert [s["name"] for s in report["splits"]] == ["train", "val"]
     assert sum(s["records"] for s in report["splits"]) == 120 and report["bad"] == []
-    assert seen and seen[-1] > 0
+    assert seen == [120]  # one commit, at the end
     assert stoke.Dataset(str(tmp_path / "p.lmdb")).verify() == []
     bad = stoke.Dataset(data["damaged"]).verify()
     assert len(bad) == 1 and "CRC" in bad[0][2]
@@ -386,6 +386,112 @@ def test_pack_verify_and_progress(data, tmp_path):
         stoke.pack(images, str(tmp_path / "q.lmdb"), on_error="maybe")
     with pytest.raises(Exception, match="already"):
         stoke.pack(images, str(tmp_path / "p.lmdb"))  # an existing dataset is never overwritten silently
+
+
+def test_errors_of_pack_and_verify_keep_their_python_types(tmp_path):
+    # Both run on a thread of their own: their errors are raised on the caller's, with the GIL.
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        stoke.pack(str(tmp_path / "nowhere"), str(tmp_path / "out.lmdb"))
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        _stoke._verify(str(tmp_path / "nowhere.lmdb"), 1)
+    with pytest.raises(ValueError, match="threads"):
+        stoke.pack(str(tmp_path), str(tmp_path / "out.lmdb"), threads=1 << 30)
+
+
+@pytest.fixture(scope="session")
+def many_images(tmp_path_factory):
+    """4,200 small synthetic JPEGs: two splits of 2,100, a commit (every 2,048 records) in each."""
+    d = tmp_path_factory.mktemp("many")
+    subprocess.run([STOKE, "synth", str(d / "images"), "--classes", "4", "--per-class", "1050"], check=True,
+                   stdout=subprocess.DEVNULL)
+    return str(d / "images")
+
+
+def test_pack_progress_counts_records_across_splits(many_images, tmp_path):
+    seen = []
+    stoke.pack(many_images, str(tmp_path / "p.lmdb"), val_fraction=0.5, progress=seen.append)
+    assert seen == [2048, 2100 + 2048, 4200]  # train's commit, val's commit, the end
+
+
+def test_a_progress_callback_that_raises_stops_the_pack(many_images, tmp_path):
+    calls = []
+
+    def progress(records):
+        calls.append(records)
+        raise RuntimeError("enough")
+
+    with pytest.raises(RuntimeError, match="enough"):
+        stoke.pack(many_images, str(tmp_path / "p.lmdb"), val_fraction=0.5, progress=progress)
+    assert calls == [2048]  # the pack stopped at its first commit, leaving what resumes
+    assert os.path.exists(tmp_path / "p.lmdb.partial") and not os.path.exists(tmp_path / "p_val.lmdb")
+    report = stoke.pack(many_images, str(tmp_path / "p.lmdb"), val_fraction=0.5, resume=True)
+    assert [s["records"] for s in report["splits"]] == [2100, 2100]
+
+
+def test_huge_options_are_refused_not_allocated(data):
+    with pytest.raises(ValueError, match="threads"):
+        Loader(data["train"], batch_size=8, size=32, threads=2**31 - 1)
+    with pytest.raises(ValueError, match="ring_size"):
+        Loader(data["train"], batch_size=8, size=32, ring=2**31 - 1)
+    with pytest.raises(ValueError, match="machine"):  # the ring's size no longer wraps around
+        Loader(data["train"], batch_size=2**24, size=2**20)
+
+
+def test_a_dropped_loader_stops_without_the_garbage_collector(data):
+    import time
+    import weakref
+
+    gc.collect()
+    t0 = threads()
+    gc.disable()  # reference counting alone must free it
+    try:
+        loader = Loader(data["train"], batch_size=8, size=32, threads=2)
+        for b in loader:
+            break
+        del b
+        ref = weakref.ref(loader)
+        del loader
+        assert ref() is None, "a reference cycle keeps the dropped loader (and its pipeline) alive"
+        deadline = time.monotonic() + 5
+        while threads() > t0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert threads() == t0
+        # An iterator keeps its loader: a loop over a loader nobody else holds runs to the end.
+        assert sum(1 for _ in Loader(data["train"], batch_size=8, size=32, threads=2)) == 15
+    finally:
+        gc.enable()
+
+
+def test_state_dict_follows_set_epoch_and_load_state_dict(data):
+    loader = Loader(data["train"], batch_size=16, size=32, seed=9)
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    assert (loader.state_dict()["epoch"], loader.state_dict()["batch"]) == (0, 5)
+    state = loader.state_dict()
+    state["batch"] = 2
+    loader.load_state_dict(state)
+    assert (loader.state_dict()["epoch"], loader.state_dict()["batch"]) == (0, 2)
+    loader.set_epoch(3)
+    assert (loader.state_dict()["epoch"], loader.state_dict()["batch"]) == (3, 0)
+    loader.close()
+
+
+def test_load_state_dict_refuses_what_does_not_match(data, tmp_path):
+    images = os.path.join(os.path.dirname(data["train"]), "images")
+    smaller = tmp_path / "smaller.lmdb"  # the same images, recompressed: same records and classes
+    stoke.pack(images, str(smaller), quality=50)
+    state = Loader(data["train"], batch_size=16, size=32, seed=9).state_dict()
+    with pytest.raises(ValueError, match="payload_bytes"):
+        Loader(str(smaller), batch_size=16, size=32, seed=9).load_state_dict(state)
+    with pytest.raises(ValueError, match="drop_last"):
+        Loader(data["train"], batch_size=16, size=32, seed=9, drop_last=True).load_state_dict(state)
+    loader = Loader(data["train"], batch_size=16, size=32, seed=9)
+    for key, value in (("epoch", -1), ("epoch", "3"), ("batch", 2.0), ("batch", 9), ("train", 1)):
+        with pytest.raises(ValueError, match=key):
+            loader.load_state_dict({**state, key: value})
+    loader.load_state_dict(state)  # and the loader is still usable
+    assert sum(1 for _ in loader) == len(loader)
 
 
 @pytest.fixture(scope="session")
@@ -436,6 +542,56 @@ def test_ctrl_c_interrupts_a_waiting_next(slow_data):
     # The loader still works afterwards.
     with Loader(slow_data, batch_size=4, size=64, threads=1, train=False) as again:
         assert sum(b["images"].shape[0] for b in again) == 16
+
+
+@pytest.mark.parametrize("closer", ["thread", "signal handler"])
+def test_close_while_next_waits(slow_data, closer):
+    # close() from another thread, or from a signal handler that runs inside the waiting next():
+    # next() ends (None: the iteration stops) instead of using a loader that is gone.
+    import signal
+    import threading
+    import time
+
+    gc.collect()
+    t0 = threads()
+    loader = Loader(slow_data, batch_size=16, size=224, threads=1, ring=2, train=False)
+    it = iter(loader)
+    if closer == "thread":
+        timer = threading.Timer(0.1, loader.close)
+    else:
+        previous = signal.signal(signal.SIGUSR1, lambda *_: loader.close())
+        timer = threading.Timer(0.1, lambda: os.kill(os.getpid(), signal.SIGUSR1))
+    started = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(StopIteration):
+            next(it)  # the batch needs about a second of decoding: close() comes first
+    finally:
+        timer.join()
+        if closer != "thread":
+            signal.signal(signal.SIGUSR1, previous)
+    assert time.monotonic() - started < 0.6, "next() waited for the batch instead of ending at close()"
+    gc.collect()
+    assert threads() == t0, "the closed pipeline's threads were not joined"
+
+
+def test_verify_stops_on_ctrl_c(slow_data):
+    import signal
+    import threading
+    import time
+
+    ds = stoke.Dataset(slow_data)
+    started = time.monotonic()
+    assert ds.verify(threads=1) == []
+    whole = time.monotonic() - started
+    timer = threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGINT))
+    started = time.monotonic()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        ds.verify(threads=1)
+    timer.join()
+    took = time.monotonic() - started
+    assert took < 0.05 + 0.3 and took < whole, f"verify took {took:.2f} s after Ctrl-C (a whole one {whole:.2f} s)"
 
 
 def test_the_type_stub_matches_the_native_module():
