@@ -30,7 +30,9 @@ struct FdCloser {
 
 Result<std::vector<std::byte>> ReadFileBytes(const std::filesystem::path& path,
                                              size_t max_bytes) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer; it is refused below
+  // as not a regular file (and has no effect on a regular file's reads).
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return ErrnoStatus(errno, path, "open");
   FdCloser closer{fd};
   struct stat st {};

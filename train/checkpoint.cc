@@ -153,6 +153,20 @@ std::vector<std::filesystem::path> ListCheckpoints(const std::filesystem::path& 
   return out;
 }
 
+Result<int> SetAsideCheckpointsAfter(const std::filesystem::path& run_dir, int64_t step) {
+  const std::filesystem::path aside = run_dir / "checkpoints" / fmt::format("after-step-{:010}", step);
+  int moved = 0;
+  for (const auto& path : ListCheckpoints(run_dir)) {
+    if (path.filename() <= CheckpointPath(run_dir, step).filename()) continue;  // fixed-width: by step
+    std::error_code ec;
+    std::filesystem::create_directories(aside, ec);
+    if (!ec) std::filesystem::rename(path, aside / path.filename(), ec);
+    if (ec) return IoError(fmt::format("checkpoint {}: moving it to {}: {}", path.string(), aside.string(), ec.message()));
+    ++moved;
+  }
+  return moved;
+}
+
 void PruneCheckpoints(const std::filesystem::path& run_dir, int keep) {
   auto all = ListCheckpoints(run_dir);
   for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) {

@@ -70,23 +70,26 @@ class Section {
     const std::string range = fmt::format("{} in [{}, {}{}", integral ? "an integer" : "a number", lo,
                                           hi == std::numeric_limits<double>::max() ? "inf" : fmt::format("{}", hi),
                                           hi_open ? ")" : "]");
-    T value{};
+    double v = 0;  // the range is checked before narrowing to T: 4294967304 is not an int's 8
     try {
       if (!n.IsScalar()) throw YAML::Exception(n.Mark(), "not a scalar");
       if constexpr (integral) {
-        value = static_cast<T>(n.as<int64_t>());
+        v = static_cast<double>(n.as<int64_t>());
       } else {
-        value = n.as<T>();
+        v = static_cast<double>(n.as<T>());
       }
     } catch (const YAML::Exception&) {
       return Error(n, path, fmt::format("'{}' is not {}; expected {}", n.IsScalar() ? n.Scalar() : "(a list or map)",
                                         integral ? "an integer" : "a number", range));
     }
-    const auto v = static_cast<double>(value);
     if (!(v >= lo && (hi_open ? v < hi : v <= hi))) {
       return Error(n, path, fmt::format("{} is out of range; expected {}", n.Scalar(), range));
     }
-    *out = value;
+    if constexpr (integral) {
+      *out = static_cast<T>(n.as<int64_t>());
+    } else {
+      *out = n.as<T>();
+    }
     return OkStatus();
   }
 

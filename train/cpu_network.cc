@@ -1191,7 +1191,7 @@ Status CpuNetwork::LoadState(const std::vector<NamedTensor>& state) {
     wanted.emplace_back(p->name + ".momentum", std::vector<int64_t>(p->dims.begin(), p->dims.end()));
   }
   for (const auto& b : net.buffers) wanted.emplace_back(b.name, std::vector<int64_t>{static_cast<int64_t>(Floats(b.value))});
-  STOKE_ASSIGN_OR_RETURN(auto found, FindState(state, wanted));
+  STOKE_ASSIGN_OR_RETURN(auto found, FindState(state, wanted, /*exact=*/true));
   return impl_->Guard("loading the state", [&]() -> Status {
     size_t k = 0;
     for (auto& p : net.params) net.FromPlain(found[k++]->values, p->dims, p->plain, p->value);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 
 #include <fmt/format.h>
 
@@ -87,9 +88,19 @@ Status CheckBatch(const NetworkOptions& opt, const prefetch::Batch& b, bool full
 }
 
 Result<std::vector<const NamedTensor*>> FindState(
-    const std::vector<NamedTensor>& state, const std::vector<std::pair<std::string, std::vector<int64_t>>>& wanted) {
+    const std::vector<NamedTensor>& state, const std::vector<std::pair<std::string, std::vector<int64_t>>>& wanted,
+    bool exact) {
   std::map<std::string, const NamedTensor*> by_name;
   for (const auto& t : state) by_name[t.name] = &t;
+  if (exact) {
+    std::set<std::string> names;
+    for (const auto& w : wanted) names.insert(w.first);
+    for (const auto& t : state) {
+      if (!names.count(t.name)) {
+        return InvalidArgumentError(fmt::format("the state holds tensor '{}', which this model has no place for", t.name));
+      }
+    }
+  }
   std::vector<const NamedTensor*> out;
   for (const auto& [name, dims] : wanted) {
     auto it = by_name.find(name);

@@ -230,8 +230,10 @@ class Network {
 Status CheckBatch(const NetworkOptions& options, const prefetch::Batch& batch, bool full);
 
 // Checks that `state` holds every tensor in `wanted` (name, plain dims) with the right size and
-// returns them by name; kInvalidArgument naming the first missing or mis-shaped one.
+// returns them by name; kInvalidArgument naming the first missing or mis-shaped one. `exact`:
+// also refuses a tensor of `state` that `wanted` does not name (another model's state).
 Result<std::vector<const NamedTensor*>> FindState(
-    const std::vector<NamedTensor>& state, const std::vector<std::pair<std::string, std::vector<int64_t>>>& wanted);
+    const std::vector<NamedTensor>& state, const std::vector<std::pair<std::string, std::vector<int64_t>>>& wanted,
+    bool exact = false);
 
 }  // namespace stoke::train

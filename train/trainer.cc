@@ -173,6 +173,25 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
       }
       val_set.emplace(std::move(v));
     }
+    if (val_set) {
+      // Labels are indices into each dataset's own class list: the lists must agree where the
+      // validation set has labels (it may lack trailing classes).
+      const auto& train_classes = train_set->manifest().classes;
+      const auto& val_classes = val_set->manifest().classes;
+      if (val_classes.size() > train_classes.size()) {
+        return InvalidArgumentError(fmt::format("{}: data.val {} has {} classes, data.train {} only {}", config.source,
+                                                config.data.val, val_classes.size(), config.data.train,
+                                                train_classes.size()));
+      }
+      for (size_t i = 0; i < val_classes.size(); ++i) {
+        if (val_classes[i] != train_classes[i]) {
+          return InvalidArgumentError(fmt::format(
+              "{}: data.val {}: class {} is '{}', but data.train {} calls class {} '{}' (expected the same class "
+              "names in the same order)",
+              config.source, config.data.val, i, val_classes[i], config.data.train, i, train_classes[i]));
+        }
+      }
+    }
     const auto dataset_classes = static_cast<int64_t>(train_set->manifest().classes.size());
     if (dataset_classes > config.model.classes) {
       return InvalidArgumentError(fmt::format("{}: model.classes is {}, but {} has {} classes", config.source,
@@ -229,12 +248,29 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
             "checkpoint {} was taken with {} steps per epoch and seed {}; this config gives {} and seed {}",
             path.string(), ck.steps_per_epoch, ck.seed, steps_per_epoch, config.seed));
       }
+      if (const auto& have = train_set->manifest().classes; !ck.classes.empty() && ck.classes != have) {
+        size_t i = 0;
+        while (i < ck.classes.size() && i < have.size() && ck.classes[i] == have[i]) ++i;
+        const std::string differs =
+            i < ck.classes.size() && i < have.size()
+                ? fmt::format("its class {} is '{}', data.train {} calls it '{}'", i, ck.classes[i], config.data.train,
+                              have[i])
+                : fmt::format("it has {} classes, data.train {} has {}", ck.classes.size(), config.data.train,
+                              have.size());
+        return InvalidArgumentError(
+            fmt::format("checkpoint {} is of another dataset: {}", path.string(), differs));
+      }
       Status loaded = net->LoadState(ck.tensors);
       if (!loaded.ok()) {
         return InvalidArgumentError(fmt::format("checkpoint {} does not fit this model: {}", path.string(),
                                                 loaded.message()));
       }
       step = ck.step;
+      STOKE_ASSIGN_OR_RETURN(const int set_aside, SetAsideCheckpointsAfter(run_dir, step));
+      if (set_aside > 0) {
+        STOKE_LOG(WARN, "resuming at step {}: the {} later checkpoint(s) of this run_dir moved to {}", step, set_aside,
+                  (run_dir / "checkpoints" / fmt::format("after-step-{:010}", step)).string());
+      }
       STOKE_RETURN_IF_ERROR(TrimMetrics(metrics_path, step));
       STOKE_LOG(INFO, "resuming from {} at step {} (epoch {}, batch {})", path.string(), step,
                 step / steps_per_epoch, step % steps_per_epoch);

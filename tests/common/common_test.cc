@@ -1,5 +1,6 @@
 // Tests for common/: Status/Result, CRC-32C, deterministic random numbers, progress lines.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cstring>
@@ -171,6 +172,11 @@ TEST(FileUtil, ReadAndAtomicWrite) {
   EXPECT_EQ(bytes.size(), 5u);
   auto is_dir = ReadFileBytes(dir.path());
   EXPECT_EQ(is_dir.status().code(), StatusCode::kIoError);
+  // A FIFO with no writer is refused at once, not waited on.
+  ASSERT_EQ(::mkfifo((dir / "fifo").c_str(), 0600), 0);
+  auto fifo = ReadFileBytes(dir / "fifo");
+  EXPECT_EQ(fifo.status().code(), StatusCode::kIoError);
+  EXPECT_NE(fifo.status().message().find("not a regular file"), std::string::npos);
   EXPECT_EQ(HumanBytes(1500), "1.5 KB");
 }
 

@@ -1,5 +1,6 @@
 // Config parsing and its errors, schedules, checkpoints, and the training loop end to end:
 // learning, resume equivalence, refusing damaged checkpoints.
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 
@@ -106,6 +107,9 @@ TEST(Config, ErrorsNameFileLineKeyAndExpectation) {
             "run.yaml:5: model.layers[0].kernel: does not apply to a relu layer; its keys are: name, type, inputs");
   EXPECT_EQ(ErrorOf("data: {train: t}\nmodel: {preset: lenet, classes: 1}\n"),
             "run.yaml:2: model.classes: 1 is out of range; expected an integer in [2, 16777216]");
+  // Checked before it is narrowed to an int: 2^32 + 8 is not a batch of 8.
+  EXPECT_EQ(ErrorOf("data: {train: t, batch_size: 4294967304}\nmodel: {preset: lenet, classes: 4}\n"),
+            "run.yaml:1: data.batch_size: 4294967304 is out of range; expected an integer in [1, 65536]");
   EXPECT_NE(ErrorOf("data: [1, 2]\n").find("run.yaml:1: data: expected a mapping"), std::string::npos);
   EXPECT_NE(ErrorOf("data: {train: t\n").find("run.yaml:2: not valid YAML"), std::string::npos) << ErrorOf("data: {train: t\n");
   EXPECT_EQ(ErrorOf(base + "data2: 1\n").find("(parsed)"), std::string::npos);
@@ -331,6 +335,80 @@ TEST_F(TrainLoop, ResumeGivesIdenticalWeights) {
     }
     EXPECT_NEAR(b.val.loss(), full.val.loss(), 1e-12);
   }
+}
+
+TEST_F(TrainLoop, ResumingFromAnOlderCheckpointSetsTheLaterOnesAside) {
+  // The run's checkpoints at steps 16 and 24 (keep: 2); resumed from 16 and stopped at 20, the run
+  // goes on from 20: step 24 of the first run moves aside instead of staying the "latest" (or
+  // the new checkpoint being pruned at once as the oldest).
+  TrainRunOptions quiet;
+  quiet.progress = false;
+  quiet.plot = false;
+  const auto run_dir = dir_->path() / "branch";
+  ASSERT_OK(Train(Config("branch", 3), quiet).status());
+  ASSERT_EQ(ListCheckpoints(run_dir).size(), 2u);
+  TrainRunOptions branch = quiet;
+  branch.resume = CheckpointPath(run_dir, 16).string();
+  branch.max_steps = 20;
+  ASSERT_OK_AND_ASSIGN(TrainSummary b, Train(Config("branch", 3), branch));
+  EXPECT_EQ(b.checkpoint, CheckpointPath(run_dir, 20).string());
+  const auto kept = ListCheckpoints(run_dir);
+  ASSERT_EQ(kept.size(), 2u);
+  EXPECT_EQ(kept.back(), CheckpointPath(run_dir, 20));
+  EXPECT_TRUE(std::filesystem::exists(run_dir / "checkpoints/after-step-0000000016/step-0000000024.ckpt"));
+  TrainRunOptions latest = quiet;
+  latest.resume = "latest";
+  ASSERT_OK_AND_ASSIGN(TrainSummary c, Train(Config("branch", 3), latest));
+  EXPECT_EQ(c.start_step, 20);
+  EXPECT_EQ(c.steps, 24);
+}
+
+TEST_F(TrainLoop, ACheckpointOrValidationSetOfAnotherDatasetIsRefused) {
+  TrainRunOptions quiet;
+  quiet.progress = false;
+  quiet.plot = false;
+  quiet.max_steps = 2;
+  const auto run_dir = dir_->path() / "other";
+  ASSERT_OK_AND_ASSIGN(TrainSummary a, Train(Config("other", 1), quiet));
+  ASSERT_OK_AND_ASSIGN(Checkpoint ck, LoadCheckpoint(a.checkpoint));
+  TrainRunOptions resume = quiet;
+  resume.resume = "latest";
+  resume.max_steps = 3;
+  // Another dataset's class names.
+  Checkpoint renamed = ck;
+  renamed.step = 3;
+  renamed.classes[1] = "zebra";
+  ASSERT_OK(SaveCheckpoint(CheckpointPath(run_dir, 3), renamed));
+  auto r = Train(Config("other", 1), resume);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("is of another dataset: its class 1 is 'zebra'"), std::string::npos)
+      << r.status().ToString();
+  // A tensor this model has no place for (another model's state).
+  Checkpoint extra = ck;
+  extra.step = 3;
+  extra.tensors.push_back({"head.bias", {4}, std::vector<float>(4, 0.f)});
+  ASSERT_OK(SaveCheckpoint(CheckpointPath(run_dir, 3), extra));
+  r = Train(Config("other", 1), resume);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("'head.bias', which this model has no place for"), std::string::npos)
+      << r.status().ToString();
+  // A validation set whose labels name other classes.
+  const auto images = dir_->path() / "renamed_images";
+  std::filesystem::copy(dir_->path() / "images", images, std::filesystem::copy_options::recursive);
+  std::vector<std::filesystem::path> folders;
+  for (const auto& e : std::filesystem::directory_iterator(images)) folders.push_back(e.path());
+  std::sort(folders.begin(), folders.end());
+  std::filesystem::rename(folders[1], images / "zebra");
+  pack::PackOptions po;
+  po.source = images;
+  po.output = dir_->path() / "renamed.lmdb";
+  po.progress = false;
+  ASSERT_OK(pack::Pack(po).status());
+  TrainConfig c = Config("renamed_val", 1);
+  c.data.val = (dir_->path() / "renamed.lmdb").string();
+  r = Train(c, quiet);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("renamed.lmdb: class 1 is"), std::string::npos) << r.status().ToString();
 }
 
 TEST_F(TrainLoop, TensorBoardEventsHoldTheMetricsAcrossAResume) {

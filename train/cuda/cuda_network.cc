@@ -2013,7 +2013,7 @@ Status CudaNetwork::LoadState(const std::vector<NamedTensor>& state) {
     for (const auto& p : net.params) wanted.emplace_back(p.name, p.dims);
     for (const auto& p : net.params) wanted.emplace_back(p.name + ".momentum", p.dims);
     for (const auto& r : net.running) wanted.emplace_back(r->name, std::vector<int64_t>{r->c});
-    STOKE_ASSIGN_OR_RETURN(auto found, FindState(state, wanted));
+    STOKE_ASSIGN_OR_RETURN(auto found, FindState(state, wanted, /*exact=*/true));
     size_t k = 0;
     for (const auto& p : net.params) {
       STOKE_RETURN_IF_ERROR(impl_->Upload(p, found[k++]->values, net.groups[p.group].master.as<float>()));
