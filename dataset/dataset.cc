@@ -78,6 +78,9 @@ Result<Dataset> Dataset::Open(const std::filesystem::path& path) {
   const std::string where = "dataset: " + path.string();
   std::error_code ec;
   auto st = std::filesystem::status(path, ec);
+  if (ec && ec != std::errc::no_such_file_or_directory) {
+    return IoError(fmt::format("{}: {}", where, ec.message()));  // e.g. a folder this user cannot enter
+  }
   if (!std::filesystem::exists(st)) return NotFoundError(where + ": no such file or directory");
   unsigned flags = MDB_RDONLY | MDB_NOTLS | MDB_NOLOCK;
   std::filesystem::path data_file = path;
@@ -91,6 +94,8 @@ Result<Dataset> Dataset::Open(const std::filesystem::path& path) {
   }
   const auto file_bytes = std::filesystem::file_size(data_file, ec);
   if (ec) return IoError(fmt::format("{}: {}", where, ec.message()));
+  // LMDB takes an empty file for a new environment and would try to write its first pages.
+  if (file_bytes == 0) return CorruptError(fmt::format("{}: the data file {} is empty", where, data_file.string()));
 
   Dataset d;
   d.path_ = path;

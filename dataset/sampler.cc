@@ -30,6 +30,11 @@ Result<Sampler> Sampler::Create(int64_t num_records, SamplerOptions o) {
   if (o.block_size <= 0 || o.window_blocks <= 0) {
     return InvalidArgumentError("sampler: block_size and window_blocks must be > 0");
   }
+  // A block larger than the dataset is the whole dataset, and a window of more blocks than there
+  // are is all of them: clamped, the order is the same and block_size * window_blocks fits.
+  const int64_t all = std::max<int64_t>(1, num_records);
+  o.block_size = std::min(o.block_size, all);
+  o.window_blocks = std::min(o.window_blocks, (all + o.block_size - 1) / o.block_size);
   const int64_t world = o.world_size;
   int64_t per_rank = 0;
   switch (o.sharding) {

@@ -54,6 +54,9 @@ class Sampler {
 
   // This rank's records per epoch (equal on every rank, except with Sharding::kExact).
   int64_t samples_per_rank() const { return per_rank_; }
+  // The options in effect: block_size and window_blocks clamped to the record count (the same
+  // order as the unclamped values, which could overflow).
+  const SamplerOptions& options() const { return options_; }
   // This rank's record indices for `epoch`, in visiting order.
   std::vector<int64_t> Epoch(int64_t epoch) const;
   // The whole epoch order before sharding (n records, a permutation of [0, n)).

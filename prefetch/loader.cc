@@ -515,6 +515,10 @@ Result<std::unique_ptr<Loader>> Loader::Create(const dataset::Dataset& ds, Loade
   st->batches_per_epoch = o.drop_last_batch ? st->per_epoch / o.batch_size
                                             : (st->per_epoch + o.batch_size - 1) / o.batch_size;
   if (st->batches_per_epoch == 0) {
+    if (st->per_epoch == 0) {
+      return InvalidArgumentError(fmt::format("loader: {}: its {} records leave rank {} of {} no sample",
+                                              ds.path().string(), ds.size(), o.sampler.rank, o.sampler.world_size));
+    }
     return InvalidArgumentError(fmt::format(
         "loader: {}: {} samples per epoch make no batch of {} with drop_last_batch",
         ds.path().string(), st->per_epoch, o.batch_size));

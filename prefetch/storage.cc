@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -142,6 +144,7 @@ struct StorageStage::State {
   // cache never needs them. Joined after the scheduler.
   std::vector<std::thread> io;
   int io_count = 0;
+  bool io_refused = false;  // the system refused a thread: do not ask again (scheduler only)
 
   std::atomic<int64_t> bytes_read{0}, read_calls{0}, buffered{0}, mapped{0}, direct{0}, wait_ns{0};
   // Starvation advice: wait_ns at the start of the current window.
@@ -338,14 +341,33 @@ struct StorageStage::State {
           continue;
         }
       }
-      if (io.empty()) {
-        for (int i = 0; i < io_count; ++i) io.emplace_back([this] { ReadPieces(); });
+      if (io.empty() && !io_refused) StartIo();
+      if (io.empty()) {  // no I/O thread could start: this segment's records go the reader's way
+        for (Piece& p : s->pieces) p.failed = true;
+        std::lock_guard lock(mu);
+        s->pending = 0;
+        Finish(*s);
+        s->pieces.clear();
+        cv.notify_all();
+        continue;
       }
       {
         std::lock_guard lock(io_mu);
         for (Piece& p : s->pieces) io_queue.push_back(&p);
       }
       io_cv.notify_all();
+    }
+  }
+
+  // Starts the I/O threads; as many as the system lets this process have (thread limits, memory
+  // for stacks), with a warning when that is fewer than asked.
+  void StartIo() {
+    try {
+      for (int i = 0; i < io_count; ++i) io.emplace_back([this] { ReadPieces(); });
+    } catch (const std::system_error& e) {
+      io_refused = true;
+      STOKE_LOG(WARN, "loader: storage stage: started {} of {} I/O threads ({}){}", io.size(), io_count, e.what(),
+                io.empty() ? "; records are read through the map" : "");
     }
   }
 
@@ -432,12 +454,16 @@ Result<std::unique_ptr<StorageStage>> StorageStage::Create(const dataset::Datase
   st->o = o;
   STOKE_ASSIGN_OR_RETURN(st->extents, ds.RecordExtents());
 
+  // The mean record from the records' own extents (the manifest's payload_bytes is not checked
+  // against the data, and an absurd value there made an absurd budget).
   const int64_t records = std::max<int64_t>(1, ds.size());
-  const double mean = static_cast<double>(ds.manifest().payload_bytes + dataset::kRecordHeaderSize * records) /
-                      static_cast<double>(records);
+  uint64_t stored = 0;
+  for (const auto& e : st->extents) stored += e.size;
+  const double mean = std::max(1.0, static_cast<double>(stored) / static_cast<double>(records));
   const bool block = so.mode == dataset::ShuffleMode::kBlock;
+  const dataset::SamplerOptions& clamped = sampler.options();  // block options fit the dataset
   int64_t segment = o.segment_positions > 0 ? o.segment_positions
-                    : block                 ? so.block_size * so.window_blocks
+                    : block                 ? clamped.block_size * clamped.window_blocks
                                             : kDefaultSegment;
   segment = std::min(segment, plan.positions_per_epoch);
   // A segment's buffer also holds its records' headers, the LMDB pages between them and merged
@@ -454,7 +480,7 @@ Result<std::unique_ptr<StorageStage>> StorageStage::Create(const dataset::Datase
     return InvalidArgumentError(fmt::format(
         "loader: data.io.memory_mb {} cannot hold one block-shuffle window of {} records ({} blocks of {} records "
         "of {:.0f} KB on average, {:.0f} MB); raise data.io.memory_mb or lower data.window_blocks or data.block_size",
-        budget >> 20, segment, so.window_blocks, so.block_size, mean / 1024, segment_bytes / (1 << 20)));
+        budget >> 20, segment, clamped.window_blocks, clamped.block_size, mean / 1024, segment_bytes / (1 << 20)));
   }
   if (block && o.memory_bytes > 0 && static_cast<double>(budget) < 3 * segment_bytes) {
     STOKE_LOG(WARN,
@@ -464,7 +490,7 @@ Result<std::unique_ptr<StorageStage>> StorageStage::Create(const dataset::Datase
   }
   if (!block && o.segment_positions == 0 && static_cast<double>(budget) < 2 * segment_bytes) {
     // A smaller segment still reads ahead; full-shuffle reads are one request per record anyway.
-    segment = std::clamp<int64_t>(static_cast<int64_t>(static_cast<double>(budget) / (2 * mean)), 64, segment);
+    segment = std::min(segment, std::max<int64_t>(64, static_cast<int64_t>(static_cast<double>(budget) / (2 * mean))));
   }
   st->segment = segment;
   st->budget = budget;
@@ -476,7 +502,17 @@ Result<std::unique_ptr<StorageStage>> StorageStage::Create(const dataset::Datase
   st->drop = o.cache == StorageOptions::Cache::kDrop ||
              (o.cache == StorageOptions::Cache::kAuto && available > 0 && ds.map().size() > available / 2);
 
-  st->use_map = o.use_map_when_resident && !st->drop;
+  // mincore() answers for a file's pages only to a process that owns the file or may write it
+  // (Linux 5.0 on): to others it reports every page resident, and nothing would be read ahead.
+  struct stat file {};
+  const bool residency_known = ::stat(ds.data_file().c_str(), &file) == 0 &&
+                               (file.st_uid == ::geteuid() || ::geteuid() == 0 ||
+                                ::access(ds.data_file().c_str(), W_OK) == 0);
+  if (!residency_known) {
+    STOKE_LOG(DEBUG, "loader: {} is not this user's to write: the page cache cannot be asked which records it holds, "
+              "so every record is read ahead", ds.data_file().string());
+  }
+  st->use_map = o.use_map_when_resident && !st->drop && residency_known;
   st->fd = ::open(ds.data_file().c_str(), O_RDONLY | O_CLOEXEC);
   if (st->drop) st->direct_fd = ::open(ds.data_file().c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
   if (st->fd < 0) {

@@ -384,6 +384,10 @@ TEST(Dataset, GarbageFileIsRejectedCleanly) {
     ASSERT_FALSE(r.ok());
     EXPECT_NE(r.status().message().find(dir.path().string()), std::string::npos)
         << r.status().ToString();
+    if (size == 0) {  // once "open: Bad file descriptor" (LMDB took it for a new environment)
+      EXPECT_EQ(r.status().code(), StatusCode::kCorrupt) << r.status().ToString();
+      EXPECT_NE(r.status().message().find("is empty"), std::string::npos) << r.status().ToString();
+    }
     // Also as a bare file path.
     auto f = Dataset::Open(dir / "g" / "data.mdb");
     EXPECT_FALSE(f.ok());
@@ -502,6 +506,28 @@ TEST(Sampler, BlockShuffleKeepsReadsLocal) {
     for (size_t i = start; i < start + 128; ++i) blocks.insert(order[i] / 32);
     EXPECT_LE(blocks.size(), 4u);
   }
+}
+
+TEST(Sampler, HugeBlocksAndWindowsAreTheWholeDatasetNotAnOverflow) {
+  // block_size * window_blocks once overflowed: a crash in the shuffle, a window of 0 that never
+  // advanced. Clamped to the dataset, they give the order their values mean.
+  const SamplerOptions whole{.mode = ShuffleMode::kBlock, .seed = 5, .block_size = 100, .window_blocks = 1};
+  ASSERT_OK_AND_ASSIGN(Sampler want, Sampler::Create(100, whole));
+  for (auto [bs, wb] : std::vector<std::pair<int64_t, int64_t>>{
+           {int64_t{1} << 32, int64_t{1} << 32}, {INT64_MAX, 1}, {100, INT64_MAX}, {101, 7}}) {
+    SamplerOptions o = whole;
+    o.block_size = bs;
+    o.window_blocks = wb;
+    ASSERT_OK_AND_ASSIGN(Sampler s, Sampler::Create(100, o));
+    EXPECT_EQ(s.Epoch(3), want.Epoch(3)) << bs << " x " << wb;
+    EXPECT_EQ(s.options().block_size, 100);
+    EXPECT_EQ(s.options().window_blocks, 1);
+  }
+  // Values that fit are left as they are (the order of existing runs does not change).
+  SamplerOptions fits{.mode = ShuffleMode::kBlock, .seed = 5, .block_size = 8, .window_blocks = 3};
+  ASSERT_OK_AND_ASSIGN(Sampler a, Sampler::Create(100, fits));
+  EXPECT_EQ(a.options().block_size, 8);
+  EXPECT_EQ(a.options().window_blocks, 3);
 }
 
 TEST(Sampler, ShardsAreDisjointEqualAndCoverTheEpoch) {
