@@ -219,6 +219,8 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
 
   // ---- where the run starts: rank 0 reads the checkpoint, every rank gets its step and state
   int64_t step = 0;
+  // What the log lines average: the interval's and the epoch's sums (restored by --resume).
+  BatchStats interval, epoch_stats;
   std::ofstream metrics;
   std::unique_ptr<EventWriter> events;
   Status start = [&]() -> Status {
@@ -266,6 +268,14 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
                                                 loaded.message()));
       }
       step = ck.step;
+      auto restore = [](const RunningSums& r, BatchStats* b) {
+        b->loss_sum = r.loss_sum;
+        b->top1 = r.top1;
+        b->top5 = r.top5;
+        b->count = r.count;
+      };
+      restore(ck.interval, &interval);
+      restore(ck.epoch, &epoch_stats);
       STOKE_ASSIGN_OR_RETURN(const int set_aside, SetAsideCheckpointsAfter(run_dir, step));
       if (set_aside > 0) {
         STOKE_LOG(WARN, "resuming at step {}: the {} later checkpoint(s) of this run_dir moved to {}", step, set_aside,
@@ -388,9 +398,11 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     Status written = [&]() -> Status {
       if (!lead) return OkStatus();
       STOKE_ASSIGN_OR_RETURN(auto tensors, net->State());
+      auto sums = [](const BatchStats& b) { return RunningSums{b.loss_sum, b.top1, b.top5, b.count}; };
       Checkpoint ck{.step = step, .steps_per_epoch = steps_per_epoch, .seed = config.seed,
                     .backend = summary.backend, .config_yaml = config_yaml,
-                    .classes = train_set->manifest().classes, .tensors = std::move(tensors)};
+                    .classes = train_set->manifest().classes, .tensors = std::move(tensors),
+                    .interval = sums(interval), .epoch = sums(epoch_stats)};
       const auto path = CheckpointPath(run_dir, step);
       STOKE_RETURN_IF_ERROR(SaveCheckpoint(path, ck));
       PruneCheckpoints(run_dir, config.checkpoint.keep);
@@ -419,7 +431,6 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     const auto loop_start = Clock::now();
     double wait_total = 0;
     int64_t samples_total = 0, consecutive_skips = 0;
-    BatchStats interval, epoch_stats;
     double interval_wait = 0;
     int64_t interval_first_sample = 0;  // samples_total at the last log line: skipped steps count too
     auto interval_start = Clock::now();

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <tuple>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -265,6 +266,20 @@ log_every_steps: 3
     return ck.ok() ? ck->tensors : std::vector<NamedTensor>{};
   }
 
+  // (type, step, loss, top-1) of every train, epoch and val line of a metrics file.
+  static std::vector<std::tuple<std::string, int64_t, double, double>> LossLines(const std::filesystem::path& path) {
+    std::vector<std::tuple<std::string, int64_t, double, double>> out;
+    std::ifstream in(path);
+    std::string line;
+    while (std::getline(in, line)) {
+      const auto j = nlohmann::json::parse(line);
+      const std::string type = j.value("type", "");
+      if (type != "train" && type != "epoch" && type != "val") continue;
+      out.emplace_back(type, j.value("step", int64_t{-1}), j.value("loss", -1.0), j.value("top1", -1.0));
+    }
+    return out;
+  }
+
   static testing::TempDir* dir_;
 };
 testing::TempDir* TrainLoop::dir_ = nullptr;
@@ -334,6 +349,10 @@ TEST_F(TrainLoop, ResumeGivesIdenticalWeights) {
       EXPECT_EQ(got[i].values, want[i].values) << name << ": " << want[i].name << " differs";
     }
     EXPECT_NEAR(b.val.loss(), full.val.loss(), 1e-12);
+    // The metrics too: the lines after the resume average the steps before it as well (the
+    // interval's and the epoch's sums travel in the checkpoint).
+    EXPECT_EQ(LossLines(dir_->path() / name / "metrics.jsonl"), LossLines(dir_->path() / "full/metrics.jsonl"))
+        << name;
   }
 }
 
