@@ -163,8 +163,12 @@ std::vector<std::filesystem::path> ListCheckpoints(const std::filesystem::path& 
   return out;
 }
 
-Result<int> SetAsideCheckpointsAfter(const std::filesystem::path& run_dir, int64_t step) {
-  const std::filesystem::path aside = run_dir / "checkpoints" / fmt::format("after-step-{:010}", step);
+Result<std::filesystem::path> SetAsideCheckpointsAfter(const std::filesystem::path& run_dir, int64_t step) {
+  // A folder of its own each time (a second resume from the same step sets aside another run).
+  std::filesystem::path aside = run_dir / "checkpoints" / fmt::format("after-step-{:010}", step);
+  for (int n = 2; std::filesystem::exists(aside); ++n) {
+    aside = run_dir / "checkpoints" / fmt::format("after-step-{:010}.{}", step, n);
+  }
   int moved = 0;
   for (const auto& path : ListCheckpoints(run_dir)) {
     if (path.filename() <= CheckpointPath(run_dir, step).filename()) continue;  // fixed-width: by step
@@ -174,7 +178,7 @@ Result<int> SetAsideCheckpointsAfter(const std::filesystem::path& run_dir, int64
     if (ec) return IoError(fmt::format("checkpoint {}: moving it to {}: {}", path.string(), aside.string(), ec.message()));
     ++moved;
   }
-  return moved;
+  return moved > 0 ? aside : std::filesystem::path();
 }
 
 void PruneCheckpoints(const std::filesystem::path& run_dir, int keep) {

@@ -57,8 +57,9 @@ std::vector<std::filesystem::path> ListCheckpoints(const std::filesystem::path& 
 // Removes all but the newest `keep` checkpoints.
 void PruneCheckpoints(const std::filesystem::path& run_dir, int keep);
 // A run resumed from an older checkpoint at `step` goes another way than the one that wrote the
-// later checkpoints: those move to run_dir/checkpoints/after-step-<step>/ (kept, not deleted), so
-// that pruning and `--resume latest` see only the run that goes on. Returns how many moved.
-Result<int> SetAsideCheckpointsAfter(const std::filesystem::path& run_dir, int64_t step);
+// later checkpoints: those move to run_dir/checkpoints/after-step-<step>/ (.2, .3, ... when that
+// exists; kept, not deleted), so that pruning and `--resume latest` see only the run that goes
+// on. Returns that folder, or an empty path when nothing moved.
+Result<std::filesystem::path> SetAsideCheckpointsAfter(const std::filesystem::path& run_dir, int64_t step);
 
 }  // namespace stoke::train

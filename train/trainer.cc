@@ -276,10 +276,9 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
       };
       restore(ck.interval, &interval);
       restore(ck.epoch, &epoch_stats);
-      STOKE_ASSIGN_OR_RETURN(const int set_aside, SetAsideCheckpointsAfter(run_dir, step));
-      if (set_aside > 0) {
-        STOKE_LOG(WARN, "resuming at step {}: the {} later checkpoint(s) of this run_dir moved to {}", step, set_aside,
-                  (run_dir / "checkpoints" / fmt::format("after-step-{:010}", step)).string());
+      STOKE_ASSIGN_OR_RETURN(const auto set_aside, SetAsideCheckpointsAfter(run_dir, step));
+      if (!set_aside.empty()) {
+        STOKE_LOG(WARN, "resuming at step {}: this run_dir's later checkpoints moved to {}", step, set_aside.string());
       }
       STOKE_RETURN_IF_ERROR(TrimMetrics(metrics_path, step));
       STOKE_LOG(INFO, "resuming from {} at step {} (epoch {}, batch {})", path.string(), step,

@@ -380,6 +380,13 @@ TEST_F(TrainLoop, ResumingFromAnOlderCheckpointSetsTheLaterOnesAside) {
   ASSERT_OK_AND_ASSIGN(TrainSummary c, Train(Config("branch", 3), latest));
   EXPECT_EQ(c.start_step, 20);
   EXPECT_EQ(c.steps, 24);
+  // From step 20 twice: the second set of later checkpoints gets a folder of its own.
+  TrainRunOptions again = quiet;
+  again.resume = CheckpointPath(run_dir, 20).string();
+  ASSERT_OK(Train(Config("branch", 3), again).status());
+  ASSERT_OK(Train(Config("branch", 3), again).status());
+  EXPECT_TRUE(std::filesystem::exists(run_dir / "checkpoints/after-step-0000000020/step-0000000024.ckpt"));
+  EXPECT_TRUE(std::filesystem::exists(run_dir / "checkpoints/after-step-0000000020.2/step-0000000024.ckpt"));
 }
 
 TEST_F(TrainLoop, ACheckpointOrValidationSetOfAnotherDatasetIsRefused) {
