@@ -43,6 +43,12 @@ void CgroupDirs(std::string* v1, std::string* v2) {
 // A v1 "unlimited" limit is a huge page-aligned number.
 constexpr uint64_t kUnlimited = uint64_t{1} << 60;
 
+// The machine's RAM as sysconf reports it, or 0.
+uint64_t MachineMemoryBytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) : 0;
+}
+
 }  // namespace
 
 uint64_t CgroupMemoryLimitBytes() {
@@ -60,8 +66,7 @@ uint64_t CgroupMemoryLimitBytes() {
 }
 
 uint64_t PhysicalMemoryBytes() {
-  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  uint64_t physical = pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) : 0;
+  uint64_t physical = MachineMemoryBytes();
   if (const uint64_t limit = CgroupMemoryLimitBytes(); limit > 0 && (physical == 0 || limit < physical)) {
     physical = limit;
   }
@@ -81,10 +86,7 @@ uint64_t AvailableMemoryBytes() {
       }
     }
   }
-  if (available == 0) {
-    const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-    if (pages > 0 && page > 0) available = static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
-  }
+  if (available == 0) available = MachineMemoryBytes();
   std::string v1, v2;
   CgroupDirs(&v1, &v2);
   uint64_t limit = 0, usage = 0;

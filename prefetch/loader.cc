@@ -481,9 +481,9 @@ namespace {
 
 Status ValidateOptions(const LoaderOptions& o) {
   if (o.batch_size <= 0) return InvalidArgumentError(fmt::format("loader: batch_size {} (expected > 0)", o.batch_size));
-  if (o.threads < 0 || o.threads > kMaxLoaderThreads) {
+  if (o.threads < 0 || o.threads > kMaxThreads) {
     return InvalidArgumentError(
-        fmt::format("loader: threads {} (expected 0 to {}; 0 = every core)", o.threads, kMaxLoaderThreads));
+        fmt::format("loader: threads {} (expected 0 to {}; 0 = every core)", o.threads, kMaxThreads));
   }
   if (o.ring_size < 2 || o.ring_size > kMaxRingSize) {
     return InvalidArgumentError(fmt::format("loader: ring_size {} (expected 2 to {})", o.ring_size, kMaxRingSize));

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "augment/crop_plan.h"
+#include "common/limits.h"
 #include "common/status.h"
 #include "dataset/dataset.h"
 #include "dataset/sampler.h"
@@ -55,9 +56,8 @@ enum class DeviceMode {
   kCuda,  // GPU `device_id`; kUnavailable when there is none
 };
 
-// Bounds on a loader's options (and the trainer's data.threads and data.ring): beyond them a
-// request is a mistake, not a machine.
-inline constexpr int kMaxLoaderThreads = 4096;
+// The most batches a ring may hold (also the trainer's data.ring): beyond it a request is a
+// mistake, not a machine. Threads are bounded by kMaxThreads (common/limits.h).
 inline constexpr int kMaxRingSize = 1024;
 
 struct LoaderOptions {
@@ -65,7 +65,7 @@ struct LoaderOptions {
   AugmentOptions augment;
   int batch_size = 256;          // > 0
   bool drop_last_batch = false;  // false: an epoch may end with a short batch
-  int threads = 0;               // decoding threads; 0 = every core; at most kMaxLoaderThreads
+  int threads = 0;               // decoding threads; 0 = every core; at most kMaxThreads
   int ring_size = 4;             // batch buffers in the ring; 2 to kMaxRingSize
   ErrorPolicy on_error = ErrorPolicy::kSkip;
   // kSkip: the run fails once more than this fraction of an epoch's samples are distinct bad

@@ -43,7 +43,7 @@ std::vector<std::byte> SerializeCheckpoint(const Checkpoint& c) {
                     {"config", c.config_yaml}, {"tensors", tensors}};
   if (!c.classes.empty()) head["classes"] = c.classes;  // optional: older checkpoints lack it
   // Optional too. JSON keeps a double's 17 digits, so the sums come back bit for bit.
-  auto sums = [](const RunningSums& r) { return nlohmann::json::array({r.loss_sum, r.top1, r.top5, r.count}); };
+  auto sums = [](const BatchStats& r) { return nlohmann::json::array({r.loss_sum, r.top1, r.top5, r.count}); };
   head["running"] = {{"interval", sums(c.interval)}, {"epoch", sums(c.epoch)}};
   const std::string header = head.dump();
   std::vector<std::byte> out;
@@ -96,7 +96,8 @@ Result<Checkpoint> ParseCheckpoint(std::span<const std::byte> bytes, const std::
       for (auto [key, out] : {std::pair{"interval", &c.interval}, std::pair{"epoch", &c.epoch}}) {
         const nlohmann::json& r = header.at("running").at(key);
         if (!r.is_array() || r.size() != 4) return corrupt(fmt::format("'running.{}' is not 4 numbers", key));
-        *out = {r[0].get<double>(), r[1].get<int64_t>(), r[2].get<int64_t>(), r[3].get<int64_t>()};
+        *out = {.loss_sum = r[0].get<double>(), .top1 = r[1].get<int64_t>(), .top5 = r[2].get<int64_t>(),
+                .count = r[3].get<int64_t>()};
       }
     }
     const auto data_floats = static_cast<int64_t>((body - kFixed - header_len) / sizeof(float));

@@ -22,13 +22,6 @@ namespace stoke::train {
 
 inline constexpr uint32_t kCheckpointFormatVersion = 1;
 
-// Sums the trainer logs averages of (a log interval's, an epoch's).
-struct RunningSums {
-  double loss_sum = 0;
-  int64_t top1 = 0, top5 = 0, count = 0;
-  bool operator==(const RunningSums&) const = default;
-};
-
 struct Checkpoint {
   int64_t step = 0;             // optimizer steps taken
   int64_t steps_per_epoch = 0;  // loader position: epoch = step / spe, batch = step % spe
@@ -37,9 +30,10 @@ struct Checkpoint {
   std::string config_yaml;
   std::vector<std::string> classes;  // the training dataset's class names (may be empty: older files)
   std::vector<NamedTensor> tensors;  // Network::State()
-  // The trainer's sums at `step` for the interval and the epoch under way, so that a run resumed
-  // mid-epoch logs the figures of an uninterrupted one (zero in older files).
-  RunningSums interval, epoch;
+  // The trainer's sums at `step` for the log interval and the epoch under way (loss, top-1,
+  // top-5, count), so that a run resumed mid-epoch logs the figures of an uninterrupted one (zero
+  // in older files).
+  BatchStats interval, epoch;
 };
 
 std::vector<std::byte> SerializeCheckpoint(const Checkpoint& checkpoint);

@@ -9,10 +9,12 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <type_traits>
 
 #include <fmt/format.h>
 
 #include "common/file_util.h"
+#include "common/limits.h"
 
 namespace stoke::train {
 namespace {
@@ -70,26 +72,20 @@ class Section {
     const std::string range = fmt::format("{} in [{}, {}{}", integral ? "an integer" : "a number", lo,
                                           hi == std::numeric_limits<double>::max() ? "inf" : fmt::format("{}", hi),
                                           hi_open ? ")" : "]");
-    double v = 0;  // the range is checked before narrowing to T: 4294967304 is not an int's 8
+    // Integers are read as int64 and checked before narrowing to T: 4294967304 is not an int's 8.
+    std::conditional_t<integral, int64_t, T> value{};
     try {
       if (!n.IsScalar()) throw YAML::Exception(n.Mark(), "not a scalar");
-      if constexpr (integral) {
-        v = static_cast<double>(n.as<int64_t>());
-      } else {
-        v = static_cast<double>(n.as<T>());
-      }
+      value = n.as<decltype(value)>();
     } catch (const YAML::Exception&) {
       return Error(n, path, fmt::format("'{}' is not {}; expected {}", n.IsScalar() ? n.Scalar() : "(a list or map)",
                                         integral ? "an integer" : "a number", range));
     }
+    const auto v = static_cast<double>(value);
     if (!(v >= lo && (hi_open ? v < hi : v <= hi))) {
       return Error(n, path, fmt::format("{} is out of range; expected {}", n.Scalar(), range));
     }
-    if constexpr (integral) {
-      *out = static_cast<T>(n.as<int64_t>());
-    } else {
-      *out = n.as<T>();
-    }
+    *out = static_cast<T>(value);
     return OkStatus();
   }
 
@@ -171,7 +167,7 @@ Status ParseData(Section& top, DataConfig& d) {
   STOKE_RETURN_IF_ERROR(s.String("train", &d.train));
   STOKE_RETURN_IF_ERROR(s.String("val", &d.val));
   STOKE_RETURN_IF_ERROR(s.Number("batch_size", &d.batch_size, 1, 65536));
-  STOKE_RETURN_IF_ERROR(s.Number("threads", &d.threads, 0, prefetch::kMaxLoaderThreads));
+  STOKE_RETURN_IF_ERROR(s.Number("threads", &d.threads, 0, kMaxThreads));
   STOKE_RETURN_IF_ERROR(s.Number("ring", &d.ring, 2, prefetch::kMaxRingSize));
   STOKE_RETURN_IF_ERROR(s.String("shuffle", &d.shuffle, {"full", "block", "sequential"}));
   STOKE_RETURN_IF_ERROR(s.Number("block_size", &d.block_size, 1, 1 << 24));
@@ -405,7 +401,7 @@ Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::str
   STOKE_RETURN_IF_ERROR(top.Number("epochs", &c.epochs, 1, 1 << 24));
   STOKE_RETURN_IF_ERROR(top.Number("seed", &c.seed, 0, 9.0e15));
   STOKE_RETURN_IF_ERROR(top.String("backend", &c.backend, {"auto", "cpu", "cuda"}));
-  STOKE_RETURN_IF_ERROR(top.Number("compute_threads", &c.compute_threads, 0, 4096));
+  STOKE_RETURN_IF_ERROR(top.Number("compute_threads", &c.compute_threads, 0, kMaxThreads));
   STOKE_RETURN_IF_ERROR(top.String("run_dir", &c.run_dir));
   STOKE_RETURN_IF_ERROR(top.Number("log_every_steps", &c.log_every_steps, 1, 1e15));
   STOKE_ASSIGN_OR_RETURN(Section di, top.Sub("dist"));

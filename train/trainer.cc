@@ -268,14 +268,8 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
                                                 loaded.message()));
       }
       step = ck.step;
-      auto restore = [](const RunningSums& r, BatchStats* b) {
-        b->loss_sum = r.loss_sum;
-        b->top1 = r.top1;
-        b->top5 = r.top5;
-        b->count = r.count;
-      };
-      restore(ck.interval, &interval);
-      restore(ck.epoch, &epoch_stats);
+      interval = ck.interval;
+      epoch_stats = ck.epoch;
       STOKE_ASSIGN_OR_RETURN(const auto set_aside, SetAsideCheckpointsAfter(run_dir, step));
       if (!set_aside.empty()) {
         STOKE_LOG(WARN, "resuming at step {}: this run_dir's later checkpoints moved to {}", step, set_aside.string());
@@ -397,11 +391,10 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     Status written = [&]() -> Status {
       if (!lead) return OkStatus();
       STOKE_ASSIGN_OR_RETURN(auto tensors, net->State());
-      auto sums = [](const BatchStats& b) { return RunningSums{b.loss_sum, b.top1, b.top5, b.count}; };
       Checkpoint ck{.step = step, .steps_per_epoch = steps_per_epoch, .seed = config.seed,
                     .backend = summary.backend, .config_yaml = config_yaml,
                     .classes = train_set->manifest().classes, .tensors = std::move(tensors),
-                    .interval = sums(interval), .epoch = sums(epoch_stats)};
+                    .interval = interval, .epoch = epoch_stats};
       const auto path = CheckpointPath(run_dir, step);
       STOKE_RETURN_IF_ERROR(SaveCheckpoint(path, ck));
       PruneCheckpoints(run_dir, config.checkpoint.keep);

@@ -479,7 +479,7 @@ TEST(Loader, RejectsBadOptionsByName) {
   o.ring_size = kMaxRingSize + 1;
   expect_error(o, "ring_size");
   o = SmallOptions(1);
-  o.threads = kMaxLoaderThreads + 1;
+  o.threads = kMaxThreads + 1;
   expect_error(o, "threads");
   // A ring larger than the machine is refused before anything is allocated (its byte count
   // once wrapped around 64 bits here, and the ring came out far too small).

@@ -13,6 +13,7 @@
 #include <oneapi/tbb/task_arena.h>
 
 #include "common/file_util.h"
+#include "common/limits.h"
 #include "common/progress.h"
 #include "common/tsan.h"
 #include "dataset/dataset.h"
@@ -71,8 +72,9 @@ Status VerifyRecord(const dataset::RecordView& r, decode::JpegDecoder& decoder, 
 }  // namespace
 
 Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOptions& options) {
-  if (options.threads < 0 || options.threads > 4096) {
-    return InvalidArgumentError(fmt::format("inspect: threads {} (expected 0 to 4096; 0 = every core)", options.threads));
+  if (options.threads < 0 || options.threads > kMaxThreads) {
+    return InvalidArgumentError(
+        fmt::format("inspect: threads {} (expected 0 to {}; 0 = every core)", options.threads, kMaxThreads));
   }
   STOKE_ASSIGN_OR_RETURN(dataset::Dataset ds, dataset::Dataset::Open(path));
   const auto& m = ds.manifest();

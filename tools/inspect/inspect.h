@@ -16,7 +16,7 @@ namespace stoke::inspect {
 
 struct InspectOptions {
   bool verify = false;  // check every CRC and strictly decode every record
-  int threads = 0;      // verify threads; 0 = all cores; at most 4096
+  int threads = 0;      // verify threads; 0 = all cores; at most kMaxThreads
   bool progress = true;
   // Set from another thread to end a verify early: Inspect then returns kUnavailable. Not owned.
   const std::atomic<bool>* stop = nullptr;

@@ -27,6 +27,7 @@
 #include <thread>
 
 #include "common/file_util.h"
+#include "common/limits.h"
 #include "common/logging.h"
 #include "common/progress.h"
 #include "common/random.h"
@@ -800,8 +801,9 @@ class SplitPacker {
 
 Status ValidateOptions(const PackOptions& o) {
   if (o.output.empty()) return InvalidArgumentError("pack: no output path");
-  if (o.threads < 0 || o.threads > 4096) {
-    return InvalidArgumentError(fmt::format("pack: --threads {} (expected 0 to 4096; 0 = every core)", o.threads));
+  if (o.threads < 0 || o.threads > kMaxThreads) {
+    return InvalidArgumentError(
+        fmt::format("pack: --threads {} (expected 0 to {}; 0 = every core)", o.threads, kMaxThreads));
   }
   if (o.max_side < 0) return InvalidArgumentError("pack: --max-side must be >= 0");
   if (o.quality < 0 || o.quality > 100)
