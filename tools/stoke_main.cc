@@ -346,7 +346,7 @@ int Run(int argc, char** argv) {
     } else {
       std::cout << stoke::inspect::FormatReport(*report);
     }
-    return report->bad.empty() ? 0 : 3;  // 3: the dataset has bad records
+    return report->intact() ? 0 : 3;  // 3: bad records, or a manifest that disagrees with them
   }
   if (train_cmd->parsed()) {
     auto config = stoke::train::LoadConfig(train_config);

@@ -546,6 +546,8 @@ py::list Verify(const std::string& path, int threads) {
       Take(RunInterruptibly<inspect::InspectReport>(stop, [&] { return inspect::Inspect(path, o); }));
   py::list bad;
   for (const auto& b : report.bad) bad.append(py::make_tuple(b.index, b.source_path, b.reason));
+  // A manifest whose totals disagree with the records is listed under index -1.
+  for (const auto& p : report.manifest_problems) bad.append(py::make_tuple(-1, std::string("manifest"), p));
   return bad;
 }
 
@@ -613,7 +615,8 @@ PYBIND11_MODULE(_stoke, m) {
           "verify", [](const PyDataset& d, int threads) { return Verify(d.ds->path().string(), threads); },
           py::arg("threads") = 0,
           "Checks every record's CRC and strictly decodes every image: a list of (index, source, reason) of "
-          "the bad records (empty when the dataset is intact).");
+          "the bad records, plus (-1, 'manifest', reason) where the manifest's class counts or payload bytes "
+          "disagree with the records (empty when the dataset is intact).");
 
   py::class_<EpochOptions>(m, "EpochOptions")
       .def(py::init<>())

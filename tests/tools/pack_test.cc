@@ -21,6 +21,7 @@
 #include <opencv2/imgcodecs.hpp>
 
 #include "dataset/dataset.h"
+#include "dataset/writer.h"
 #include "decode/jpeg_decoder.h"
 #include "decode/jpeg_transcode.h"
 #include "tests/testing/test_util.h"
@@ -709,6 +710,8 @@ TEST(Inspect, SummaryVerifyAndExtract) {
   inspect::InspectOptions io{.verify = true, .threads = 2, .progress = false};
   ASSERT_OK_AND_ASSIGN(auto report, inspect::Inspect(dir / "out", io));
   EXPECT_TRUE(report.bad.empty());
+  EXPECT_TRUE(report.manifest_problems.empty());
+  EXPECT_TRUE(report.intact());
   auto j = inspect::ReportJson(report);
   EXPECT_EQ(j["records"], 20);
   EXPECT_EQ(j["classes"], 4);
@@ -726,6 +729,39 @@ TEST(Inspect, SummaryVerifyAndExtract) {
   ASSERT_OK(decoder.Decode(testing::ReadBytes(files[7]), &original));
   EXPECT_EQ(extracted.pixels, original.pixels);
   EXPECT_EQ(inspect::ExtractRecord(dir / "out", 20, dir / "x.jpg").code(), StatusCode::kInvalidArgument);
+}
+
+TEST(Inspect, AManifestWhoseTotalsDisagreeWithTheRecordsIsReported) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 3);
+  ASSERT_OK(Pack(Options(dir / "src", dir / "out")).status());
+  // The same records under a manifest that moves one record between classes (the sum, which
+  // opening checks, still holds) and miscounts the bytes by one.
+  ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(dir / "out"));
+  ASSERT_OK_AND_ASSIGN(auto reader, ds.NewReader());
+  ASSERT_OK_AND_ASSIGN(auto writer, dataset::DatasetWriter::Create(dir / "copy", {}));
+  for (int64_t i = 0; i < ds.size(); ++i) {
+    ASSERT_OK_AND_ASSIGN(RecordView r, reader.Get(i));
+    writer.Append(r.header, std::vector<std::byte>(r.payload.begin(), r.payload.end()), "");
+  }
+  dataset::Manifest m = ds.manifest();
+  m.class_counts[0] += 1;
+  m.class_counts[1] -= 1;
+  m.payload_bytes += 1;
+  ASSERT_OK(writer.Finish(m));
+  for (bool verify : {false, true}) {
+    SCOPED_TRACE(verify);
+    ASSERT_OK_AND_ASSIGN(auto report, inspect::Inspect(dir / "copy", {.verify = verify, .progress = false}));
+    EXPECT_TRUE(report.bad.empty());
+    EXPECT_FALSE(report.intact());
+    ASSERT_EQ(report.manifest_problems.size(), 3u);
+    EXPECT_NE(report.manifest_problems[0].find("class_counts[0] ('" + m.classes[0] + "') is 4, the records hold 3"),
+              std::string::npos) << report.manifest_problems[0];
+    EXPECT_NE(report.manifest_problems[2].find("payload_bytes is " + std::to_string(m.payload_bytes)),
+              std::string::npos) << report.manifest_problems[2];
+    EXPECT_EQ(inspect::ReportJson(report)["manifest_problems"].size(), 3u);
+    EXPECT_NE(inspect::FormatReport(report).find("manifest       class_counts[1]"), std::string::npos);
+  }
 }
 
 TEST(Inspect, AVerifyStoppedEarlySaysSoAndBadThreadCountsAreRefused) {

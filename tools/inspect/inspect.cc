@@ -85,6 +85,9 @@ Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOp
   int64_t indexed = 0, intervals = 0, index_bytes = 0, indexed_payload = 0;
   std::map<std::string, int64_t> encodings;
   std::map<int, int64_t> channels;
+  // What the records say, to hold against the manifest's own totals.
+  std::vector<int64_t> counted(m.classes.size(), 0);
+  int64_t counted_bytes = 0;
   {
     STOKE_ASSIGN_OR_RETURN(auto reader, ds.NewReader({.verify_crc = false}));
     for (int64_t i = 0; i < ds.size(); ++i) {
@@ -98,6 +101,8 @@ Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOp
       payload.Add(static_cast<double>(r->header.payload_size));
       width.Add(r->header.width);
       height.Add(r->header.height);
+      counted[static_cast<size_t>(r->header.label)]++;  // the reader checked the label's range
+      counted_bytes += static_cast<int64_t>(r->payload.size());
       encodings[std::string(dataset::EncodingName(r->header.encoding))]++;
       channels[r->header.channels]++;
       if (r->jpeg_index.entry_bytes != 0) {
@@ -106,6 +111,20 @@ Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOp
         index_bytes += static_cast<int64_t>(r->payload.size() - r->image.size());
         indexed_payload += static_cast<int64_t>(r->payload.size());
       }
+    }
+  }
+  // Unreadable headers are listed already; the totals are compared only when every one was read.
+  if (report.bad.empty()) {
+    for (size_t c = 0; c < counted.size(); ++c) {
+      if (counted[c] != m.class_counts[c]) {
+        report.manifest_problems.push_back(fmt::format(
+            "class_counts[{}] ('{}') is {}, the records hold {}", c, m.classes[c], m.class_counts[c], counted[c]));
+      }
+    }
+    // payload_bytes is optional (0 when an older writer left it out).
+    if (m.payload_bytes != 0 && m.payload_bytes != counted_bytes) {
+      report.manifest_problems.push_back(
+          fmt::format("payload_bytes is {}, the records hold {}", m.payload_bytes, counted_bytes));
     }
   }
   nlohmann::json enc_json = nlohmann::json::object(), ch_json = nlohmann::json::object();
@@ -130,7 +149,8 @@ Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOp
                       {"bytes", index_bytes},
                       {"share_of_payload", indexed_payload > 0 ? static_cast<double>(index_bytes) / indexed_payload
                                                                : 0.0}}},
-                    {"packing", m.packing}};
+                    {"packing", m.packing},
+                    {"manifest_problems", report.manifest_problems}};
   if (!options.verify) return report;
 
   // Verify: every CRC and a strict decode, in parallel; one reader (read transaction) and one
@@ -278,6 +298,7 @@ std::string FormatReport(const InspectReport& report, size_t max_classes) {
     out += fmt::format("unreadable     {} records (run --verify for a full check)\n",
                        report.bad.size());
   }
+  for (const auto& p : report.manifest_problems) out += fmt::format("manifest       {}\n", p);
   for (const auto& b : report.bad) {
     out += fmt::format("  bad record {}{}: {}\n", b.index,
                        b.source_path.empty() ? "" : " (" + b.source_path + ")", b.reason);

@@ -32,6 +32,10 @@ struct InspectReport {
   nlohmann::json summary;        // records, classes, class_counts, sizes, packing, ...
   bool verified = false;
   std::vector<BadRecord> bad;    // sorted by index; empty when verified and intact
+  // Where the manifest's totals (class_counts, payload_bytes) disagree with the records; empty
+  // when they agree, and not compared when a record's header could not be read.
+  std::vector<std::string> manifest_problems;
+  bool intact() const { return bad.empty() && manifest_problems.empty(); }
 };
 
 // Summarises (and with options.verify, checks) the dataset at `path`. Errors opening the dataset
