@@ -74,16 +74,28 @@ Status WriteFileAtomic(const std::filesystem::path& path, std::span<const std::b
     }
     put += static_cast<size_t>(n);
   }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    int err = errno;
+  const int synced = ::fsync(fd) == 0 ? 0 : errno;
+  const int closed = ::close(fd) == 0 ? 0 : errno;  // closed even when the sync failed
+  if (synced != 0 || closed != 0) {
     ::unlink(tmp.c_str());
-    return ErrnoStatus(err, tmp, "sync");
+    return ErrnoStatus(synced != 0 ? synced : closed, tmp, "sync");
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     int err = errno;
     ::unlink(tmp.c_str());
     return ErrnoStatus(err, path, "rename");
   }
+  // The rename itself is durable only once the directory that holds the name is synced.
+  return SyncDirectory(path.has_parent_path() ? path.parent_path() : std::filesystem::path("."));
+}
+
+Status SyncDirectory(const std::filesystem::path& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus(errno, dir, "open the directory");
+  const int synced = ::fsync(fd) == 0 ? 0 : errno;
+  ::close(fd);
+  // Some file systems cannot sync a directory (EINVAL): their renames are as durable as they get.
+  if (synced != 0 && synced != EINVAL) return ErrnoStatus(synced, dir, "sync the directory");
   return OkStatus();
 }
 

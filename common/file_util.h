@@ -17,10 +17,14 @@ namespace stoke {
 Result<std::vector<std::byte>> ReadFileBytes(const std::filesystem::path& path,
                                              size_t max_bytes = SIZE_MAX);
 
-// Writes `data` to `path` atomically: a temporary file in the same directory, fsync, rename.
-// Readers see the old file or the new one, never a half-written one.
+// Writes `data` to `path` atomically: a temporary file in the same directory, fsync, rename,
+// fsync of the directory. Readers see the old file or the new one, never a half-written one, and
+// after a crash or power loss the new one stays once this returned OK.
 Status WriteFileAtomic(const std::filesystem::path& path, std::span<const std::byte> data);
 Status WriteFileAtomic(const std::filesystem::path& path, const std::string& text);
+
+// fsyncs a directory, so that the names created, renamed or removed in it survive a crash.
+Status SyncDirectory(const std::filesystem::path& dir);
 
 // "1.5 MB", "312 KB", "17 B" (powers of 1000).
 std::string HumanBytes(double bytes);

@@ -179,7 +179,11 @@ Result<std::filesystem::path> SetAsideCheckpointsAfter(const std::filesystem::pa
     if (ec) return IoError(fmt::format("checkpoint {}: moving it to {}: {}", path.string(), aside.string(), ec.message()));
     ++moved;
   }
-  return moved > 0 ? aside : std::filesystem::path();
+  if (moved == 0) return std::filesystem::path();
+  // Both folders' names change: sync them, so that a crash cannot bring the moved ones back.
+  STOKE_RETURN_IF_ERROR(SyncDirectory(aside));
+  STOKE_RETURN_IF_ERROR(SyncDirectory(run_dir / "checkpoints"));
+  return aside;
 }
 
 void PruneCheckpoints(const std::filesystem::path& run_dir, int keep) {

@@ -403,6 +403,9 @@ Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::str
   STOKE_RETURN_IF_ERROR(top.String("backend", &c.backend, {"auto", "cpu", "cuda"}));
   STOKE_RETURN_IF_ERROR(top.Number("compute_threads", &c.compute_threads, 0, kMaxThreads));
   STOKE_RETURN_IF_ERROR(top.String("run_dir", &c.run_dir));
+  if (YAML::Node rd; c.run_dir.empty() && top.Has("run_dir", &rd)) {
+    return top.Error(rd, "run_dir", "expected the directory for checkpoints and metrics, got an empty string");
+  }
   STOKE_RETURN_IF_ERROR(top.Number("log_every_steps", &c.log_every_steps, 1, 1e15));
   STOKE_ASSIGN_OR_RETURN(Section di, top.Sub("dist"));
   STOKE_RETURN_IF_ERROR(di.Number("bucket_mb", &c.dist.bucket_mb, 0.001, 4096));

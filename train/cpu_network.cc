@@ -1036,12 +1036,17 @@ Result<std::unique_ptr<CpuNetwork>> CpuNetwork::Create(NetworkOptions options) {
   const Shape input{3, options.height(), options.image_size};
   STOKE_ASSIGN_OR_RETURN(auto shapes, ResolveModel(options.model, input));
   std::vector<bool> needs = LayersNeedingGradient(options.model);
-  const double need_bytes = ActivationBytes(options, shapes, needs), have_bytes = static_cast<double>(AvailableMemoryBytes());
-  if (have_bytes > 0 && need_bytes > have_bytes) {
+  // Weights, their gradients and the optimizer's momentum: three floats a parameter.
+  const double parameter_bytes = 3.0 * static_cast<double>(CountParameters(options.model, shapes, input)) * sizeof(float);
+  const double activation_bytes = ActivationBytes(options, shapes, needs);
+  const double have_bytes = static_cast<double>(AvailableMemoryBytes());
+  if (have_bytes > 0 && activation_bytes + parameter_bytes > have_bytes) {
     return ResourceExhaustedError(fmt::format(
-        "cpu backend: batch {} at {}x{} needs at least {:.1f} GiB for activations and gradients; {:.1f} GiB of "
-        "memory is available (lower data.batch_size)",
-        options.batch, options.image_size, options.height(), need_bytes / (1 << 30), have_bytes / (1 << 30)));
+        "cpu backend: batch {} at {}x{} needs at least {:.1f} GiB for activations and gradients and {:.1f} GiB for "
+        "the parameters, their gradients and momentum; {:.1f} GiB of memory is available (lower {})",
+        options.batch, options.image_size, options.height(), activation_bytes / (1 << 30),
+        parameter_bytes / (1 << 30), have_bytes / (1 << 30),
+        activation_bytes >= parameter_bytes ? "data.batch_size" : "the model's widths"));
   }
   if (options.threads > 0) omp_set_num_threads(options.threads);
 

@@ -246,6 +246,17 @@ Result<std::vector<Shape>> ResolveModel(ModelSpec& model, Shape input) {
       case LayerType::kRelu:
         break;
     }
+    // Kernels index a sample's values and a layer's weights with 32-bit integers.
+    if (y.size() > kMaxLayerElements) {
+      return fail(fmt::format("its output is {}x{}x{} = {} values per image; at most {} are supported", y.c, y.h,
+                              y.w, y.size(), kMaxLayerElements));
+    }
+    const int64_t weights = l.type == LayerType::kConv     ? int64_t{l.out} * x.c * l.kernel * l.kernel
+                            : l.type == LayerType::kLinear ? int64_t{l.out} * x.size()
+                                                           : 0;
+    if (weights > kMaxLayerElements) {
+      return fail(fmt::format("it has {} weights; at most {} are supported per layer", weights, kMaxLayerElements));
+    }
     index[l.name] = static_cast<int>(i);
     shapes.push_back(y);
   }

@@ -49,6 +49,9 @@ struct ModelSpec {
 };
 
 // Shape of one activation (per sample): channels x height x width; vectors have h = w = 1.
+// The most values one layer's output (per image) or weights may hold: 2^31 - 1.
+inline constexpr int64_t kMaxLayerElements = 2147483647;
+
 struct Shape {
   int c = 0, h = 0, w = 0;
   bool vector = false;  // produced by linear or flatten: no spatial layout left

@@ -226,8 +226,12 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   Status start = [&]() -> Status {
     if (!lead) return OkStatus();
     std::error_code ec;
-    std::filesystem::create_directories(run_dir, ec);
-    if (ec) return IoError(fmt::format("run_dir {}: {}", run_dir.string(), ec.message()));
+    // The checkpoints' folder too: a file in its place is found now, not at the first checkpoint.
+    std::filesystem::create_directories(run_dir / "checkpoints", ec);
+    if (ec) {
+      return IoError(fmt::format("run_dir {}: cannot make {}: {}", run_dir.string(), (run_dir / "checkpoints").string(),
+                                 ec.message()));
+    }
     if (run.resume.empty()) {
       if (!ListCheckpoints(run_dir).empty()) {
         return InvalidArgumentError(fmt::format(

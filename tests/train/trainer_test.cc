@@ -122,6 +122,19 @@ TEST(Config, ErrorsNameFileLineKeyAndExpectation) {
             "run.yaml:7: cuda.autotune: 'maybe' is not a boolean; expected true or false");
   EXPECT_EQ(ErrorOf(base + "cuda: {input_channels: 5}\n"),
             "run.yaml:7: cuda.input_channels: '5' is not allowed; expected one of: 3, 4, 8");
+  // Sizes that would overflow the kernels' 32-bit indices are refused by name, never wrapped.
+  EXPECT_EQ(ErrorOf("data: {train: t, image_size: 4096}\nmodel:\n  classes: 3\n  layers:\n"
+                    "    - {type: conv, out: 1048576, kernel: 1}\n    - {type: global_avgpool}\n"
+                    "    - {type: linear, out: 3}\n"),
+            "run.yaml:2: model: layer 0 ('conv0', conv): its output is 1048576x4096x4096 = 17592186044416 values per "
+            "image; at most 2147483647 are supported (input 3x4096x4096)");
+  EXPECT_EQ(ErrorOf("data: {train: t, image_size: 256}\nmodel:\n  classes: 3\n  layers:\n"
+                    "    - {type: conv, out: 64, kernel: 1}\n    - {type: flatten}\n    - {type: linear, out: 1024}\n"
+                    "    - {type: linear, out: 3}\n"),
+            "run.yaml:2: model: layer 2 ('linear2', linear): it has 4294967296 weights; at most 2147483647 are "
+            "supported per layer (input 3x256x256)");
+  EXPECT_EQ(ErrorOf(base + "run_dir: \"\"\n"),
+            "run.yaml:7: run_dir: expected the directory for checkpoints and metrics, got an empty string");
   EXPECT_EQ(ErrorOf(base + "dist: {device_comm: gloo}\n"),
             "run.yaml:7: dist.device_comm: 'gloo' is not allowed; expected one of: auto, nccl, host");
 }
@@ -635,6 +648,17 @@ TEST_F(TrainLoop, BadDatasetAndBatchErrors) {
   r = Train(c, quiet);
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("model.classes is 3, but"), std::string::npos) << r.status().ToString();
+
+  // A file where the checkpoints' folder goes is found before the first step, not at the first
+  // checkpoint an epoch later.
+  c = Config("file-for-checkpoints", 1);
+  std::filesystem::create_directories(c.run_dir);
+  std::ofstream(std::filesystem::path(c.run_dir) / "checkpoints") << "not a folder";
+  r = Train(c, quiet);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("cannot make " + (std::filesystem::path(c.run_dir) / "checkpoints").string()),
+            std::string::npos)
+      << r.status().ToString();
 }
 
 }  // namespace

@@ -584,7 +584,9 @@ class SplitPacker {
                                  job_.output.string(), partial.string(), ec.message(),
                                  partial.string()));
     }
-    return OkStatus();
+    fs::path named = job_.output;
+    if (!named.has_filename()) named = named.parent_path();  // "out/"
+    return SyncDirectory(named.has_parent_path() ? named.parent_path() : fs::path("."));  // the new name, durable
   }
 
   // kInvalidArgument unless the finished dataset at `path` was packed from these inputs and
