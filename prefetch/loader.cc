@@ -70,6 +70,7 @@ struct Slot {
   uint8_t* images = nullptr;
   int32_t* labels = nullptr;
   int64_t* indices = nullptr;
+  std::vector<uint8_t> stand_in;  // per sample: 1 where it stands in for a bad record
   std::shared_ptr<const std::vector<int64_t>> order;  // the epoch's sample order
   std::atomic<int> replaced{0};
 };
@@ -276,6 +277,7 @@ struct LoaderState {
       Status st = MakeSample(w, index, value, seed, slot.batch.epoch, dst, &slot.labels[s]);
       if (st.ok()) {
         slot.indices[s] = index;
+        slot.stand_in[static_cast<size_t>(s)] = k > 0 ? 1 : 0;
         if (k > 0) slot.replaced.fetch_add(1, std::memory_order_relaxed);
         return OkStatus();
       }
@@ -581,6 +583,7 @@ Result<std::unique_ptr<Loader>> Loader::Create(const dataset::Dataset& ds, Loade
     slot->images = reinterpret_cast<uint8_t*>(base);
     slot->labels = reinterpret_cast<int32_t*>(base + st->labels_offset);
     slot->indices = reinterpret_cast<int64_t*>(base + indices_offset);
+    slot->stand_in.assign(static_cast<size_t>(o.batch_size), 0);
     Batch& b = slot->batch;
     b.width = st->out_w;
     b.height = st->out_h;
@@ -650,6 +653,7 @@ Result<BatchLease> Loader::Next() {
   b.images = {slot->images, n * st.sample_bytes};
   b.labels = {slot->labels, n};
   b.indices = {slot->indices, n};
+  b.stand_in = {slot->stand_in.data(), n};
   st.leased.fetch_add(1);
   st.batches_out.fetch_add(1, std::memory_order_relaxed);
   st.samples_out.fetch_add(b.size, std::memory_order_relaxed);

@@ -99,6 +99,9 @@ struct Batch {
   std::span<const int32_t> labels;   // size
   std::span<const int64_t> indices;  // record index of each sample (after any replacement)
   int replaced = 0;                  // samples whose record was bad and was replaced
+  // Per sample: 1 where it stands in for a bad record (another record of the epoch, a duplicate
+  // that evaluation leaves out), else 0. Host memory, valid while the batch is held.
+  std::span<const uint8_t> stand_in;
   const void* device_images = nullptr;
   size_t device_labels_offset = 0;
   void* copied_event = nullptr;

@@ -279,7 +279,11 @@ int Run(int argc, char** argv) {
   bool export_uint8 = false, export_no_fold = false;
   auto* export_cmd = app.add_subcommand("export", "Write a trained model as ONNX (opset 17) for inference engines");
   add_model(export_cmd);
-  export_cmd->add_option("-o,--output", export_output, "ONNX file to write")->required();
+  export_cmd->add_option("-o,--output", export_output, "ONNX file to write")
+      ->required()
+      ->check(CLI::Validator(
+          [](std::string& v) { return v.empty() ? std::string("expected a file name, got an empty string") : std::string(); },
+          "FILE"));
   export_cmd->add_flag("--uint8-input", export_uint8,
                        "Take uint8 N x H x W x 3 RGB pixels and normalise inside the graph (default: float32 "
                        "N x 3 x H x W, already normalised)");
@@ -475,6 +479,7 @@ int Run(int argc, char** argv) {
     eval.progress = !eval_json;
     eval.stop = &g_stop;
     std::signal(SIGINT, OnInterrupt);
+    std::signal(SIGTERM, OnInterrupt);
     auto report = stoke::evaluate::Evaluate(eval);
     if (!report.ok()) return Fail(report.status());
     if (eval_json) {
@@ -487,6 +492,9 @@ int Run(int argc, char** argv) {
   }
   if (predict_cmd->parsed()) {
     predict.model = trained;
+    predict.stop = &g_stop;  // Ctrl-C ends it with its scratch files removed
+    std::signal(SIGINT, OnInterrupt);
+    std::signal(SIGTERM, OnInterrupt);
     auto predictions = stoke::evaluate::Predict(predict);
     if (!predictions.ok()) return Fail(predictions.status());
     if (predict_json) {

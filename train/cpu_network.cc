@@ -828,10 +828,9 @@ BatchStats SoftmaxCrossEntropy(const float* logits, int classes, std::span<const
     const double lse = zmax + std::log(sum);
     const double off = smoothing / classes, on = 1.0 - smoothing + off;
     stats.loss_sum += lse - (on - off) * z[y] - off * zsum;
-    int above = 0;  // logits strictly greater than the label's (ties count in its favour)
-    for (int k = 0; k < classes; ++k) above += z[k] > z[y] ? 1 : 0;
-    stats.top1 += above == 0 ? 1 : 0;
-    stats.top5 += above < 5 ? 1 : 0;
+    const int rank = LabelRank(std::span<const float>(z, static_cast<size_t>(classes)), y);
+    stats.top1 += rank < 1 ? 1 : 0;
+    stats.top5 += rank < 5 ? 1 : 0;
     if (grad) {
       float* g = grad + static_cast<ptrdiff_t>(r) * classes;
       for (int k = 0; k < classes; ++k) {

@@ -150,10 +150,17 @@ Result<ExportReport> ExportOnnx(const ExportSource& source, const ExportOptions&
   g->set_name(model.preset.empty() ? "stoke_model" : model.preset);
   GraphBuilder b(g);
 
-  // Reserved names never clash with a layer's tensor.
-  const std::set<std::string> reserved = {"input", "image", "logits", "image_f32", "image_nchw", "image_scaled",
-                                          "normalize_scale", "normalize_shift"};
-  auto tensor_name = [&](const std::string& layer) { return reserved.count(layer) ? layer + "_out" : layer; };
+  // Every tensor name in the graph is unique: a layer's output, weight or helper tensor takes its
+  // natural name ("conv1", "conv1.weight", "fc_flat") unless an earlier tensor or the graph's own
+  // names hold it already, and then the first free "<name>_<k>".
+  std::set<std::string> used = {"input", "image", "logits", "image_f32", "image_nchw", "image_scaled",
+                                "normalize_scale", "normalize_shift"};
+  auto unique = [&](const std::string& base) {
+    std::string name = base;
+    for (int k = 1; used.count(name) != 0; ++k) name = fmt::format("{}_{}", base, k);
+    used.insert(name);
+    return name;
+  };
 
   // ---- the input
   const auto H = static_cast<int64_t>(source.image_height), W = static_cast<int64_t>(source.image_width);
@@ -194,7 +201,9 @@ Result<ExportReport> ExportOnnx(const ExportSource& source, const ExportOptions&
     if (folded[i]) continue;
     const LayerSpec& l = model.layers[i];
     const Value& x = in_value(i, 0);
-    const std::string out = tensor_name(l.name);
+    // Conv and linear name their output once they know whether a batch norm folds into them.
+    const bool weighted = l.type == LayerType::kConv || l.type == LayerType::kLinear;
+    const std::string out = weighted || l.type == LayerType::kDropout ? std::string() : unique(l.name);
     switch (l.type) {
       case LayerType::kConv:
       case LayerType::kLinear: {
@@ -204,7 +213,7 @@ Result<ExportReport> ExportOnnx(const ExportSource& source, const ExportOptions&
         std::vector<float> bias(static_cast<size_t>(l.out), 0.f);
         bool has_bias = l.bias;
         if (l.bias) bias = tensor(i, ".bias")->values;
-        std::string output = out;
+        std::string output;
         size_t target = i;  // the layer whose tensor this node computes
         // A batch norm that is the only reader of this layer folds into it:
         //   w' = w * gamma / sqrt(var + eps),  b' = (b - mean) * gamma / sqrt(var + eps) + beta.
@@ -226,10 +235,11 @@ Result<ExportReport> ExportOnnx(const ExportSource& source, const ExportOptions&
           has_bias = true;
           folded[j] = true;
           target = j;
-          output = tensor_name(model.layers[j].name);
+          output = unique(model.layers[j].name);
           ++report.folded_batchnorms;
         }
-        const std::string wname = l.name + ".weight", bname = l.name + ".bias";
+        if (output.empty()) output = unique(l.name);
+        const std::string wname = unique(l.name + ".weight"), bname = has_bias ? unique(l.name + ".bias") : "";
         if (conv) {
           b.Initializer(wname, w->dims, weight);
           if (has_bias) b.Initializer(bname, {l.out}, bias);
@@ -246,7 +256,7 @@ Result<ExportReport> ExportOnnx(const ExportSource& source, const ExportOptions&
           // the O x (C*H*W) weight (the same floats).
           std::string a = x.name;
           if (x.rank != 2) {
-            a = out + "_flat";
+            a = unique(l.name + "_flat");
             onnx::NodeProto* f = b.Node("Flatten", {x.name}, a, l.name + "_flatten");
             GraphBuilder::Int(f, "axis", 1);
           }
@@ -264,9 +274,12 @@ Result<ExportReport> ExportOnnx(const ExportSource& source, const ExportOptions&
       case LayerType::kBatchNorm: {
         const NamedTensor *gamma = tensor(i, ".weight"), *beta = tensor(i, ".bias");
         const NamedTensor *mean = tensor(i, ".running_mean"), *var = tensor(i, ".running_var");
-        for (const NamedTensor* t : {gamma, beta, mean, var}) b.Initializer(t->name, t->dims, t->values);
-        onnx::NodeProto* n = b.Node("BatchNormalization", {x.name, gamma->name, beta->name, mean->name, var->name},
-                                    out, l.name);
+        std::vector<std::string> ins{x.name};
+        for (const NamedTensor* t : {gamma, beta, mean, var}) {
+          ins.push_back(unique(t->name));
+          b.Initializer(ins.back(), t->dims, t->values);
+        }
+        onnx::NodeProto* n = b.Node("BatchNormalization", ins, out, l.name);
         GraphBuilder::Float(n, "epsilon", static_cast<float>(eps));
         values[i] = {out, x.rank};
         ++report.kept_batchnorms;

@@ -1,6 +1,7 @@
 #include "train/network.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <set>
 
@@ -115,6 +116,40 @@ Result<std::vector<const NamedTensor*>> FindState(
     out.push_back(t);
   }
   return out;
+}
+
+int LabelRank(std::span<const float> logits, int label) {
+  const float zy = logits[static_cast<size_t>(label)];
+  int ahead = 0;
+  for (size_t k = 0; k < logits.size(); ++k) {
+    const float v = logits[k];
+    if (std::isnan(v)) return static_cast<int>(logits.size());
+    ahead += v > zy || (v == zy && static_cast<int>(k) < label) ? 1 : 0;
+  }
+  return ahead;
+}
+
+BatchStats ScoreLogits(std::span<const float> logits, int classes, std::span<const int32_t> labels, double smoothing,
+                       std::span<const uint8_t> skip) {
+  BatchStats stats;
+  const double off = smoothing / classes, on = 1.0 - smoothing + off;
+  for (size_t r = 0; r < labels.size(); ++r) {
+    if (r < skip.size() && skip[r] != 0) continue;
+    const std::span<const float> z = logits.subspan(r * static_cast<size_t>(classes), static_cast<size_t>(classes));
+    const int y = labels[r];
+    double zmax = z[0], zsum = 0, sum = 0;
+    for (float v : z) zmax = std::max(zmax, static_cast<double>(v));
+    for (float v : z) {
+      sum += std::exp(v - zmax);
+      zsum += v;
+    }
+    stats.loss_sum += zmax + std::log(sum) - (on - off) * z[static_cast<size_t>(y)] - off * zsum;
+    const int rank = LabelRank(z, y);
+    stats.top1 += rank < 1 ? 1 : 0;
+    stats.top5 += rank < 5 ? 1 : 0;
+    ++stats.count;
+  }
+  return stats;
 }
 
 }  // namespace stoke::train

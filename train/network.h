@@ -128,6 +128,18 @@ struct BatchStats {
   double top5_rate() const { return count ? static_cast<double>(top5) / static_cast<double>(count) : 0; }
 };
 
+// How many classes rank ahead of `label` in one row of logits: those with a larger logit, and those
+// with an equal one and a lower index (the order of a stable arg-sort). Top-k holds the label when
+// this is below k. A row holding a NaN ranks nothing: the result is then the row's length, a miss
+// at every k. Both backends and `stoke eval` count hits by this rule.
+int LabelRank(std::span<const float> logits, int label);
+
+// Softmax cross-entropy (with label smoothing) and top-1/top-5 over `rows` rows of `classes`
+// logits, on the host, in double; rows with a non-zero entry in `skip` are left out (the loader's
+// stand-ins for bad records, Batch::stand_in).
+BatchStats ScoreLogits(std::span<const float> logits, int classes, std::span<const int32_t> labels, double smoothing,
+                       std::span<const uint8_t> skip = {});
+
 // One named tensor of the network's state, in a plain row-major layout (weights O x I x KH x KW,
 // linear O x I, vectors). Names: "<layer>.weight", ".bias", ".running_mean", ".running_var",
 // and "<param>.momentum" for the optimizer's buffers.

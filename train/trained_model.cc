@@ -1,5 +1,7 @@
 #include "train/trained_model.h"
 
+#include <algorithm>
+#include <cmath>
 #include <set>
 
 #include <fmt/format.h>
@@ -21,6 +23,10 @@ Result<TrainedModel> LoadTrainedModel(const TrainedModelSource& source) {
   } else {
     if (source.run_dir.empty()) return InvalidArgumentError("give a run directory or a checkpoint file");
     std::error_code ec;
+    if (std::filesystem::is_regular_file(source.run_dir, ec)) {
+      return InvalidArgumentError(fmt::format("{} is a file, not a run directory; give a checkpoint file with --checkpoint",
+                                              source.run_dir.string()));
+    }
     if (!std::filesystem::is_directory(source.run_dir, ec)) {
       return NotFoundError(fmt::format("run directory {} does not exist", source.run_dir.string()));
     }
@@ -75,6 +81,17 @@ Result<TrainedModel> LoadTrainedModel(const TrainedModelSource& source) {
                                             m.checkpoint_path.string(), mismatch));
   }
 
+  // A run that diverged before this checkpoint: its outputs would be NaN, and look like a model.
+  for (const NamedTensor& t : m.checkpoint.tensors) {
+    const auto bad = std::count_if(t.values.begin(), t.values.end(), [](float v) { return !std::isfinite(v); });
+    if (bad > 0) {
+      return InvalidArgumentError(fmt::format(
+          "checkpoint {}: tensor '{}' holds {} of {} values that are not finite (NaN or infinity); the run diverged "
+          "before this step: use an earlier checkpoint",
+          m.checkpoint_path.string(), t.name, bad, t.values.size()));
+    }
+  }
+
   // Class names: the checkpoint's (written since 0.3), else the training dataset's manifest.
   m.classes = m.checkpoint.classes;
   if (m.classes.empty()) {
@@ -96,6 +113,8 @@ Result<std::unique_ptr<Network>> CreateTrainedNetwork(const TrainedModel& model,
   c.data.batch_size = batch;
   if (!backend.empty()) c.backend = backend;
   if (threads > 0) c.compute_threads = threads;
+  // A model trained in bfloat16 or float16 keeps float32 weights: the CPU backend runs it in float32.
+  if (!SelectsCudaBackend(c)) c.data.dtype = "float32";
   STOKE_ASSIGN_OR_RETURN(auto net, CreateNetwork(c));
   Status s = net->LoadState(model.checkpoint.tensors);
   if (!s.ok()) return Status(s.code(), fmt::format("{}: {}", Describe(model), s.message()));

@@ -34,6 +34,15 @@ double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 
 }  // namespace
 
+bool SelectsCudaBackend(const TrainConfig& c) {
+#if STOKE_WITH_CUDA
+  return c.backend == "cuda" || (c.backend == "auto" && CudaAvailable().ok());
+#else
+  (void)c;
+  return false;
+#endif
+}
+
 Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c, const dist::Communicator* comm) {
   const int world = comm ? comm->size() : 1;
   if (c.data.batch_size % world != 0) {
@@ -363,6 +372,15 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
         STOKE_ASSIGN_OR_RETURN(auto lease, loader->Next());
         if (!lease) break;
         STOKE_ASSIGN_OR_RETURN(BatchStats s, net->Evaluate(*lease));
+        if (lease->replaced > 0) {
+          // Stand-ins for bad records are duplicates of other records: scored again without them.
+          const std::vector<float> logits = net->LastLogits();
+          if (logits.size() < static_cast<size_t>(lease->size) * static_cast<size_t>(config.model.classes)) {
+            return InternalError(fmt::format("{} backend: no logits for validation batch {}", net->backend(),
+                                             lease->number));
+          }
+          s = ScoreLogits(logits, config.model.classes, lease->labels, config.model.label_smoothing, lease->stand_in);
+        }
         // A device backend queued its reads of the batch on its stream: the ring's next copy into
         // this slot must wait for them, not for the legacy stream.
         lease.Release(net->stream());

@@ -67,6 +67,8 @@ Result<TrainSummary> Train(const TrainConfig& config, const TrainRunOptions& run
 // one rank of it: batch_size / world samples, the GPU of its local rank, and (compute_threads 0)
 // its share of the machine's cores.
 Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& config, const dist::Communicator* comm = nullptr);
+// Whether CreateNetwork would pick the CUDA backend for `config` on this machine.
+bool SelectsCudaBackend(const TrainConfig& config);
 
 // One-paragraph human summary of a run.
 std::string FormatSummary(const TrainSummary& summary);

@@ -46,6 +46,12 @@ check predict_others_still_run 3 "good3.jpg: class_" -- \
   "$stoke" predict --run "$run" "$work/good0.jpg" "$work/notes.txt" "$work/cut.jpg" "$work/good3.jpg"
 check predict_folder_json 0 '"probability": ' -- "$stoke" predict --run "$run" "$work/demo/images/class_02" --json -k 2
 check predict_missing 1 "nothing.jpg: no such file" -- "$stoke" predict --run "$run" "$work/nothing.jpg"
+# Names with spaces at either end, and a hidden file in a folder (left out, as pack does).
+cp "$work/good3.jpg" "$work/ spaced.jpg "
+mkdir -p "$work/folder" && cp "$work/good3.jpg" "$work/folder/" && echo junk >"$work/folder/.DS_Store"
+check predict_spaced_name 0 "/ spaced.jpg : class_03 " -- "$stoke" predict --run "$run" "$work/ spaced.jpg " -k 1
+check predict_hidden_left_out 0 "good3.jpg: class_03 " -- "$stoke" predict --run "$run" "$work/folder" -k 1
+check predict_no_tmpdir 1 "set TMPDIR to a writable folder" -- env TMPDIR="$work/nowhere" "$stoke" predict --run "$run" "$work/good3.jpg"
 # The demo's images are predicted as their class (the model reached high accuracy).
 check predict_right_class 0 "good3.jpg: class_03 " -- "$stoke" predict --run "$run" "$work/good3.jpg"
 

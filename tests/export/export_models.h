@@ -51,13 +51,14 @@ inline ModelSpec EveryLayerModel(int classes) {
   LayerSpec drop = Layer(LayerType::kDropout, "drop");
   drop.p = 0.3;
   m.layers = {conv("c1", 8, 3, 1, 1, true),
-              Layer(LayerType::kRelu, "r1"),
+              // Named like c2's weight: tensor names stay unique whatever the layers are called.
+              Layer(LayerType::kRelu, "c2.weight"),
               pool(LayerType::kAvgPool, "avg", 3, 2, 1),
               conv("c2", 8, 3, 1, 1, false),
               Layer(LayerType::kBatchNorm, "bn_c2"),          // c2 also feeds `sum`: not folded
               Layer(LayerType::kAdd, "sum", {"bn_c2", "c2"}),
               Layer(LayerType::kRelu, "r2"),
-              Layer(LayerType::kBatchNorm, "bn_after_relu"),  // nothing to fold into
+              Layer(LayerType::kBatchNorm, "logits"),  // nothing to fold into; named like the output
               pool(LayerType::kMaxPool, "max", 3, 2, 1),
               Layer(LayerType::kFlatten, "flat"),
               fc1,

@@ -65,7 +65,7 @@ TEST(ExportOnnx, EveryCasePassesOnnxCheckerAndFoldsEveryFoldableBatchNorm) {
     EXPECT_EQ(CountOps(m, "Dropout"), 0);
     EXPECT_EQ(r.removed_dropouts, dropouts);
     if (c.name == "every_layer") {
-      EXPECT_EQ(r.folded_batchnorms, 1);  // bn_fc1 into fc1; bn_c2 (c2 read twice) and bn_after_relu kept
+      EXPECT_EQ(r.folded_batchnorms, 1);  // bn_fc1 into fc1; bn_c2 (c2 read twice) and the one named logits kept
       EXPECT_EQ(r.kept_batchnorms, 2);
     } else {
       EXPECT_EQ(r.kept_batchnorms, 0) << "every preset's batch norm follows a convolution read only by it";
@@ -197,6 +197,35 @@ TEST(TrainedModel, LoadsTheCheckpointWithItsOwnConfigAndClassNames) {
   EXPECT_EQ(m.config.model.layers.size(), 4u);
   ASSERT_OK_AND_ASSIGN(auto net, CreateTrainedNetwork(m, "cpu", 2, 1));
   EXPECT_EQ(net->backend(), "cpu");
+}
+
+TEST(TrainedModel, AReducedPrecisionRunEvaluatesOnTheCpuInFloat32) {
+  SavedRun run;
+  ASSERT_NO_FATAL_FAILURE(SaveRun(run, kLayers));
+  ASSERT_OK_AND_ASSIGN(TrainedModel m, LoadTrainedModel({.checkpoint = run.checkpoint}));
+  for (const char* dtype : {"bfloat16", "float16"}) {
+    m.config.data.dtype = dtype;  // as a GPU run stores it; its checkpoint holds float32 weights
+    ASSERT_OK_AND_ASSIGN(auto net, CreateTrainedNetwork(m, "cpu", 2, 1));
+    EXPECT_EQ(net->backend(), "cpu");
+  }
+}
+
+TEST(TrainedModel, RefusesWeightsThatAreNotFiniteAndARunDirThatIsAFile) {
+  SavedRun run;
+  ASSERT_NO_FATAL_FAILURE(SaveRun(run, kLayers));
+  ASSERT_OK_AND_ASSIGN(Checkpoint ck, LoadCheckpoint(run.checkpoint));
+  for (NamedTensor& t : ck.tensors) {
+    if (t.name == "fc.weight") t.values[1] = std::nanf("");
+  }
+  ASSERT_OK(SaveCheckpoint(run.dir / "diverged.ckpt", ck));
+  auto m = LoadTrainedModel({.checkpoint = run.dir / "diverged.ckpt"});
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("tensor 'fc.weight' holds 1 of 12 values that are not finite"),
+            std::string::npos)
+      << m.status().message();
+  m = LoadTrainedModel({.run_dir = run.checkpoint});
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("is a file, not a run directory"), std::string::npos) << m.status().message();
 }
 
 TEST(TrainedModel, RefusesATruncatedCheckpointNamingTheFile) {

@@ -137,12 +137,21 @@ TEST(Loader, SkipPolicyReplacesBadRecordsDeterministicallyAndCounts) {
   const auto one = Drain(**loader);
   ASSERT_EQ(one.size(), 14u);
   int replaced = 0;
+  std::map<std::pair<int64_t, int64_t>, int> seen;  // (epoch, record) -> samples made of it
   for (const auto& b : one) {
     replaced += b.replaced;
+    // The stand-ins are flagged: leaving them out leaves each good record once an epoch.
+    ASSERT_EQ(b.stand_in.size(), b.indices.size());
+    EXPECT_EQ(std::count(b.stand_in.begin(), b.stand_in.end(), 1), b.replaced);
+    for (size_t i = 0; i < b.indices.size(); ++i) {
+      if (b.stand_in[i] == 0) seen[{b.epoch, b.indices[i]}]++;
+    }
     for (int64_t i : b.indices) EXPECT_TRUE(i != 3 && i != 4 && i != 21) << "bad record " << i << " served";
     EXPECT_EQ(b.indices.size(), b.epoch == 0 && b.number == 6 ? 4u : b.indices.size());
   }
   EXPECT_EQ(replaced, 6);  // three bad records in each of two epochs
+  EXPECT_EQ(seen.size(), 2u * 37u);  // the 37 good records of each epoch
+  for (const auto& [key, n] : seen) EXPECT_EQ(n, 1) << "record " << key.second << " of epoch " << key.first;
   const auto bad = (*loader)->bad_records();
   ASSERT_EQ(bad.size(), 3u);  // each named once
   EXPECT_EQ(bad[0].index, 3);

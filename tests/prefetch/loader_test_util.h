@@ -83,6 +83,7 @@ struct Seen {
   std::vector<int32_t> labels;
   std::vector<int64_t> indices;
   int replaced;
+  std::vector<uint8_t> stand_in;
   bool operator==(const Seen&) const = default;
 };
 
@@ -94,7 +95,7 @@ inline std::vector<Seen> Drain(Loader& loader, int limit = -1) {
     if (!lease.ok() || !*lease) break;
     const Batch& b = **lease;
     out.push_back({b.epoch, b.number, {b.images.begin(), b.images.end()}, {b.labels.begin(), b.labels.end()},
-                   {b.indices.begin(), b.indices.end()}, b.replaced});
+                   {b.indices.begin(), b.indices.end()}, b.replaced, {b.stand_in.begin(), b.stand_in.end()}});
   }
   return out;
 }

@@ -310,6 +310,39 @@ namespace {
 
 // LARS scales by trust * |w| / (|g| + wd |w| + eps); LARC clips that at the global rate; no
 // adaptation, or a zero norm, leaves the gradient alone.
+TEST(Scoring, TiesGoToTheLowerIndexAndANanIsAMiss) {
+  const float nan = std::nanf("");
+  // Every logit equal (a model with zeroed last layer): only class 0 is its arg-max.
+  const std::vector<float> flat(10, 0.5f);
+  EXPECT_EQ(LabelRank(flat, 0), 0);
+  EXPECT_EQ(LabelRank(flat, 3), 3);
+  EXPECT_EQ(LabelRank(flat, 9), 9);
+  EXPECT_EQ(LabelRank(std::vector<float>{1, 3, 3, 2}, 2), 1);
+  EXPECT_EQ(LabelRank(std::vector<float>{1, 3, 3, 2}, 1), 0);
+  EXPECT_EQ(LabelRank(std::vector<float>{nan, 3, 0}, 1), 3);
+  EXPECT_EQ(LabelRank(std::vector<float>{0, nan, 0}, 1), 3);
+
+  // Three rows of 10 classes: a clear hit, a tie row whose label is class 7 (top-5 misses), a NaN row;
+  // and a fourth row flagged as a stand-in, left out.
+  std::vector<float> logits(40, 0.f);
+  logits[2] = 5;  // row 0: label 2
+  logits[25] = nan;  // row 2
+  logits[30 + 1] = 9;  // row 3: a hit, but skipped
+  const std::vector<int32_t> labels{2, 7, 0, 1};
+  const std::vector<uint8_t> skip{0, 0, 0, 1};
+  const BatchStats s = ScoreLogits(logits, 10, labels, 0.0, skip);
+  EXPECT_EQ(s.count, 3);
+  EXPECT_EQ(s.top1, 1);
+  EXPECT_EQ(s.top5, 1);
+  // Row 0: log(e^5 + 9) - 5; row 1: log(10); row 2: NaN.
+  EXPECT_TRUE(std::isnan(s.loss_sum));
+  const BatchStats two = ScoreLogits(std::span(logits).first(20), 10, std::span(labels).first(2), 0.0);
+  EXPECT_NEAR(two.loss_sum, std::log(std::exp(5.0) + 9) - 5 + std::log(10.0), 1e-9);
+  // Label smoothing s: loss = lse - (1 - s) z_y - (s / K) sum z.
+  const BatchStats smooth = ScoreLogits(std::span(logits).first(10), 10, std::span(labels).first(1), 0.1);
+  EXPECT_NEAR(smooth.loss_sum, std::log(std::exp(5.0) + 9) - 0.9 * 5 - 0.01 * 5, 1e-9);
+}
+
 TEST(LayerAdaptation, TrustRatioFollowsTheNorms) {
   SgdOptions sgd;
   EXPECT_EQ(TrustRatio(sgd, 2.0, 1.0, 0.0, 0.1f), 1.f);

@@ -504,6 +504,7 @@ TEST_F(TrainLoop, SkippedRecordsAreWrittenToTheMetricsAsTheyHappen) {
   prefetch::WriteDataset(data, {.records = 64, .bad = {5, 17}});
   const std::string yaml = fmt::format(R"(data:
   train: {0}
+  val: {0}
   batch_size: 16
   threads: 2
   image_size: 16
@@ -527,6 +528,9 @@ log_every_steps: 1
   run.plot = false;
   ASSERT_OK_AND_ASSIGN(TrainSummary s, Train(c, run));
   EXPECT_EQ(s.bad_records, 2);
+  // Validation over the same records scores each good one once: the loader's stand-ins for the two
+  // bad ones (duplicates of other records) are left out.
+  EXPECT_EQ(s.val.count, 62);
   std::ifstream in(dir_->path() / "bad_run" / "metrics.jsonl");
   std::string line;
   std::vector<int64_t> indices;

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <numeric>
 #include <random>
 
@@ -24,15 +25,17 @@ namespace stoke::evaluate {
 namespace fs = std::filesystem;
 namespace {
 
-// Indices of the k largest values, largest first (ties: the lower index first).
+// Indices of the k largest values, largest first (ties: the lower index first; NaN below all).
 std::vector<int> TopK(std::span<const float> v, int k) {
   std::vector<int> order(v.size());
   std::iota(order.begin(), order.end(), 0);
   k = std::min<int>(k, static_cast<int>(v.size()));
-  std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int a, int b) {
-    return v[static_cast<size_t>(a)] > v[static_cast<size_t>(b)] ||
-           (v[static_cast<size_t>(a)] == v[static_cast<size_t>(b)] && a < b);
-  });
+  auto key = [&](int i) {
+    const float x = v[static_cast<size_t>(i)];
+    return std::isnan(x) ? -std::numeric_limits<float>::infinity() : x;
+  };
+  std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                    [&](int a, int b) { return key(a) > key(b) || (key(a) == key(b) && a < b); });
   order.resize(static_cast<size_t>(k));
   return order;
 }
@@ -103,20 +106,28 @@ Result<EvalReport> Evaluate(const EvalOptions& options) {
     if (options.stop != nullptr && options.stop->load()) return UnavailableError("stopped (interrupted)");
     STOKE_ASSIGN_OR_RETURN(auto lease, loader->Next());
     if (!lease) break;
-    STOKE_ASSIGN_OR_RETURN(train::BatchStats s, net->Evaluate(*lease));
-    total += s;
+    STOKE_RETURN_IF_ERROR(net->Evaluate(*lease).status());
     const std::vector<float> logits = net->LastLogits();
+    if (logits.size() < static_cast<size_t>(lease->size) * static_cast<size_t>(classes)) {
+      return InternalError(fmt::format("{} backend: no logits for batch {}", net->backend(), lease->number));
+    }
+    // Scored here rather than by the backend: plain cross-entropy (whatever label smoothing the run
+    // trained with), and the loader's stand-ins for bad records left out, so that every good record
+    // counts once.
+    total += train::ScoreLogits(logits, classes, lease->labels, 0.0, lease->stand_in);
     for (int i = 0; i < lease->size; ++i) {
+      if (lease->stand_in[static_cast<size_t>(i)] != 0) continue;
       const std::span<const float> row(logits.data() + static_cast<size_t>(i) * static_cast<size_t>(classes),
                                        static_cast<size_t>(classes));
-      const auto label = static_cast<size_t>(lease->labels[static_cast<size_t>(i)]);
-      const std::vector<int> top = TopK(row, 5);
-      ClassResult& r = report.classes[label];
+      const int label = lease->labels[static_cast<size_t>(i)];
+      const int rank = train::LabelRank(row, label);
+      const int predicted = TopK(row, 1)[0];
+      ClassResult& r = report.classes[static_cast<size_t>(label)];
       ++r.samples;
-      r.top1 += top[0] == static_cast<int>(label);
-      r.top5 += std::find(top.begin(), top.end(), static_cast<int>(label)) != top.end();
-      ++report.classes[static_cast<size_t>(top[0])].predicted;
-      ++confusion[label * static_cast<size_t>(classes) + static_cast<size_t>(top[0])];
+      r.top1 += rank < 1 ? 1 : 0;
+      r.top5 += rank < 5 ? 1 : 0;
+      ++report.classes[static_cast<size_t>(predicted)].predicted;
+      ++confusion[static_cast<size_t>(label) * static_cast<size_t>(classes) + static_cast<size_t>(predicted)];
     }
     const int64_t done = lease->number + 1;
     lease.Release(net->stream());
@@ -196,7 +207,8 @@ nlohmann::json EvalReportJson(const EvalReport& r) {
 }
 
 Result<std::vector<Prediction>> Predict(const PredictOptions& options) {
-  // Inputs in the order given; folders expand to every regular file below them, sorted.
+  // Inputs in the order given; folders expand to every regular file below them, sorted, leaving
+  // out hidden files and folders (names starting with '.') as `stoke pack` does.
   std::vector<fs::path> files;
   for (const std::string& in : options.inputs) {
     std::error_code ec;
@@ -205,6 +217,10 @@ Result<std::vector<Prediction>> Predict(const PredictOptions& options) {
       std::vector<fs::path> found;
       for (auto it = fs::recursive_directory_iterator(p, fs::directory_options::skip_permission_denied, ec);
            !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+        if (it->path().filename().string().starts_with('.')) {
+          if (it->is_directory(ec)) it.disable_recursion_pending();
+          continue;
+        }
         if (it->is_regular_file(ec)) found.push_back(it->path());
       }
       if (ec) return IoError(fmt::format("{}: {}", in, ec.message()));
@@ -219,54 +235,66 @@ Result<std::vector<Prediction>> Predict(const PredictOptions& options) {
   if (files.empty()) return InvalidArgumentError("no image files among the inputs");
   if (options.top_k < 1) return InvalidArgumentError(fmt::format("--top {} must be >= 1", options.top_k));
   STOKE_ASSIGN_OR_RETURN(train::TrainedModel model, train::LoadTrainedModel(options.model));
+  auto stopped = [&] { return options.stop != nullptr && options.stop->load(); };
 
   std::vector<Prediction> out(files.size());
-  std::unordered_map<std::string, size_t> by_path;  // absolute path -> input position
+  std::unordered_map<std::string, size_t> by_path;  // absolute path -> its first input position
+  std::unordered_map<std::string, size_t> by_key;   // key in the scratch dataset -> input position
   std::vector<size_t> same_as(files.size(), SIZE_MAX);  // a repeated input: its first position
   ScratchDir scratch;
   {
-    std::random_device rd;
-    scratch.path = fs::temp_directory_path() / fmt::format("stoke-predict-{}-{:08x}", getpid(), rd());
     std::error_code ec;
-    fs::create_directories(scratch.path, ec);
+    const fs::path tmp = fs::temp_directory_path(ec);
+    if (ec) {
+      return IoError(fmt::format("no folder for predict's scratch files: {} (set TMPDIR to a writable folder)",
+                                 ec.message()));
+    }
+    std::random_device rd;
+    scratch.path = tmp / fmt::format("stoke-predict-{}-{:08x}", getpid(), rd());
+    fs::create_directories(scratch.path / "inputs", ec);
     if (ec) return IoError(fmt::format("{}: {}", scratch.path.string(), ec.message()));
   }
   // The images go through `stoke pack` (validation, orientation, other formats) into a scratch
-  // dataset, then through the validation loader: exactly what evaluation sees.
+  // dataset, then through the validation loader: exactly what evaluation sees. Each reaches pack
+  // through a link named by its position, so the list holds none of the user's names (which may
+  // begin or end with spaces, or hold line breaks) and every result maps back by that name.
   std::ofstream list(scratch.path / "inputs.txt");
   size_t listed = 0;
   for (size_t i = 0; i < files.size(); ++i) {
     std::error_code ec;
     const fs::path abs = fs::absolute(files[i], ec).lexically_normal();
     out[i].path = files[i].string();
-    if (abs.string().find_first_of("\r\n") != std::string::npos) {
-      out[i].error = "the path holds a line break, which the list of inputs cannot carry";
-      continue;
-    }
     if (auto first = by_path.find(abs.string()); first != by_path.end()) {
       same_as[i] = first->second;  // gets the first one's result below
       continue;
     }
     by_path[abs.string()] = i;
-    list << abs.string() << " 0\n";
+    const std::string key = fmt::format("inputs/{:08}", i);
+    fs::create_symlink(abs, scratch.path / key, ec);
+    if (ec) {
+      out[i].error = fmt::format("cannot link it into {}: {}", scratch.path.string(), ec.message());
+      continue;
+    }
+    by_key[key] = i;
+    list << key << " 0\n";
     ++listed;
   }
   list.close();
   if (!list) return IoError(fmt::format("{}: cannot write the list of inputs", (scratch.path / "inputs.txt").string()));
 
   pack::PackOptions po;
-  po.source = "/";
+  po.source = scratch.path;
   po.list_file = scratch.path / "inputs.txt";
   po.output = scratch.path / "inputs.lmdb";
   po.threads = options.threads;
   po.progress = false;
   po.on_error = pack::OnError::kSkip;
+  po.stop = options.stop;
   auto packed = listed > 0 ? pack::Pack(po) : Result<pack::PackSummary>(pack::PackSummary{});
+  if (stopped()) return UnavailableError("stopped (interrupted)");
   if (!packed.ok()) return Status(packed.status().code(), fmt::format("preparing the images: {}", packed.status().message()));
   for (const pack::BadInput& bad : packed->bad) {
-    std::error_code ec;
-    auto it = by_path.find(fs::absolute(bad.path, ec).lexically_normal().string());
-    if (it != by_path.end()) out[it->second].error = bad.reason;
+    if (auto it = by_key.find(bad.path); it != by_key.end()) out[it->second].error = bad.reason;
   }
   const int64_t records = packed->splits.empty() ? 0 : packed->splits[0].records;
   if (records > 0) {
@@ -279,25 +307,31 @@ Result<std::vector<Prediction>> Predict(const PredictOptions& options) {
     STOKE_ASSIGN_OR_RETURN(auto loader, ValidationLoader(model, *net, data, batch, threads, 1.0));
     const int classes = model.config.model.classes;
     auto position = [&](int64_t record) -> Result<size_t> {
-      STOKE_ASSIGN_OR_RETURN(std::string path, reader.SourcePath(record));
-      auto it = by_path.find(path);
-      if (it == by_path.end()) return InternalError(fmt::format("record {} comes from {}, not an input", record, path));
+      STOKE_ASSIGN_OR_RETURN(std::string key, reader.SourcePath(record));
+      auto it = by_key.find(key);
+      if (it == by_key.end()) return InternalError(fmt::format("record {} comes from {}, not an input", record, key));
       return it->second;
     };
     while (true) {
+      if (stopped()) return UnavailableError("stopped (interrupted)");
       STOKE_ASSIGN_OR_RETURN(auto lease, loader->Next());
       if (!lease) break;
       STOKE_RETURN_IF_ERROR(net->Evaluate(*lease).status());
       const std::vector<float> logits = net->LastLogits();
       for (int i = 0; i < lease->size; ++i) {
+        if (lease->stand_in[static_cast<size_t>(i)] != 0) continue;  // its own record is reported bad
         STOKE_ASSIGN_OR_RETURN(const size_t at, position(lease->indices[static_cast<size_t>(i)]));
         const std::span<const float> row(logits.data() + static_cast<size_t>(i) * static_cast<size_t>(classes),
                                          static_cast<size_t>(classes));
+        Prediction& p = out[at];
+        if (!std::all_of(row.begin(), row.end(), [](float v) { return std::isfinite(v); })) {
+          p.error = "the model's output for this image is not finite (NaN or infinity)";
+          continue;
+        }
         // Softmax in double, shifted by the maximum.
         const float max = *std::max_element(row.begin(), row.end());
         double sum = 0;
         for (float v : row) sum += std::exp(static_cast<double>(v) - max);
-        Prediction& p = out[at];
         p.top = TopK(row, options.top_k);
         for (int c : p.top) {
           p.probabilities.push_back(std::exp(static_cast<double>(row[static_cast<size_t>(c)]) - max) / sum);

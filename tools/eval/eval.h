@@ -61,6 +61,9 @@ struct PredictOptions {
   int batch = 32;
   int threads = 0;
   std::string backend = "cpu";
+  // Set from another thread (a signal handler) to stop: Predict then returns kUnavailable, its
+  // scratch files removed. Not owned.
+  const std::atomic<bool>* stop = nullptr;
 };
 
 struct Prediction {

@@ -83,16 +83,20 @@ __global__ void SoftmaxCrossEntropyKernel(const T* logits, const int32_t* labels
   const T* z = logits + row * classes;
   const int y = labels[row];
   const float zy = Load(z, y);
-  float zmax = -FLT_MAX, zsum = 0, above = 0;
+  // `ahead`: classes ranked before the label (larger, or equal with a lower index: LabelRank's rule);
+  // `nan`: a NaN in the row, which makes it a miss.
+  float zmax = -FLT_MAX, zsum = 0, ahead = 0, nan = 0;
   for (int k = threadIdx.x; k < classes; k += blockDim.x) {
     const float v = Load(z, k);
     zmax = fmaxf(zmax, v);
     zsum += v;
-    above += v > zy ? 1.f : 0.f;
+    ahead += v > zy || (v == zy && k < y) ? 1.f : 0.f;
+    nan += isnan(v) ? 1.f : 0.f;
   }
   zmax = BlockReduce(zmax, MaxOp{}, -FLT_MAX, shared);
   zsum = BlockReduce(zsum, SumOp{}, 0.f, shared);
-  above = BlockReduce(above, SumOp{}, 0.f, shared);
+  ahead = BlockReduce(ahead, SumOp{}, 0.f, shared);
+  nan = BlockReduce(nan, SumOp{}, 0.f, shared);
   float sum = 0;
   for (int k = threadIdx.x; k < classes; k += blockDim.x) sum += __expf(Load(z, k) - zmax);
   sum = BlockReduce(sum, SumOp{}, 0.f, shared);
@@ -102,8 +106,8 @@ __global__ void SoftmaxCrossEntropyKernel(const T* logits, const int32_t* labels
     const double loss = lse - static_cast<double>(on - off) * zy - static_cast<double>(off) * zsum;
     row_loss[row] = loss;  // summed in row order by SumRowLossKernel: the same bits every run
     if (!isfinite(loss)) stats->non_finite = 1;  // no update from a step whose loss overflowed
-    if (above < 0.5f) atomicAdd(&stats->top1, 1ull);
-    if (above < 4.5f) atomicAdd(&stats->top5, 1ull);
+    if (nan < 0.5f && ahead < 0.5f) atomicAdd(&stats->top1, 1ull);
+    if (nan < 0.5f && ahead < 4.5f) atomicAdd(&stats->top5, 1ull);
   }
   if (grad != nullptr) {
     T* g = grad + row * classes;
