@@ -24,6 +24,9 @@ class SplitMix64 {
     return z ^ (z >> 31);
   }
 
+  // Moves past `draws` outputs at once: the next Next() is the one `draws` calls later.
+  void Skip(uint64_t draws) { state_ += draws * 0x9E3779B97F4A7C15ull; }
+
   // Uniform integer in [0, bound), bound > 0, without modulo bias (Lemire's method).
   uint64_t Below(uint64_t bound) {
     Uint128 m = static_cast<Uint128>(Next()) * bound;

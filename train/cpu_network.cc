@@ -751,6 +751,8 @@ class DropoutLayer final : public Layer {
     // activations (channel-blocked ones differ from machine to machine): the same (seed, step)
     // drops the same units here, on another CPU and on the CUDA backend.
     const Dims dims = md.dims();
+    n_values_ = 1;
+    for (auto d : dims) n_values_ *= static_cast<uint64_t>(d);
     const Tag plain = dims.size() == 4 ? Tag::nchw : dims.size() == 2 ? Tag::nc : Tag::undef;
     if (plain != Tag::undef) {
       const memory::desc plain_md(dims, kF32, plain);
@@ -774,6 +776,8 @@ class DropoutLayer final : public Layer {
     } else {
       // One mask per step: the same (seed, step) always drops the same units.
       SplitMix64 rng(MixSeed(seed_, static_cast<uint64_t>(step)));
+      // This rank's rows of the global batch's mask (first_sample: see NetworkOptions).
+      rng.Skip(static_cast<uint64_t>(net.opt.first_sample) * (n_values_ / static_cast<uint64_t>(net.opt.batch)));
       const auto keep = static_cast<float>(1.0 / (1.0 - p_));
       const bool reorder = to_layout_.needed;
       float* drawn = reorder ? Data(plain_mask_) : mask;
@@ -802,6 +806,7 @@ class DropoutLayer final : public Layer {
   int self_, in_;
   double p_;
   uint64_t seed_;
+  uint64_t n_values_ = 0;       // N x C x H x W (logical)
   memory mask_;                 // in the activations' layout
   memory plain_mask_;           // N x C x H x W or N x C, drawn here first when that is not the layout
   Converter to_layout_;

@@ -45,6 +45,10 @@ struct NetworkOptions {
   double bn_momentum = 0.1;             // running statistics: r = (1 - m) r + m batch
   double bn_epsilon = 1e-5;
   uint64_t seed = 0;  // parameter initialisation and dropout masks
+  // Data-parallel runs: this rank's first sample within the global batch (rank x batch). Dropout
+  // draws the mask of the global batch and applies its rows from here, so that W ranks drop what
+  // one rank with the global batch drops.
+  int64_t first_sample = 0;
   int threads = 0;    // compute threads; 0 = every core (CPU backend)
   Precision precision = Precision::kFloat32;
   int device = 0;  // CUDA backend: the GPU

@@ -55,6 +55,7 @@ Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c, const dist:
   o.model = ModelFromConfig(c.model);
   o.image_size = c.data.image_size;
   o.batch = c.data.batch_size / world;
+  o.first_sample = comm ? int64_t{comm->rank()} * o.batch : 0;
   o.sync_batchnorm = c.model.sync_batchnorm;
   o.normalize = NormalizeFromConfig(c.data);
   o.label_smoothing = c.model.label_smoothing;

@@ -914,6 +914,14 @@ class DropoutLayer final : public OneInputLayer {
     STOKE_RETURN_IF_ERROR(net.SetOutput(self_, x[1], x[2], x[3], in_ >= 0 && net.node(in_).vector));
     return keep_.Alloc(static_cast<size_t>(net.node(self_).count()));
   }
+  // The kernel draws value i of the mask as output i of a SplitMix64 stream from this seed: moving
+  // the seed on by first_sample x (values per sample) draws this rank's rows of the global batch's
+  // mask, as the CPU backend does (NetworkOptions::first_sample).
+  uint64_t MaskSeed(const Net& net, const Node& y, int64_t step) const {
+    const uint64_t per_sample = static_cast<uint64_t>(y.c) * static_cast<uint64_t>(y.h) * static_cast<uint64_t>(y.w);
+    return MixSeed(seed_, static_cast<uint64_t>(step)) +
+           static_cast<uint64_t>(net.opt.first_sample) * per_sample * 0x9E3779B97F4A7C15ull;
+  }
   Status Forward(Net& net, bool training, int64_t step) override {
     const Node& y = net.node(self_);
     if (!training || p_ == 0) {
@@ -921,8 +929,7 @@ class DropoutLayer final : public OneInputLayer {
       return OkStatus();
     }
     cuda::Dropout(net.In(in_), y.out.get(), keep_.as<uint8_t>(), net.t, y.count(), static_cast<int>(y.c),
-                  static_cast<int>(y.h), static_cast<int>(y.w), MixSeed(seed_, static_cast<uint64_t>(step)), p_,
-                  net.stream);
+                  static_cast<int>(y.h), static_cast<int>(y.w), MaskSeed(net, y, step), p_, net.stream);
     return OkStatus();
   }
   Status Backward(Net& net) override {
