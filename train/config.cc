@@ -645,6 +645,9 @@ prefetch::LoaderOptions TrainLoaderOptions(const TrainConfig& c, int rank, int w
   o.sampler.world_size = world;
   o.sampler.sharding = dataset::Sharding::kGlobalBatch;
   o.sampler.global_batch = d.batch_size;
+  // The records past the last whole global batch are left out on every rank (each rank's share of
+  // them would pad to a batch of its own): an epoch is records / batch_size steps on any world size.
+  o.sampler.drop_last = true;
   o.threads = d.threads;
   o.ring_size = d.ring;
   o.on_error = d.on_error == "fail" ? prefetch::ErrorPolicy::kFail : prefetch::ErrorPolicy::kSkip;

@@ -440,6 +440,10 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     lo.start_batch = step % steps_per_epoch;
     lo.epochs = config.epochs - lo.start_epoch;
     auto created = prefetch::Loader::Create(*train_set, lo);
+    if (created.ok() && (*created)->batches_per_epoch() != steps_per_epoch) {
+      created = InternalError(fmt::format("rank {}: the loader makes {} batches an epoch, the trainer counts {} steps",
+                                          rank, (*created)->batches_per_epoch(), steps_per_epoch));
+    }
     STOKE_RETURN_IF_ERROR(agree(created.status()));
     auto loader = std::move(*created);
 

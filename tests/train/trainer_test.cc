@@ -167,6 +167,40 @@ TEST(DeviceComm, NcclWhereItCanRunElseTheHostUnlessNcclWasAskedFor) {
   EXPECT_EQ(absent.status().message(), "dist.device_comm: nccl: " + missing.message());
 }
 
+// The training loader of every world size cuts the same global batches: rank r's batch k is
+// samples [kG + rB, kG + (r+1)B) of the 1-rank order, and an epoch is records / G steps on every
+// rank, even where the records past the last whole global batch would give each rank a share.
+TEST(TrainSharding, EveryWorldSizeSeesTheSameGlobalBatchesAndEpochLength) {
+  testing::TempDir dir;
+  const auto path = prefetch::WriteDataset(dir / "d23", {.records = 23});  // 23 = 12 + 11
+  ASSERT_OK_AND_ASSIGN(dataset::Dataset ds, dataset::Dataset::Open(path));
+  ASSERT_OK_AND_ASSIGN(TrainConfig c, ParseConfig(fmt::format("data: {{train: {}, batch_size: 12, threads: 1, "
+                                                              "image_size: 32}}\nmodel: {{preset: lenet, classes: 4}}\n",
+                                                              path.string()),
+                                                  "sharding.yaml"));
+  auto batches = [&](int world) {
+    std::vector<std::vector<int64_t>> global;  // per (epoch, batch): the ranks' indices in rank order
+    for (int rank = 0; rank < world; ++rank) {
+      prefetch::LoaderOptions o = TrainLoaderOptions(c, rank, world);
+      o.device = prefetch::DeviceMode::kHost;
+      o.epochs = 3;
+      auto loader = prefetch::Loader::Create(ds, o);
+      EXPECT_TRUE(loader.ok()) << loader.status().ToString();
+      if (!loader.ok()) return global;
+      EXPECT_EQ((*loader)->batches_per_epoch(), 1) << world << " ranks, rank " << rank;
+      const auto seen = prefetch::Drain(**loader);
+      if (global.size() < seen.size()) global.resize(seen.size());
+      for (size_t k = 0; k < seen.size(); ++k) {
+        global[k].insert(global[k].end(), seen[k].indices.begin(), seen[k].indices.end());
+      }
+    }
+    return global;
+  };
+  const auto one = batches(1);
+  ASSERT_EQ(one.size(), 3u);
+  for (int world : {2, 3, 4, 6}) EXPECT_EQ(batches(world), one) << world << " ranks";
+}
+
 TEST(Schedule, ShapesAtKnownPoints) {
   ScheduleConfig s;
   s.type = "step";
