@@ -479,24 +479,26 @@ Status Communicator::Agree(const Status& local) {
   if (size_ == 1) return local;
   int32_t failed = local.ok() ? 0 : 1;
   Work w = AllReduce(&failed, 1, DataType::kInt32, ReduceOp::kMax);
-  Status s = w.Wait();
-  if (!s.ok()) return s;
+  // A decision that cannot be taken (a rank is gone or stuck) leaves nothing to agree with: the
+  // world ends here rather than each rank going its own way (and waiting for the others for good).
+  if (Status s = w.Wait(); !s.ok()) Abort(s);
   if (failed == 0) return OkStatus();
-  // Someone failed: everyone learns who and why.
-  constexpr size_t kRecord = 1024;
+  // Someone failed: everyone learns who, where and why. A record: the code, the host, the message.
+  constexpr size_t kRecord = 1024, kHost = 64;
   std::vector<char> mine(kRecord, 0), all(kRecord * static_cast<size_t>(size_), 0);
   mine[0] = static_cast<char>(local.code());
+  std::memcpy(mine.data() + 1, host_.data(), std::min(host_.size(), kHost - 1));
   const std::string text = local.ok() ? std::string() : local.message();
-  std::memcpy(mine.data() + 1, text.data(), std::min(text.size(), kRecord - 2));
+  std::memcpy(mine.data() + 1 + kHost, text.data(), std::min(text.size(), kRecord - kHost - 2));
   Work g = AllGather(mine.data(), kRecord, all.data());
-  s = g.Wait();
-  if (!s.ok()) return s;
+  if (Status s = g.Wait(); !s.ok()) Abort(s);
   if (!local.ok()) return local;
   for (int r = 0; r < size_; ++r) {
     const char* rec = all.data() + static_cast<size_t>(r) * kRecord;
     const auto code = static_cast<StatusCode>(rec[0]);
     if (code == StatusCode::kOk) continue;
-    return Status(code, fmt::format("rank {} failed: {}", r, std::string_view(rec + 1, strnlen(rec + 1, kRecord - 1))));
+    return Status(code, fmt::format("rank {} ({}) failed: {}", r, std::string_view(rec + 1, strnlen(rec + 1, kHost - 1)),
+                                    std::string_view(rec + 1 + kHost, strnlen(rec + 1 + kHost, kRecord - kHost - 1))));
   }
   return InternalError("dist: a rank reported a failure but none sent one");
 }

@@ -99,6 +99,11 @@ class Communicator {
   bool uses_mpi() const { return mpi_; }
   const std::string& host() const { return host_; }
   double timeout_s() const { return options_.timeout_s; }
+  // Changes the timeout of the collectives started from now on (> 0): a run creates its
+  // communicator before it has read the config that sets it.
+  void set_timeout_s(double seconds) {
+    if (seconds > 0) options_.timeout_s = seconds;
+  }
   // Seconds since Create on the steady clock (the time base of Work::started_s()).
   double Now() const;
 
@@ -111,7 +116,8 @@ class Communicator {
 
   // A collective decision on an outcome: every rank passes its own; every rank gets the same
   // answer. Ok when all are ok; otherwise the error of the lowest failing rank, its message
-  // prefixed "rank R (host): " on the other ranks. Times out like any collective.
+  // prefixed "rank R (host) failed: " on the other ranks. When its collectives fail or time out (a
+  // rank is gone or stuck), there is nothing left to agree with: it ends every rank (Abort).
   Status Agree(const Status& local);
 
   // Ends every rank of the world now (MPI_Abort) after logging `why`; a world of one exits.

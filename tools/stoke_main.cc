@@ -353,21 +353,34 @@ int Run(int argc, char** argv) {
     return report->intact() ? 0 : 3;  // 3: bad records, or a manifest that disagrees with them
   }
   if (train_cmd->parsed()) {
-    auto config = stoke::train::LoadConfig(train_config);
-    // Under a launcher every rank reads the same file: one report of its errors is enough.
-    if (!config.ok()) return stoke::dist::DetectLaunch().rank == 0 ? Fail(config.status()) : 1;
     if (print_config) {
+      auto config = stoke::train::LoadConfig(train_config);
+      if (!config.ok()) return Fail(config.status());
       std::fputs(stoke::train::ConfigToYaml(*config).c_str(), stdout);
       return 0;
     }
+    // Under mpirun or srun: one rank of a data-parallel run (a world of one otherwise). Made before
+    // the config is read, so that an error only some ranks meet (a file missing on one machine) is
+    // agreed on and reported by rank 0, naming the rank; its timeout comes from the config after.
+    auto comm = stoke::dist::Communicator::Create({});
+    if (!comm.ok()) return Fail(comm.status());
+    const int rank = (*comm)->rank(), world = (*comm)->size();
+    // Every failure before training is agreed on: each rank learns it, rank 0 reports it once.
+    auto agreed_or_fail = [&](const stoke::Status& local) -> stoke::Status {
+      stoke::Status s = world > 1 ? (*comm)->Agree(local) : local;
+      if (!s.ok() && rank == 0) {
+        const bool named = world == 1 || s.message().rfind("rank ", 0) == 0;
+        Fail(named ? s : stoke::Status(s.code(), fmt::format("rank 0 ({}): {}", (*comm)->host(), s.message())));
+      }
+      return s;
+    };
+    auto config = stoke::train::LoadConfig(train_config);
+    if (!agreed_or_fail(config.status()).ok()) return 1;
+    (*comm)->set_timeout_s(config->dist.timeout_s);
     if (train_cmd->get_option("--resume")->count() > 0) train_run.resume = resume.empty() ? "latest" : resume;
     train_run.progress = !train_quiet;
     train_run.stop = &g_stop;
-    // Under mpirun or srun: one rank of a data-parallel run (a world of one otherwise).
-    auto comm = stoke::dist::Communicator::Create({.timeout_s = config->dist.timeout_s});
-    if (!comm.ok()) return Fail(comm.status());
     train_run.comm = comm->get();
-    const int rank = (*comm)->rank(), world = (*comm)->size();
     if (const char* p = std::getenv("STOKE_TEST_POISON"); p != nullptr) {
       // Tests: "RANK:STEP" feeds NaN gradients into one rank at one step.
       long long r = -1, st = -1;
@@ -382,18 +395,24 @@ int Run(int argc, char** argv) {
     // data-parallel run with a checkpoint, like Ctrl-C on one process.
     std::signal(SIGUSR1, OnInterrupt);
 #if STOKE_WITH_MONITOR
+    // Rank 0 serves the monitor; its failure to start ends every rank, not rank 0 alone.
     std::unique_ptr<stoke::monitor::Monitor> monitor;
+    stoke::Status monitor_started = stoke::OkStatus();
     if (!train_monitor.empty() && rank == 0) {
-      auto address = stoke::monitor::ParseListenAddress(train_monitor, "127.0.0.1");
-      if (!address.ok()) return Fail(stoke::Status(address.status().code(), "--monitor " + address.status().message()));
-      std::error_code ec;
-      std::filesystem::create_directories(config->run_dir, ec);
-      auto started = stoke::monitor::Monitor::Start(
-          {.run_dirs = {config->run_dir}, .host = address->first, .port = address->second});
-      if (!started.ok()) return Fail(started.status());
-      monitor = std::move(*started);
-      std::fprintf(stderr, "monitor: %s\n", monitor->url().c_str());
+      monitor_started = [&]() -> stoke::Status {
+        auto address = stoke::monitor::ParseListenAddress(train_monitor, "127.0.0.1");
+        if (!address.ok()) return stoke::Status(address.status().code(), "--monitor " + address.status().message());
+        std::error_code ec;
+        std::filesystem::create_directories(config->run_dir, ec);
+        auto started = stoke::monitor::Monitor::Start(
+            {.run_dirs = {config->run_dir}, .host = address->first, .port = address->second});
+        if (!started.ok()) return started.status();
+        monitor = std::move(*started);
+        std::fprintf(stderr, "monitor: %s\n", monitor->url().c_str());
+        return stoke::OkStatus();
+      }();
     }
+    if (!agreed_or_fail(monitor_started).ok()) return 1;
 #else
     if (!train_monitor.empty()) {
       return Fail(stoke::UnavailableError(std::string("--monitor: ") + kNoMonitor));

@@ -30,6 +30,13 @@ namespace stoke::train {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// FNV-1a, 64 bits: a digest every rank computes the same way.
+uint64_t Fnv1a64(std::string_view text) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : text) h = (h ^ c) * 0x100000001b3ull;
+  return h;
+}
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 }  // namespace
@@ -166,6 +173,28 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
 
   const std::filesystem::path run_dir = config.run_dir;
   const auto metrics_path = run_dir / "metrics.jsonl";
+
+  // Every rank must train the same config (its paths aside: each machine may keep its own copy of
+  // the data). Ranks that read different files fail in step mismatches or collectives of
+  // different sizes much later and far less clearly.
+  if (world > 1) {
+    TrainConfig shared = config;
+    shared.data.train.clear();
+    shared.data.val.clear();
+    shared.run_dir.clear();
+    shared.source.clear();
+    const uint64_t mine = Fnv1a64(ConfigToYaml(shared));
+    std::vector<uint64_t> all(static_cast<size_t>(world));
+    STOKE_RETURN_IF_ERROR(must(comm->AllGather(&mine, sizeof mine, all.data()).Wait()));
+    Status same = OkStatus();
+    if (mine != all[0]) {
+      same = InvalidArgumentError(fmt::format(
+          "{}: this rank's config differs from rank 0's (digest {:016x}, rank 0 {:016x}); every rank must train the "
+          "same config (only data.train, data.val and run_dir may differ)",
+          config.source, mine, all[0]));
+    }
+    STOKE_RETURN_IF_ERROR(agree(same));
+  }
 
   // ---- every rank: datasets and network
   std::optional<dataset::Dataset> train_set, val_set;
@@ -304,7 +333,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   STOKE_RETURN_IF_ERROR(agree(start));
   if (world > 1) {
     STOKE_RETURN_IF_ERROR(must(comm->Broadcast(&step, sizeof step, 0).Wait()));
-    STOKE_RETURN_IF_ERROR(BroadcastState(*comm, *net));
+    STOKE_RETURN_IF_ERROR(must(BroadcastState(*comm, *net)));
     auto hosts = RankHosts(*comm);
     STOKE_RETURN_IF_ERROR(must(hosts.status()));
     for (const std::string& h : *hosts) {

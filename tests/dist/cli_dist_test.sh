@@ -21,6 +21,21 @@ config odd 1
 check batch_must_divide 1 "rank 0 .*data.batch_size 16 is the global batch and must divide evenly among the 3 ranks" -- \
   "${mpi[@]}" -np 3 "$stoke" train --config "$work/odd.yaml" -q
 
+# Failures before training that only some ranks meet end every rank, named by rank 0: a config
+# missing on one machine, ranks given different configs, the monitor's port taken on rank 0.
+config other 1
+sed -i 's/epochs: 1/epochs: 2/' "$work/other.yaml"
+check config_missing_on_one_rank 1 "rank 1 \(.*\) failed: .*nowhere.yaml" -- \
+  timeout 120 "${mpi[@]}" -np 1 "$stoke" train --config "$work/odd.yaml" -q : -np 1 "$stoke" train --config "$work/nowhere.yaml" -q
+check configs_differ 1 "rank 1 \(.*\) failed: .*config differs from rank 0's" -- \
+  timeout 120 "${mpi[@]}" -np 1 "$stoke" train --config "$work/odd.yaml" -q : -np 1 "$stoke" train --config "$work/other.yaml" -q
+python3 -c "import socket, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); print(s.getsockname()[1], flush=True); time.sleep(120)" >"$work/port" &
+occupant=$!
+for _ in $(seq 50); do [[ -s $work/port ]] && break; sleep 0.1; done
+check monitor_port_taken_ends_every_rank 1 "rank 0 \(.*\): monitor: cannot listen" -- \
+  timeout 120 "${mpi[@]}" -np 2 "$stoke" train --config "$work/odd.yaml" -q --monitor "$(cat "$work/port")"
+kill "$occupant" 2>/dev/null
+
 config nan 1
 check nan_on_one_rank_skips_everywhere 0 "steps skipped \(not finite on some rank\): 1" -- \
   env STOKE_TEST_POISON=1:3 "${mpi[@]}" -x STOKE_TEST_POISON -np 2 "$stoke" train --config "$work/nan.yaml" -q
