@@ -246,6 +246,39 @@ TEST_F(MonitorServer, TwoHundredConcurrentClients) {
   EXPECT_EQ(Get(port_, "/api/runs").status, 200);
 }
 
+TEST_F(MonitorServer, ABodyEndsTheConnectionAndRangesGetTheWholeFile) {
+  // A GET with a body: answered, then the connection closed, so the body is never read as the next
+  // request (which would get a 400, or worse, be answered as someone else's request).
+  Reply r = Send(port_,
+                 "GET /app.js HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
+                 "GET /api/runs HTTP/1.1\r\nHost: x\r\n\r\n");
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(r.body.find("HTTP/1.1 400"), std::string::npos);
+  EXPECT_EQ(r.body.find("HTTP/1.1"), std::string::npos) << "one answer, then the connection closed";
+  // Byte ranges, in range, out of range or several: the whole file with 200.
+  for (const char* range : {"bytes=0-3", "bytes=60000000-", "bytes=0-,0-", "bytes=-0"}) {
+    SCOPED_TRACE(range);
+    Reply f = Send(port_, fmt::format("GET /runs/0/config.yaml HTTP/1.1\r\nHost: x\r\nRange: {}\r\n"
+                                      "Connection: close\r\n\r\n",
+                                      range));
+    EXPECT_EQ(f.status, 200);
+    EXPECT_EQ(f.body, "data:\n  train: /nonexistent/train.lmdb\nepochs: 2\n");
+  }
+}
+
+TEST(MetricsChunk, ALineNestedBeyondReasonIsMalformedNotACrash) {
+  testing::TempDir dir;
+  const auto path = dir.path() / "metrics.jsonl";
+  const int n = 200000;  // serialising this recursively would take far more than a thread's stack
+  WriteText(path, std::string(R"({"type":"train","step":1,"loss":1})") + "\n" + R"({"type":"train","step":2,"x":)" +
+                      std::string(n, '[') + std::string(n, ']') + "}\n" + R"({"type":"train","step":3,"s":"[[[[{{"})" +
+                      "\n");
+  auto j = nlohmann::json::parse(ReadMetricsChunk(path, 0, 1 << 20));
+  ASSERT_EQ(j["records"].size(), 2u);
+  EXPECT_EQ(j["records"][1]["step"], 3) << "brackets inside strings do not count";
+  EXPECT_EQ(j["malformed"], 1);
+}
+
 TEST(MetricsChunk, ReadsAFileInPiecesAndSkipsOverlongLines) {
   testing::TempDir dir;
   const auto path = dir.path() / "metrics.jsonl";
@@ -284,6 +317,7 @@ TEST(MonitorStart, RefusesMissingRunsAndBusyPorts) {
   auto second = Monitor::Start({.run_dirs = {dir.path().string()}, .port = first->port()});
   ASSERT_FALSE(second.ok());
   EXPECT_NE(second.status().message().find(std::to_string(first->port())), std::string::npos);
+  EXPECT_NE(second.status().message().find("Address already in use"), std::string::npos) << second.status().message();
   first->Stop();
   first->Stop();  // idempotent
 }
@@ -295,6 +329,9 @@ TEST(MonitorAddress, Parses) {
   EXPECT_EQ(b, std::make_pair(std::string("0.0.0.0"), 9000));
   ASSERT_OK_AND_ASSIGN(auto c, ParseListenAddress("[::1]:0", "127.0.0.1"));
   EXPECT_EQ(c, std::make_pair(std::string("::1"), 0));
+  auto v6 = ParseListenAddress("::1", "127.0.0.1");
+  ASSERT_FALSE(v6.ok());
+  EXPECT_NE(v6.status().message().find("in brackets, e.g. [::1]:8080"), std::string::npos) << v6.status().message();
   for (const char* bad : {"", "x", "80a", "65536", "-1", ":80", "host:"}) {
     auto r = ParseListenAddress(bad, "127.0.0.1");
     EXPECT_FALSE(r.ok()) << bad;

@@ -99,9 +99,14 @@ function status(run) {
   const s = { step: last ? last.step : 0, total: start ? start.total_steps : null, perEpoch: start ? start.steps_per_epoch : null,
               epochs: start ? start.epochs : null, malformed };
   const age = run.info.metrics_age_s;
+  // Not updating: silent for three of its own logging intervals (and at least a minute).
+  let interval = 0;
+  if (lastTrain.length >= 2) {
+    interval = (lastTrain[lastTrain.length - 1].time - lastTrain[0].time) / (lastTrain.length - 1);
+  }
   if (!run.info.has_metrics) s.state = 'waiting';
   else if (end) s.state = end.stopped ? 'stopped' : 'finished';
-  else if (age !== undefined && age > Math.max(60, 10 * pollMs / 1000)) s.state = 'stale';
+  else if (age !== undefined && age > Math.max(60, 10 * pollMs / 1000, 3 * interval)) s.state = 'stale';
   else s.state = 'training';
   if (lastTrain.length >= 2) {
     const a = lastTrain[0], b = lastTrain[lastTrain.length - 1];
@@ -201,8 +206,9 @@ async function pollRun(run) {
     if (!j.exists) return false;
     if (j.reset || (run.fileId && j.file_id !== run.fileId && run.offset > 0)) {
       // The file was rewritten (a resume trims it): read it again from the start.
-      if (!j.reset) { run.offset = 0; run.records = []; run.malformed = 0; run.fileId = j.file_id; continue; }
-      run.records = []; run.malformed = 0;
+      // Its time axis starts again too: a new run in the same folder starts at its own first line.
+      if (!j.reset) { run.offset = 0; run.records = []; run.malformed = 0; run.t0 = 0; run.fileId = j.file_id; continue; }
+      run.records = []; run.malformed = 0; run.t0 = 0;
     }
     run.fileId = j.file_id;
     for (const r of j.records) {

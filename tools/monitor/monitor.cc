@@ -1,6 +1,8 @@
 #include "tools/monitor/monitor.h"
 
 #include <arpa/inet.h>
+#include <netdb.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/epoll.h>
@@ -9,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <chrono>
 #include <charconv>
@@ -262,6 +265,9 @@ class Parking {
 // BoundedStream, and a connection with nothing to read waits in Parking instead of in a worker.
 // The status of the response the current thread wrote last (cpp-httplib's logger sees every one).
 thread_local int t_last_status = 0;
+// Set while serving a request that came with a body (the monitor reads none): the connection is
+// closed after the answer, since the unread body would be taken for the next request.
+thread_local bool t_close_after = false;
 
 class BoundedServer : public httplib::Server {
  public:
@@ -292,10 +298,11 @@ class BoundedServer : public httplib::Server {
       stream.NewRequest();
       bool closed = false;
       t_last_status = 0;
+      t_close_after = false;
       ok = process_request(stream, i + 1 == kKeepAliveRequests, closed, nullptr);
       // After an error the rest of the connection cannot be trusted to be a request (an unread
       // body, an oversized line): close it.
-      if (!ok || closed || stream.Exhausted() || t_last_status >= 400) break;
+      if (!ok || closed || stream.Exhausted() || t_last_status >= 400 || t_close_after) break;
     }
     ::shutdown(sock, SHUT_RDWR);
     ::close(sock);
@@ -413,7 +420,13 @@ Result<std::pair<std::string, int>> ParseListenAddress(std::string_view text, st
   if (const size_t colon = text.rfind(':'); colon != std::string_view::npos) {
     host = std::string(text.substr(0, colon));
     port_text = text.substr(colon + 1);
-    if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+    const bool bracketed = host.size() >= 2 && host.front() == '[' && host.back() == ']';
+    if (bracketed) {
+      host = host.substr(1, host.size() - 2);
+    } else if (host.find(':') != std::string::npos) {
+      return InvalidArgumentError(
+          fmt::format("'{}': an IPv6 address goes in brackets, e.g. [::1]:8080", text));
+    }
     if (host.empty()) {
       return InvalidArgumentError(fmt::format("'{}': expected [HOST:]PORT, e.g. 8080 or 127.0.0.1:8080", text));
     }
@@ -426,6 +439,39 @@ Result<std::pair<std::string, int>> ParseListenAddress(std::string_view text, st
   }
   return std::make_pair(host, port);
 }
+
+namespace {
+
+// Why listening on host:port fails, found by trying it: the HTTP library says only that it did.
+std::string WhyCannotListen(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  const std::string service = std::to_string(port);
+  if (const int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &found); rc != 0) {
+    return fmt::format("host '{}': {}", host, ::gai_strerror(rc));
+  }
+  std::string why = "no address to listen on";
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) {
+      why = std::strerror(errno);
+      continue;
+    }
+    int on = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);
+    const bool ok = ::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, 1) == 0;
+    why = ok ? "it listens now: try again" : std::strerror(errno);
+    ::close(fd);
+    if (!ok) break;
+  }
+  ::freeaddrinfo(found);
+  return why;
+}
+
+}  // namespace
 
 Result<std::filesystem::path> ResolveRunFile(const std::filesystem::path& run_dir, std::string_view relative) {
   auto refuse = [&] { return NotFoundError(fmt::format("monitor: no such file in {}", run_dir.string())); };
@@ -453,15 +499,68 @@ Result<std::filesystem::path> ResolveRunFile(const std::filesystem::path& run_di
   return resolved;
 }
 
+namespace {
+
+// The deepest nesting of arrays and objects in a JSON text (strings skipped): serialising a value
+// recurses once per level, so a line nested without bound would exhaust a thread's stack.
+int NestingDepth(std::string_view text) {
+  int depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
+// Metrics lines nest two or three levels; deeper ones are counted as malformed.
+constexpr int kMaxMetricsDepth = 32;
+
+// pread until `want` bytes or the end of the file; the bytes read.
+std::string ReadAt(int fd, int64_t from, size_t want) {
+  std::string buf(want, '\0');
+  size_t got = 0;
+  while (got < want) {
+    const ssize_t n = ::pread(fd, buf.data() + got, want - got, static_cast<off_t>(from) + static_cast<off_t>(got));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    got += static_cast<size_t>(n);
+  }
+  buf.resize(got);
+  return buf;
+}
+
+}  // namespace
+
 std::string ReadMetricsChunk(const std::filesystem::path& path, int64_t from, size_t max_bytes) {
   nlohmann::json out = {{"offset", 0}, {"size", 0}, {"file_id", ""}, {"reset", false},
                         {"records", nlohmann::json::array()}, {"malformed", 0}, {"partial", 0}};
+  // One descriptor for the size, the identity and the bytes: a file replaced meanwhile (a resume
+  // rewrites it) cannot give one file's size and another's lines.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   struct stat st{};
-  std::ifstream in(path, std::ios::binary);
-  if (!in || ::stat(path.c_str(), &st) != 0) {
+  if (fd < 0 || ::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    if (fd >= 0) ::close(fd);
     out["exists"] = false;
     return out.dump();
   }
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
   out["exists"] = true;
   const auto size = static_cast<int64_t>(st.st_size);
   out["size"] = size;
@@ -471,10 +570,7 @@ std::string ReadMetricsChunk(const std::filesystem::path& path, int64_t from, si
     from = 0;
   }
   const auto want = static_cast<size_t>(std::min<int64_t>(size - from, static_cast<int64_t>(max_bytes)));
-  std::string buf(want, '\0');
-  in.seekg(from);
-  in.read(buf.data(), static_cast<std::streamsize>(want));
-  buf.resize(static_cast<size_t>(in.gcount()));
+  const std::string buf = ReadAt(fd, from, want);
   int64_t malformed = 0, consumed = 0;
   auto& records = out["records"];
   size_t pos = 0;
@@ -483,7 +579,8 @@ std::string ReadMetricsChunk(const std::filesystem::path& path, int64_t from, si
     if (nl == std::string::npos) break;
     const std::string_view line(buf.data() + pos, nl - pos);
     if (!line.empty()) {
-      auto j = nlohmann::json::parse(line, nullptr, false);
+      auto j = NestingDepth(line) <= kMaxMetricsDepth ? nlohmann::json::parse(line, nullptr, false)
+                                                      : nlohmann::json(nlohmann::json::value_t::discarded);
       if (j.is_object()) {
         records.push_back(std::move(j));
       } else {
@@ -495,12 +592,17 @@ std::string ReadMetricsChunk(const std::filesystem::path& path, int64_t from, si
   }
   if (consumed == 0 && buf.size() == max_bytes && max_bytes > 0) {
     // One line longer than a whole chunk: no metrics line is that long. Skip it as malformed.
-    int64_t skip = static_cast<int64_t>(buf.size());
-    char c;
-    while (in.get(c) && c != '\n') ++skip;
-    if (in) {
-      consumed = skip + 1;
-      ++malformed;
+    int64_t at = from + static_cast<int64_t>(buf.size());
+    while (at < size) {
+      const std::string more = ReadAt(fd, at, 1 << 16);
+      if (more.empty()) break;
+      const size_t nl = more.find('\n');
+      if (nl != std::string::npos) {
+        consumed = at + static_cast<int64_t>(nl) + 1 - from;
+        ++malformed;
+        break;
+      }
+      at += static_cast<int64_t>(more.size());
     }
   }
   out["offset"] = from + consumed;
@@ -651,6 +753,12 @@ Result<std::unique_ptr<Monitor>> Monitor::Start(MonitorOptions options) {
   });
   svr.set_payload_max_length(1024);
   svr.set_pre_routing_handler([s](const httplib::Request& req, httplib::Response& res) {
+    const std::string length = req.get_header_value("Content-Length");
+    t_close_after = req.has_header("Transfer-Encoding") || (!length.empty() && length != "0");
+    if (t_close_after) res.set_header("Connection", "close");
+    // Every answer is whole: byte ranges are not served (the HTTP library's answers to some of
+    // them are malformed), and a client asking for one gets the whole file with 200, as HTTP allows.
+    const_cast<httplib::Request&>(req).ranges.clear();  // the server's own Request, not a constant
     try {
       s->Serve(req, res);
     } catch (const std::exception& e) {
@@ -664,8 +772,8 @@ Result<std::unique_ptr<Monitor>> Monitor::Start(MonitorOptions options) {
   });
   const bool bound = o.port == 0 ? (s->port = svr.bind_to_any_port(o.host)) > 0 : svr.bind_to_port(o.host, o.port);
   if (!bound) {
-    return UnavailableError(fmt::format("monitor: cannot listen on {}:{} (address in use, or not this machine's?)",
-                                        o.host, o.port));
+    return UnavailableError(
+        fmt::format("monitor: cannot listen on {}:{}: {}", o.host, o.port, WhyCannotListen(o.host, o.port)));
   }
   if (o.port != 0) s->port = o.port;
   // cpp-httplib listens with a backlog of 5; a page, its scripts and a few hundred clients need more.
