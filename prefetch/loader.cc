@@ -103,6 +103,7 @@ struct LoaderState {
   size_t sample_bytes = 0;
   size_t labels_offset = 0;
   int64_t max_bad = 0;
+  int64_t budget_samples = 0;  // the samples max_skip_fraction is a fraction of
 
   std::unique_ptr<BatchMemory> memory;
   std::unique_ptr<StorageStage> storage;  // null when off
@@ -240,7 +241,7 @@ struct LoaderState {
       if (n > max_bad) {
         return CorruptError(fmt::format(
             "{} bad records, more than max_skip_fraction {} of the {} samples of an epoch allows "
-            "(latest: {})", n, o.max_skip_fraction, per_epoch, reason));
+            "(latest: {})", n, o.max_skip_fraction, budget_samples, reason));
       }
     }
     return OkStatus();
@@ -493,6 +494,9 @@ Status ValidateOptions(const LoaderOptions& o) {
   if (!(o.max_skip_fraction >= 0 && o.max_skip_fraction <= 1)) {
     return InvalidArgumentError(fmt::format("loader: max_skip_fraction {} (expected 0 to 1)", o.max_skip_fraction));
   }
+  if (o.skip_budget_samples < 0) {
+    return InvalidArgumentError(fmt::format("loader: skip_budget_samples {} (expected >= 0)", o.skip_budget_samples));
+  }
   if (o.start_epoch < 0 || o.start_batch < 0 || o.epochs < 0) {
     return InvalidArgumentError("loader: start_epoch, start_batch and epochs must be >= 0");
   }
@@ -548,7 +552,8 @@ Result<std::unique_ptr<Loader>> Loader::Create(const dataset::Dataset& ds, Loade
   st->labels_offset = images_bytes;
   const size_t indices_offset = detail::AlignUp(images_bytes + sizeof(int32_t) * static_cast<size_t>(o.batch_size));
   const size_t slot_bytes = indices_offset + sizeof(int64_t) * static_cast<size_t>(o.batch_size);
-  st->max_bad = static_cast<int64_t>(std::floor(o.max_skip_fraction * static_cast<double>(st->per_epoch)));
+  st->budget_samples = o.skip_budget_samples > 0 ? o.skip_budget_samples : st->per_epoch;
+  st->max_bad = static_cast<int64_t>(std::floor(o.max_skip_fraction * static_cast<double>(st->budget_samples)));
   if (o.storage.enabled) {
     StoragePlan plan;
     plan.start_epoch = o.start_epoch;

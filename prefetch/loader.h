@@ -71,6 +71,9 @@ struct LoaderOptions {
   // kSkip: the run fails once more than this fraction of an epoch's samples are distinct bad
   // records. [0, 1].
   double max_skip_fraction = 0.01;
+  // The samples that fraction is of: 0 = this loader's epoch. A data-parallel rank passes the
+  // global epoch's, so that its own budget can hold the whole run's bad records.
+  int64_t skip_budget_samples = 0;
   bool verify_crc = true;     // check every record's CRC-32C (a few % of a decode)
   bool strict_decode = true;  // libjpeg warnings are errors (see decode::DecoderOptions)
   // Where the run starts and how long it lasts: epochs [start_epoch, start_epoch + epochs),

@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <climits>
 #include <chrono>
 #include <fstream>
@@ -373,15 +375,60 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     for (const auto& [host, ranks] : summary.machines) start_line["machines"][host] = ranks;
   }
   record(std::move(start_line));
-  // Records the loader skipped (on_error: skip) appear in metrics.jsonl as they happen, once each.
-  std::set<int64_t> reported_bad;
-  auto record_bad_records = [&](const prefetch::Loader& loader) {
-    if (!lead || loader.stats().bad_records == static_cast<int64_t>(reported_bad.size())) return;
-    for (const prefetch::BadRecord& b : loader.bad_records()) {
-      if (reported_bad.insert(b.index).second) {
+  // Records the loaders skipped (on_error: skip) appear in metrics.jsonl as they happen, once each.
+  // With several ranks they are gathered at every log line (a collective: every rank reaches the
+  // same log lines), so that rank 0 records every rank's, and every rank holds them against
+  // max_skip_fraction of the global epoch as one rank would (each loader's own budget is widened
+  // by the world size, see below).
+  std::set<int64_t> bad_seen;    // distinct bad records met by any rank
+  std::set<int64_t> bad_shared;  // this rank's, already gathered
+  const int64_t global_max_bad = static_cast<int64_t>(
+      std::floor(config.data.max_skip_fraction * static_cast<double>(steps_per_epoch) * config.data.batch_size));
+  auto gather_bad_records = [&](const prefetch::Loader& loader) -> Status {
+    std::vector<prefetch::BadRecord> fresh;
+    for (prefetch::BadRecord& b : loader.bad_records()) {
+      if (bad_shared.insert(b.index).second) fresh.push_back(std::move(b));
+    }
+    if (world > 1) {
+      constexpr size_t kRecord = 512;  // the index, then the reason (cut to fit)
+      int64_t mine = static_cast<int64_t>(fresh.size());
+      std::vector<int64_t> counts(static_cast<size_t>(world));
+      STOKE_RETURN_IF_ERROR(must(comm->AllGather(&mine, sizeof mine, counts.data()).Wait()));
+      const int64_t most = *std::max_element(counts.begin(), counts.end());
+      if (most == 0) return OkStatus();
+      std::vector<char> send(static_cast<size_t>(most) * kRecord, 0);
+      std::vector<char> all(send.size() * static_cast<size_t>(world), 0);
+      for (size_t i = 0; i < fresh.size(); ++i) {
+        char* at = send.data() + i * kRecord;
+        std::memcpy(at, &fresh[i].index, sizeof(int64_t));
+        std::memcpy(at + sizeof(int64_t), fresh[i].reason.data(),
+                    std::min(fresh[i].reason.size(), kRecord - sizeof(int64_t) - 1));
+      }
+      STOKE_RETURN_IF_ERROR(must(comm->AllGather(send.data(), send.size(), all.data()).Wait()));
+      fresh.clear();
+      for (int r = 0; r < world; ++r) {
+        for (int64_t i = 0; i < counts[static_cast<size_t>(r)]; ++i) {
+          const char* at = all.data() + (static_cast<size_t>(r) * static_cast<size_t>(most) + static_cast<size_t>(i)) * kRecord;
+          prefetch::BadRecord b;
+          std::memcpy(&b.index, at, sizeof(int64_t));
+          b.reason = std::string(at + sizeof(int64_t), strnlen(at + sizeof(int64_t), kRecord - sizeof(int64_t) - 1));
+          fresh.push_back(std::move(b));
+        }
+      }
+    }
+    for (const prefetch::BadRecord& b : fresh) {
+      if (bad_seen.insert(b.index).second && lead) {
         record({{"type", "bad_record"}, {"step", step}, {"index", b.index}, {"reason", b.reason}});
       }
     }
+    if (world > 1 && static_cast<int64_t>(bad_seen.size()) > global_max_bad) {
+      return CorruptError(fmt::format(
+          "{} bad records on the {} ranks, more than max_skip_fraction {} of the {} samples of an epoch allows "
+          "(latest: {})",
+          bad_seen.size(), world, config.data.max_skip_fraction, steps_per_epoch * config.data.batch_size,
+          fresh.empty() ? std::string() : fresh.back().reason));
+    }
+    return OkStatus();
   };
 
   const double peak_lr = ScaledLr(config);
@@ -461,6 +508,9 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   // ---- the loop
   if (step < summary.total_steps) {
     prefetch::LoaderOptions lo = TrainLoaderOptions(config, rank, world);
+    // A rank's share of the epoch is 1 / world of it: its own budget may take the whole run's bad
+    // records (they may all fall on it); the run's budget is held at the log lines, over every rank.
+    lo.skip_budget_samples = steps_per_epoch * config.data.batch_size;
     if (net->stream() != nullptr) {  // batches copied by the ring to the network's GPU
       lo.device = prefetch::DeviceMode::kCuda;
       lo.device_id = net->options().device;
@@ -555,7 +605,8 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
 
       const bool epoch_end = step % steps_per_epoch == 0;
       if (step % config.log_every_steps == 0 || epoch_end) {
-        record_bad_records(*loader);
+        failure = gather_bad_records(*loader);
+        if (!failure.ok()) break;
         const double secs = Seconds(Clock::now() - interval_start);
         const double ips = secs > 0 ? static_cast<double>(samples_total - interval_first_sample) / secs : 0;
         const double wait_frac = secs > 0 ? interval_wait / secs : 0;
@@ -607,8 +658,8 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     summary.seconds = Seconds(Clock::now() - loop_start);
     summary.images_per_s = summary.seconds > 0 ? static_cast<double>(samples_total) / summary.seconds : 0;
     summary.data_wait = summary.seconds > 0 ? wait_total / summary.seconds : 0;
-    summary.bad_records = loader->stats().bad_records;
-    record_bad_records(*loader);
+    if (Status gathered = gather_bad_records(*loader); failure.ok()) failure = gathered;
+    summary.bad_records = static_cast<int64_t>(bad_seen.size());
     summary.comm_s = dp.stats().comm_s;
     summary.overlapped_s = dp.stats().overlapped_s;
     summary.comm_wait_s = dp.stats().wait_s;

@@ -64,6 +64,13 @@ config skip 1 ", max_skip_fraction: 0.1"
 sed -i "s|train: $work/train.lmdb|train: $work/damaged.lmdb|" "$work/skip.yaml"
 check bad_record_skipped 0 "bad records skipped: 1" -- \
   timeout 120 "${mpi[@]}" -np 2 "$stoke" train --config "$work/skip.yaml" -q
+# Whichever rank meets it, rank 0 records it in the metrics; the budget is the global epoch's (1% of
+# 128 samples allows 1 bad record, where each rank's 64 alone would allow none).
+check bad_record_in_metrics 0 "^1$" -- grep -c '"type":"bad_record"' "$work/skip/metrics.jsonl"
+config budget 1 ", max_skip_fraction: 0.01"
+sed -i "s|train: $work/train.lmdb|train: $work/damaged.lmdb|" "$work/budget.yaml"
+check bad_record_budget_is_the_global_epochs 0 "bad records skipped: 1" -- \
+  timeout 120 "${mpi[@]}" -np 2 "$stoke" train --config "$work/budget.yaml" -q
 
 rank1() { rank_with_env "$1" OMPI_COMM_WORLD_RANK=1; }
 
