@@ -295,7 +295,7 @@ int Run(int argc, char** argv) {
   auto* eval_cmd = app.add_subcommand("eval", "Top-1, top-5, loss and per-class confusion of a trained model on a dataset");
   add_model(eval_cmd);
   eval_cmd->add_option("--data", eval.data, "Packed dataset to evaluate on")->required();
-  eval_cmd->add_option("--batch", eval.batch, "Samples per batch (default: the config's)")->check(CLI::PositiveNumber);
+  eval_cmd->add_option("--batch", eval.batch, "Samples per batch (default: the config's, at most 64 on the CPU)")->check(CLI::PositiveNumber);
   eval_cmd->add_option("--threads", eval.threads, "Threads (0 = all cores)")->check(CLI::NonNegativeNumber);
   eval_cmd->add_option("--backend", eval.backend, "Backend")->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   eval_cmd->add_option("--classes", eval_max_classes, "Classes listed, least accurate first (0 = all)");

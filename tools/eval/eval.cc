@@ -20,6 +20,7 @@
 #include "prefetch/loader.h"
 #include "tools/pack/packer.h"
 #include "train/config.h"
+#include "train/trainer.h"
 
 namespace stoke::evaluate {
 namespace fs = std::filesystem;
@@ -85,8 +86,16 @@ Result<EvalReport> Evaluate(const EvalOptions& options) {
   if (data.size() == 0) return InvalidArgumentError(fmt::format("{} holds no records", options.data));
 
   const int threads = Threads(options.threads);
-  const int batch = static_cast<int>(std::min<int64_t>(options.batch > 0 ? options.batch : model.config.data.batch_size,
-                                                       data.size()));
+  // The batch changes no figure (batch norm runs on its running statistics): by default the
+  // training batch, at most 64 on the CPU backend, where a GPU run's batch of 256 at 224 px would
+  // need tens of GB for its activations.
+  int wanted = options.batch > 0 ? options.batch : model.config.data.batch_size;
+  if (options.batch <= 0) {
+    train::TrainConfig chosen = model.config;
+    if (!options.backend.empty()) chosen.backend = options.backend;
+    if (!train::SelectsCudaBackend(chosen)) wanted = std::min(wanted, 64);
+  }
+  const int batch = static_cast<int>(std::min<int64_t>(wanted, data.size()));
   STOKE_ASSIGN_OR_RETURN(auto net, train::CreateTrainedNetwork(model, options.backend, batch, threads));
   STOKE_ASSIGN_OR_RETURN(auto loader, ValidationLoader(model, *net, data, batch, threads,
                                                         model.config.data.max_skip_fraction));

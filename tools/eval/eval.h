@@ -18,7 +18,7 @@ namespace stoke::evaluate {
 struct EvalOptions {
   train::TrainedModelSource model;
   std::string data;         // packed dataset
-  int batch = 0;            // 0: the config's data.batch_size
+  int batch = 0;            // 0: the config's data.batch_size (at most 64 on the CPU backend)
   int threads = 0;          // decoding and compute threads; 0: every core
   std::string backend = "cpu";  // cpu | cuda | auto
   bool progress = true;
