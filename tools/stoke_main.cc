@@ -2,7 +2,10 @@
 // calls one library function and prints its result.
 #include <malloc.h>
 
+#include <unistd.h>
+
 #include <csignal>
+#include <cstring>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -40,6 +43,16 @@ void OnInterrupt(int) {
   g_stop.store(true);
   std::signal(SIGINT, SIG_DFL);
   std::signal(SIGTERM, SIG_DFL);
+}
+
+// A file that Ctrl-C or SIGTERM removes before the process ends (export's temporary file: the
+// output itself is only ever renamed into place whole). Set before the handler is installed.
+char g_remove_on_signal[4096] = {0};
+
+void RemoveAndDie(int sig) {
+  if (g_remove_on_signal[0] != '\0') ::unlink(g_remove_on_signal);  // async-signal-safe
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
 }
 
 #if !STOKE_WITH_MONITOR
@@ -478,6 +491,13 @@ int Run(int argc, char** argv) {
                                       .val_resize = std::max(c.data.val_resize, c.data.image_size),
                                       .step = model->checkpoint.step,
                                       .origin = stoke::train::Describe(*model)};
+    // WriteFileAtomic's temporary name: OUTPUT.tmp.PID.
+    const std::string temporary = fmt::format("{}.tmp.{}", export_output, ::getpid());
+    if (temporary.size() < sizeof g_remove_on_signal) {
+      std::memcpy(g_remove_on_signal, temporary.c_str(), temporary.size() + 1);
+      std::signal(SIGINT, RemoveAndDie);
+      std::signal(SIGTERM, RemoveAndDie);
+    }
     auto report = stoke::train::WriteOnnx(
         source, {.uint8_input = export_uint8, .fold_batchnorm = !export_no_fold}, export_output);
     if (!report.ok()) return Fail(report.status());
