@@ -182,7 +182,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   if (world > 1) {
     TrainConfig shared = config;
     shared.data.train.clear();
-    shared.data.val.clear();
+    shared.data.val = config.data.val.empty() ? "" : "given";  // the path may differ, not whether there is one
     shared.run_dir.clear();
     shared.source.clear();
     const uint64_t mine = Fnv1a64(ConfigToYaml(shared));
@@ -192,7 +192,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     if (mine != all[0]) {
       same = InvalidArgumentError(fmt::format(
           "{}: this rank's config differs from rank 0's (digest {:016x}, rank 0 {:016x}); every rank must train the "
-          "same config (only data.train, data.val and run_dir may differ)",
+          "same config (only the paths data.train, data.val and run_dir may differ)",
           config.source, mine, all[0]));
     }
     STOKE_RETURN_IF_ERROR(agree(same));

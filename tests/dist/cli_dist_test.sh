@@ -67,6 +67,23 @@ check bad_record_skipped 0 "bad records skipped: 1" -- \
 # Whichever rank meets it, rank 0 records it in the metrics; the budget is the global epoch's (1% of
 # 128 samples allows 1 bad record, where each rank's 64 alone would allow none).
 check bad_record_in_metrics 0 "^1$" -- grep -c '"type":"bad_record"' "$work/skip/metrics.jsonl"
+# Four damaged records spread through the file: the ranks meet them between them in one epoch
+# (rank 1 at least one, checked from its tagged output), and rank 0's metrics hold all four.
+cp -r "$work/train.lmdb" "$work/damaged4.lmdb"
+python3 - "$work/damaged4.lmdb/data.mdb" <<'PY'
+import sys
+p = sys.argv[1]
+b = bytearray(open(p, 'rb').read())
+for k in range(1, 5):
+    at = b.find(b'\xff\xd8\xff', len(b) * k // 5)
+    b[at + 2:at + 300] = bytes(298)
+open(p, 'wb').write(b)
+PY
+config four 1 ", max_skip_fraction: 0.1"
+sed -i "s|train: $work/train.lmdb|train: $work/damaged4.lmdb|" "$work/four.yaml"
+check bad_records_of_every_rank_recorded 0 "^rank1-met-some 4$" -- bash -c \
+  "timeout 120 ${mpi[*]} --tag-output -np 2 '$stoke' train --config '$work/four.yaml' -q >'$work/four.out' 2>&1 &&
+   grep -q '\[1,1\].*skipping record' '$work/four.out' && echo rank1-met-some \$(grep -c '\"type\":\"bad_record\"' '$work/four/metrics.jsonl')"
 config budget 1 ", max_skip_fraction: 0.01"
 sed -i "s|train: $work/train.lmdb|train: $work/damaged.lmdb|" "$work/budget.yaml"
 check bad_record_budget_is_the_global_epochs 0 "bad records skipped: 1" -- \

@@ -52,6 +52,12 @@ mkdir -p "$work/folder" && cp "$work/good3.jpg" "$work/folder/" && echo junk >"$
 check predict_spaced_name 0 "/ spaced.jpg : class_03 " -- "$stoke" predict --run "$run" "$work/ spaced.jpg " -k 1
 check predict_hidden_left_out 0 "good3.jpg: class_03 " -- "$stoke" predict --run "$run" "$work/folder" -k 1
 check predict_no_tmpdir 1 "set TMPDIR to a writable folder" -- env TMPDIR="$work/nowhere" "$stoke" predict --run "$run" "$work/good3.jpg"
+# "dl/../img.jpg" where dl is a symlink is the file the kernel finds (real/img.jpg, a class_03
+# image), not the one a textual normalisation names (q/img.jpg, a class_00 image).
+mkdir -p "$work/q" "$work/real/sub" && cp "$work/good3.jpg" "$work/real/img.jpg" && cp "$work/good0.jpg" "$work/q/img.jpg"
+ln -s "$work/real/sub" "$work/q/dl"
+check predict_through_symlinked_folder 0 "dl/\.\./img.jpg: class_03 " -- "$stoke" predict --run "$run" "$work/q/dl/../img.jpg" -k 1
+check predict_error_names_the_input 3 "^/dev/null: error: .*/dev/null" -- "$stoke" predict --run "$run" /dev/null
 # The demo's images are predicted as their class (the model reached high accuracy).
 check predict_right_class 0 "good3.jpg: class_03 " -- "$stoke" predict --run "$run" "$work/good3.jpg"
 

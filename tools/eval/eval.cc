@@ -271,13 +271,17 @@ Result<std::vector<Prediction>> Predict(const PredictOptions& options) {
   size_t listed = 0;
   for (size_t i = 0; i < files.size(); ++i) {
     std::error_code ec;
-    const fs::path abs = fs::absolute(files[i], ec).lexically_normal();
+    // Linked as given (made absolute): "dir/../x" goes through dir as the kernel resolves it, which
+    // a textual normalisation would not when dir is a symlink. Repeats are found by the real path.
+    const fs::path abs = fs::absolute(files[i], ec);
     out[i].path = files[i].string();
-    if (auto first = by_path.find(abs.string()); first != by_path.end()) {
+    const fs::path real = fs::weakly_canonical(abs, ec);
+    const std::string same_key = ec ? abs.lexically_normal().string() : real.string();
+    if (auto first = by_path.find(same_key); first != by_path.end()) {
       same_as[i] = first->second;  // gets the first one's result below
       continue;
     }
-    by_path[abs.string()] = i;
+    by_path[same_key] = i;
     const std::string key = fmt::format("inputs/{:08}", i);
     fs::create_symlink(abs, scratch.path / key, ec);
     if (ec) {
@@ -303,7 +307,15 @@ Result<std::vector<Prediction>> Predict(const PredictOptions& options) {
   if (stopped()) return UnavailableError("stopped (interrupted)");
   if (!packed.ok()) return Status(packed.status().code(), fmt::format("preparing the images: {}", packed.status().message()));
   for (const pack::BadInput& bad : packed->bad) {
-    if (auto it = by_key.find(bad.path); it != by_key.end()) out[it->second].error = bad.reason;
+    auto it = by_key.find(bad.path);
+    if (it == by_key.end()) continue;
+    // The reason may name the link (removed with the scratch folder): name the input instead.
+    std::string reason = bad.reason;
+    const std::string link = (scratch.path / bad.path).string();
+    for (size_t at = reason.find(link); at != std::string::npos; at = reason.find(link, at + out[it->second].path.size())) {
+      reason.replace(at, link.size(), out[it->second].path);
+    }
+    out[it->second].error = std::move(reason);
   }
   const int64_t records = packed->splits.empty() ? 0 : packed->splits[0].records;
   if (records > 0) {
