@@ -14,8 +14,10 @@
 #include <random>
 #include <set>
 #include <thread>
+#include <tuple>
 #include <chrono>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <opencv2/core.hpp>
 #include <opencv2/imgcodecs.hpp>
@@ -619,6 +621,56 @@ TEST(Pack, MaxSideAndQualityAndRaw) {
   EXPECT_EQ(s.reencoded, 2);
   auto q = ReadAll(dir / "q");
   EXPECT_LT(q[0].payload.size(), testing::ReadBytes(dir / "src" / "c" / "big.jpg").size());
+}
+
+TEST(Pack, MaxSideKeepsTheAspectRatioWhateverTheDctScale) {
+  // Decoded at 1/8 or 1/4 first, these would round to another shape (1000x505 -> 125x64).
+  TempDir dir;
+  const std::vector<std::tuple<int, int, int, int, int>> cases = {
+      {1000, 9, 125, 125, 1}, {1000, 505, 125, 125, 63}, {600, 450, 75, 75, 56}, {2000, 1001, 250, 250, 125}};
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const auto& [w, h, side, want_w, want_h] = cases[i];
+    SCOPED_TRACE(fmt::format("{}x{} to {}", w, h, side));
+    testing::WriteBytes(dir / fmt::format("src{}", i) / "c" / "a.jpg", testing::EncodeJpeg(testing::MakeImage(w, h, 3)));
+    auto o = Options(dir / fmt::format("src{}", i), dir / fmt::format("out{}", i));
+    o.max_side = side;
+    ASSERT_OK(Pack(o).status());
+    auto recs = ReadAll(dir / fmt::format("out{}", i));
+    ASSERT_EQ(recs.size(), 1u);
+    EXPECT_EQ(recs[0].width, static_cast<uint32_t>(want_w));
+    EXPECT_EQ(recs[0].height, static_cast<uint32_t>(want_h));
+  }
+}
+
+TEST(Pack, OutputsThatWouldDestroyOrSwallowTheSourceAreRefused) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "data" / "imgs", kClasses, 2);
+  const fs::path src = dir / "data" / "imgs";
+  auto refused = [&](PackOptions o, const std::string& needle) {
+    o.overwrite = true;
+    auto r = Pack(o);
+    ASSERT_FALSE(r.ok()) << o.output;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find(needle), std::string::npos) << r.status().message();
+  };
+  refused(Options(src, dir / "data"), "holds the source");            // replacing it would delete the images
+  refused(Options(src, src), "holds the source");
+  refused(Options(src, src / "out.lmdb"), "inside the source folder");  // the next pack would list it
+  auto val = Options(src, dir / "o.lmdb");
+  val.val_fraction = 0.5;
+  val.val_output = dir / "o.lmdb/";
+  refused(val, "is the training output");
+  EXPECT_EQ(fs::directory_iterator(src / "cat") != fs::directory_iterator(), true) << "the images are still there";
+  // A symlink loop in the tree is skipped, not an internal error.
+  fs::create_symlink("loop", src / "cat" / "loop");
+  ASSERT_OK_AND_ASSIGN(PackSummary s, Pack(Options(src, dir / "fine.lmdb")));
+  EXPECT_EQ(s.inputs, 8);
+  // A report that cannot be written is an error (the dataset itself is complete).
+  auto report = Options(src, dir / "reported.lmdb");
+  report.report_file = dir / "no" / "such" / "r.json";
+  auto r = Pack(report);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("the datasets themselves are complete"), std::string::npos) << r.status().message();
 }
 
 TEST(Pack, TrailingSlashOnTheOutputIsTheSameDataset) {

@@ -66,7 +66,8 @@ Result<InputSet> ListFolderTree(const fs::path& root) {
   InputSet set;
   std::vector<fs::path> class_dirs;
   for (const auto& e : fs::directory_iterator(root, ec)) {
-    if (e.is_directory() && e.path().filename().string()[0] != '.') class_dirs.push_back(e.path());
+    std::error_code entry_ec;  // a symlink loop or a dangling link is no class folder, not a failure
+    if (e.is_directory(entry_ec) && e.path().filename().string()[0] != '.') class_dirs.push_back(e.path());
   }
   if (ec) return IoError(fmt::format("pack: {}: {}", root.string(), ec.message()));
   std::sort(class_dirs.begin(), class_dirs.end());
@@ -82,11 +83,15 @@ Result<InputSet> ListFolderTree(const fs::path& root) {
          it != fs::recursive_directory_iterator(); it.increment(ec)) {
       if (ec) break;
       const std::string name = it->path().filename().string();
+      std::error_code entry_ec;  // a symlink loop or a dangling link: not an image, not a failure
       if (name[0] == '.') {
-        if (it->is_directory()) it.disable_recursion_pending();
+        if (it->is_directory(entry_ec)) it.disable_recursion_pending();
         continue;
       }
-      if (!it->is_regular_file()) continue;
+      if (!it->is_regular_file(entry_ec)) {
+        if (entry_ec) STOKE_LOG(WARN, "pack: {}: skipped ({})", it->path().string(), entry_ec.message());
+        continue;
+      }
       files.push_back(Input{it->path(), it->path().lexically_relative(root).generic_string(),
                             static_cast<int32_t>(label)});
     }
@@ -224,12 +229,14 @@ int ScaleFor(int w, int h, cv::Size target) {
   return 1;
 }
 
-// Orientation, resize and encoding of an already decoded RGB/gray image.
+// Orientation, resize and encoding of an already decoded RGB/gray image. `wanted`: the upright size
+// to store, when the image was decoded at a reduced DCT scale (its size then no longer tells the
+// original's aspect ratio exactly); empty: fit the decoded image to max_side.
 void Finish(cv::Mat upright_src, int orientation, const PackOptions& o, int quality, Worker& w,
-            Processed& out) {
+            Processed& out, cv::Size wanted = {}) {
   cv::Mat upright;
   ApplyOrientation(orientation, upright_src, upright);
-  cv::Size target = FitSize(upright.cols, upright.rows, o.max_side);
+  const cv::Size target = wanted.area() > 0 ? wanted : FitSize(upright.cols, upright.rows, o.max_side);
   Image result;
   result.Reshape(target.width, target.height, upright.channels());
   cv::Mat dst(target.height, target.width, upright.type(), result.pixels.data());
@@ -319,7 +326,7 @@ void ProcessJpeg(std::vector<std::byte>& bytes, const PackOptions& o, Worker& w,
   out.reoriented = info.orientation != 1;
   cv::Mat src(w.image.height, w.image.width, w.image.channels == 1 ? CV_8UC1 : CV_8UC3,
               w.image.pixels.data());
-  Finish(src, info.orientation, o, o.quality > 0 ? o.quality : o.reencode_quality, w, out);
+  Finish(src, info.orientation, o, o.quality > 0 ? o.quality : o.reencode_quality, w, out, upright_target);
 }
 
 void ProcessOther(const std::vector<std::byte>& bytes, const PackOptions& o, Worker& w,
@@ -857,6 +864,52 @@ fs::path DefaultValOutput(const fs::path& output) {
   return p.parent_path() / name;
 }
 
+namespace {
+
+// Whether `inner` is `outer` or lies below it, component by component, after resolving both as far
+// as they exist.
+bool Within(const fs::path& inner, const fs::path& outer) {
+  std::error_code ec;
+  const fs::path a = fs::weakly_canonical(fs::absolute(inner, ec), ec);
+  const fs::path b = fs::weakly_canonical(fs::absolute(outer, ec), ec);
+  auto ai = a.begin();
+  for (auto bi = b.begin(); bi != b.end(); ++bi, ++ai) {
+    if (bi->empty()) continue;  // a trailing separator
+    if (ai == a.end() || *ai != *bi) return false;
+  }
+  return true;
+}
+
+// Outputs that would destroy or swallow the inputs are refused before any work: an output that
+// holds the source (replacing it deletes the images), the validation output on the training
+// output, and (a folder tree) an output inside the source, which the next pack would list as a
+// class of images.
+Status CheckOutputsAgainstSource(const PackOptions& o) {
+  std::vector<fs::path> outputs{o.output};
+  if (!o.val_output.empty()) outputs.push_back(o.val_output);
+  if (outputs.size() == 2 && Within(outputs[0], outputs[1]) && Within(outputs[1], outputs[0])) {
+    return InvalidArgumentError(fmt::format("pack: --val-output {} is the training output; give another path",
+                                            o.val_output.string()));
+  }
+  for (const fs::path& out : outputs) {
+    for (const fs::path& p : {out, fs::path(out.string() + ".partial")}) {
+      if (Within(o.source, p)) {
+        return InvalidArgumentError(fmt::format(
+            "pack: the output {} holds the source {}: replacing it would delete the images; choose an output "
+            "outside the source", p.string(), o.source.string()));
+      }
+      if (o.list_file.empty() && Within(p, o.source)) {
+        return InvalidArgumentError(fmt::format(
+            "pack: the output {} is inside the source folder {}: the next pack would read it as a class of "
+            "images; choose an output outside the source", p.string(), o.source.string()));
+      }
+    }
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
 Result<PackSummary> Pack(const PackOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   STOKE_RETURN_IF_ERROR(ValidateOptions(options));
@@ -866,6 +919,7 @@ Result<PackSummary> Pack(const PackOptions& options) {
   o.output = strip(o.output.lexically_normal());
   if (!o.val_output.empty()) o.val_output = strip(o.val_output.lexically_normal());
   if (o.val_fraction > 0 && o.val_output.empty()) o.val_output = DefaultValOutput(o.output);
+  STOKE_RETURN_IF_ERROR(CheckOutputsAgainstSource(o));
   // Non-JPEG inputs are decoded by OpenCV, which reads its pixel cap once from the environment.
   setenv("OPENCV_IO_MAX_IMAGE_PIXELS", std::to_string(o.max_pixels).c_str(), /*overwrite=*/0);
 
@@ -929,7 +983,12 @@ Result<PackSummary> Pack(const PackOptions& options) {
   summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (!o.report_file.empty()) {
     Status s = WriteReport(o.report_file, summary);
-    if (!s.ok()) STOKE_LOG(ERROR, "pack: report: {}", s.ToString());
+    if (!s.ok() && failure.ok()) {
+      failure = Status(s.code(), fmt::format("pack: --report {}: {} (the datasets themselves are complete)",
+                                             o.report_file.string(), s.message()));
+    } else if (!s.ok()) {
+      STOKE_LOG(ERROR, "pack: report: {}", s.ToString());
+    }
   }
   if (!failure.ok()) return failure;
   return summary;
