@@ -673,6 +673,35 @@ TEST(Pack, OutputsThatWouldDestroyOrSwallowTheSourceAreRefused) {
   EXPECT_NE(r.status().message().find("the datasets themselves are complete"), std::string::npos) << r.status().message();
 }
 
+TEST(Pack, NonJpegImagesOverThePixelCapAreSkippedBeforeDecoding) {
+  TempDir dir;
+  std::vector<uchar> png;
+  ASSERT_TRUE(cv::imencode(".png", cv::Mat(30, 40, CV_8UC3, cv::Scalar(10, 200, 30)), png));
+  auto bytes = [](const auto& v) {
+    const auto b = std::as_bytes(std::span(v));
+    return std::vector<std::byte>(b.begin(), b.end());
+  };
+  testing::WriteBytes(dir / "src" / "c" / "a.png", bytes(png));
+  // A PNG header claiming 100000 x 100000 pixels in a file of a few dozen bytes (a decompression bomb).
+  std::vector<unsigned char> bomb(png.begin(), png.begin() + 33);
+  for (int k : {16, 20}) {
+    bomb[static_cast<size_t>(k)] = 0, bomb[static_cast<size_t>(k) + 1] = 0x01, bomb[static_cast<size_t>(k) + 2] = 0x86,
+    bomb[static_cast<size_t>(k) + 3] = 0xa0;
+  }
+  testing::WriteBytes(dir / "src" / "c" / "bomb.png", bytes(bomb));
+  auto o = Options(dir / "src", dir / "out");
+  o.max_pixels = 1000;  // 40 x 30 = 1200: over
+  ASSERT_OK_AND_ASSIGN(PackSummary s, Pack(o));
+  ASSERT_EQ(s.bad.size(), 2u);
+  EXPECT_NE(s.bad[0].reason.find("40x30 = 1200 pixels, more than the 1000"), std::string::npos) << s.bad[0].reason;
+  EXPECT_NE(s.bad[1].reason.find("100000x100000"), std::string::npos) << s.bad[1].reason;
+  o.max_pixels = 250'000'000;
+  o.output = dir / "out2";
+  ASSERT_OK_AND_ASSIGN(s, Pack(o));
+  ASSERT_EQ(s.bad.size(), 1u);  // the bomb, still refused by its header
+  EXPECT_NE(s.bad[0].reason.find("100000x100000"), std::string::npos) << s.bad[0].reason;
+}
+
 TEST(Pack, TrailingSlashOnTheOutputIsTheSameDataset) {
   TempDir dir;
   testing::MakeImageTree(dir / "src", kClasses, 2);

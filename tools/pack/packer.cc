@@ -23,6 +23,7 @@
 #endif
 #include <opencv2/imgproc.hpp>
 #include <optional>
+#include <span>
 #include <system_error>
 #include <thread>
 
@@ -329,12 +330,51 @@ void ProcessJpeg(std::vector<std::byte>& bytes, const PackOptions& o, Worker& w,
   Finish(src, info.orientation, o, o.quality > 0 ? o.quality : o.reencode_quality, w, out, upright_target);
 }
 
+#if STOKE_PACK_OTHER_FORMATS
+// Width and height from the header of a PNG, BMP or WebP file, when it is one; nullopt otherwise
+// (OpenCV's own cap, 2^30 pixels, then applies). OpenCV reads OPENCV_IO_MAX_IMAGE_PIXELS once, as
+// it loads, so the cap of PackOptions::max_pixels is held here, before any pixel is allocated.
+std::optional<std::pair<int64_t, int64_t>> HeaderSize(std::span<const std::byte> b) {
+  auto u8 = [&](size_t i) { return static_cast<uint32_t>(std::to_integer<uint8_t>(b[i])); };
+  auto be32 = [&](size_t i) { return u8(i) << 24 | u8(i + 1) << 16 | u8(i + 2) << 8 | u8(i + 3); };
+  auto le16 = [&](size_t i) { return u8(i) | u8(i + 1) << 8; };
+  auto le24 = [&](size_t i) { return u8(i) | u8(i + 1) << 8 | u8(i + 2) << 16; };
+  auto le32 = [&](size_t i) { return le24(i) | u8(i + 3) << 24; };
+  auto is = [&](size_t at, std::string_view text) {
+    if (b.size() < at + text.size()) return false;
+    for (size_t i = 0; i < text.size(); ++i) {
+      if (u8(at + i) != static_cast<unsigned char>(text[i])) return false;
+    }
+    return true;
+  };
+  if (is(0, "\x89PNG\r\n\x1a\n") && is(12, "IHDR") && b.size() >= 24) return std::make_pair(int64_t{be32(16)}, int64_t{be32(20)});
+  if (is(0, "BM") && b.size() >= 26) {
+    const auto height = static_cast<int32_t>(le32(22));  // negative: stored top-down
+    return std::make_pair(int64_t{static_cast<int32_t>(le32(18))}, std::abs(int64_t{height}));
+  }
+  if (is(0, "RIFF") && is(8, "WEBP") && b.size() >= 30) {
+    if (is(12, "VP8X")) return std::make_pair(int64_t{le24(24)} + 1, int64_t{le24(27)} + 1);
+    if (is(12, "VP8L")) {
+      const uint32_t bits = le32(21);
+      return std::make_pair(int64_t{(bits & 0x3fff) + 1}, int64_t{((bits >> 14) & 0x3fff) + 1});
+    }
+    if (is(12, "VP8 ")) return std::make_pair(int64_t{le16(26) & 0x3fff}, int64_t{le16(28) & 0x3fff});
+  }
+  return std::nullopt;
+}
+#endif
+
 void ProcessOther(const std::vector<std::byte>& bytes, const PackOptions& o, Worker& w,
                   Processed& out) {
 #if !STOKE_PACK_OTHER_FORMATS
   (void)bytes, (void)o, (void)w;
   out.reason = "not a JPEG; this build of stoke packs JPEG only (built with STOKE_PACK_OTHER_FORMATS=OFF)";
 #else
+  if (const auto size = HeaderSize(bytes); size && size->first * size->second > o.max_pixels) {
+    out.reason = fmt::format("{}x{} = {} pixels, more than the {} a non-JPEG image may have (max_pixels)",
+                             size->first, size->second, size->first * size->second, o.max_pixels);
+    return;
+  }
   cv::Mat decoded = cv::imdecode(
       cv::Mat(1, static_cast<int>(bytes.size()), CV_8UC1, const_cast<std::byte*>(bytes.data())),
       cv::IMREAD_COLOR);
