@@ -57,9 +57,14 @@ Result<std::vector<std::byte>> ReadFileBytes(const std::filesystem::path& path,
   return data;
 }
 
-Status WriteFileAtomic(const std::filesystem::path& path, std::span<const std::byte> data) {
+std::filesystem::path AtomicWriteTemporary(const std::filesystem::path& path) {
   std::filesystem::path tmp = path;
   tmp += fmt::format(".tmp.{}", ::getpid());
+  return tmp;
+}
+
+Status WriteFileAtomic(const std::filesystem::path& path, std::span<const std::byte> data) {
+  const std::filesystem::path tmp = AtomicWriteTemporary(path);
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return ErrnoStatus(errno, tmp, "create");
   size_t put = 0;

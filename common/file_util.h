@@ -21,6 +21,9 @@ Result<std::vector<std::byte>> ReadFileBytes(const std::filesystem::path& path,
 // fsync of the directory. Readers see the old file or the new one, never a half-written one, and
 // after a crash or power loss the new one stays once this returned OK.
 Status WriteFileAtomic(const std::filesystem::path& path, std::span<const std::byte> data);
+// The temporary file WriteFileAtomic writes `path` through in this process (removed on failure; a
+// signal handler may remove it too).
+std::filesystem::path AtomicWriteTemporary(const std::filesystem::path& path);
 Status WriteFileAtomic(const std::filesystem::path& path, const std::string& text);
 
 // fsyncs a directory, so that the names created, renamed or removed in it survive a crash.

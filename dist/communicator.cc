@@ -475,6 +475,23 @@ Work Communicator::Barrier() {
 #endif
 }
 
+Result<std::vector<std::string>> Communicator::AllGatherStrings(std::string_view mine) {
+  const auto world = static_cast<size_t>(size_);
+  const uint64_t length = mine.size();
+  std::vector<uint64_t> lengths(world);
+  STOKE_RETURN_IF_ERROR(AllGather(&length, sizeof length, lengths.data()).Wait());
+  const uint64_t longest = *std::max_element(lengths.begin(), lengths.end());
+  std::vector<std::string> out(world);
+  if (longest == 0) return out;
+  // Every rank sends the longest length, padded; each string is cut back to its own.
+  std::string padded(mine);
+  padded.resize(longest, '\0');
+  std::string all(longest * world, '\0');
+  STOKE_RETURN_IF_ERROR(AllGather(padded.data(), longest, all.data()).Wait());
+  for (size_t r = 0; r < world; ++r) out[r] = all.substr(r * longest, lengths[r]);
+  return out;
+}
+
 Status Communicator::Agree(const Status& local) {
   if (size_ == 1) return local;
   int32_t failed = local.ok() ? 0 : 1;
@@ -483,22 +500,18 @@ Status Communicator::Agree(const Status& local) {
   // world ends here rather than each rank going its own way (and waiting for the others for good).
   if (Status s = w.Wait(); !s.ok()) Abort(s);
   if (failed == 0) return OkStatus();
-  // Someone failed: everyone learns who, where and why. A record: the code, the host, the message.
-  constexpr size_t kRecord = 1024, kHost = 64;
-  std::vector<char> mine(kRecord, 0), all(kRecord * static_cast<size_t>(size_), 0);
-  mine[0] = static_cast<char>(local.code());
-  std::memcpy(mine.data() + 1, host_.data(), std::min(host_.size(), kHost - 1));
-  const std::string text = local.ok() ? std::string() : local.message();
-  std::memcpy(mine.data() + 1 + kHost, text.data(), std::min(text.size(), kRecord - kHost - 2));
-  Work g = AllGather(mine.data(), kRecord, all.data());
-  if (Status s = g.Wait(); !s.ok()) Abort(s);
+  // Someone failed: everyone learns who, where and why: the code's byte, the host, NUL, the message.
+  std::string mine;
+  if (!local.ok()) mine = std::string(1, static_cast<char>(local.code())) + host_ + '\0' + local.message();
+  auto all = AllGatherStrings(mine);
+  if (!all.ok()) Abort(all.status());
   if (!local.ok()) return local;
   for (int r = 0; r < size_; ++r) {
-    const char* rec = all.data() + static_cast<size_t>(r) * kRecord;
-    const auto code = static_cast<StatusCode>(rec[0]);
-    if (code == StatusCode::kOk) continue;
-    return Status(code, fmt::format("rank {} ({}) failed: {}", r, std::string_view(rec + 1, strnlen(rec + 1, kHost - 1)),
-                                    std::string_view(rec + 1 + kHost, strnlen(rec + 1 + kHost, kRecord - kHost - 1))));
+    const std::string& rec = (*all)[static_cast<size_t>(r)];
+    if (rec.empty()) continue;
+    const size_t nul = rec.find('\0', 1);
+    return Status(static_cast<StatusCode>(rec[0]),
+                  fmt::format("rank {} ({}) failed: {}", r, rec.substr(1, nul - 1), rec.substr(nul + 1)));
   }
   return InternalError("dist: a rank reported a failure but none sent one");
 }

@@ -112,6 +112,9 @@ class Communicator {
   Work Broadcast(void* data, size_t bytes, int root);
   // recv holds size() * bytes: rank r's `send` lands at recv + r * bytes.
   Work AllGather(const void* send, size_t bytes, void* recv);
+  // Every rank's `mine`, in rank order, whatever their lengths. Blocking, and collective like the
+  // others: one gather of the lengths, and a second only when some rank has bytes to send.
+  Result<std::vector<std::string>> AllGatherStrings(std::string_view mine);
   Work Barrier();
 
   // A collective decision on an outcome: every rank passes its own; every rank gets the same

@@ -16,6 +16,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "common/file_util.h"
 #include "common/logging.h"
 #include "tools/bench/bench_commands.h"
 #include "tools/inspect/inspect.h"
@@ -378,13 +379,16 @@ int Run(int argc, char** argv) {
     auto comm = stoke::dist::Communicator::Create({});
     if (!comm.ok()) return Fail(comm.status());
     const int rank = (*comm)->rank(), world = (*comm)->size();
+    // An error every rank holds (agreed on) is reported by rank 0, naming the rank it came from.
+    auto fail_once = [&](const stoke::Status& s) {
+      if (rank != 0) return 1;
+      const bool named = world == 1 || s.message().rfind("rank ", 0) == 0;
+      return Fail(named ? s : stoke::Status(s.code(), fmt::format("rank 0 ({}): {}", (*comm)->host(), s.message())));
+    };
     // Every failure before training is agreed on: each rank learns it, rank 0 reports it once.
     auto agreed_or_fail = [&](const stoke::Status& local) -> stoke::Status {
       stoke::Status s = world > 1 ? (*comm)->Agree(local) : local;
-      if (!s.ok() && rank == 0) {
-        const bool named = world == 1 || s.message().rfind("rank ", 0) == 0;
-        Fail(named ? s : stoke::Status(s.code(), fmt::format("rank 0 ({}): {}", (*comm)->host(), s.message())));
-      }
+      if (!s.ok()) fail_once(s);
       return s;
     };
     auto config = stoke::train::LoadConfig(train_config);
@@ -432,15 +436,7 @@ int Run(int argc, char** argv) {
     }
 #endif
     auto summary = stoke::train::Train(*config, train_run);
-    if (!summary.ok()) {
-      // Every rank holds the same agreed error; rank 0 reports it, naming the rank it came from.
-      if (rank != 0) return 1;
-      const std::string& m = summary.status().message();
-      if (world > 1 && m.rfind("rank ", 0) != 0) {
-        return Fail(stoke::Status(summary.status().code(), fmt::format("rank 0 ({}): {}", (*comm)->host(), m)));
-      }
-      return Fail(summary.status());
-    }
+    if (!summary.ok()) return fail_once(summary.status());  // every rank holds the same agreed error
     if (rank != 0) return 0;
     std::fputs(stoke::train::FormatSummary(*summary).c_str(), stdout);
     if (summary->stopped && summary->steps < summary->total_steps) {
@@ -491,8 +487,7 @@ int Run(int argc, char** argv) {
                                       .val_resize = std::max(c.data.val_resize, c.data.image_size),
                                       .step = model->checkpoint.step,
                                       .origin = stoke::train::Describe(*model)};
-    // WriteFileAtomic's temporary name: OUTPUT.tmp.PID.
-    const std::string temporary = fmt::format("{}.tmp.{}", export_output, ::getpid());
+    const std::string temporary = stoke::AtomicWriteTemporary(export_output).string();
     if (temporary.size() < sizeof g_remove_on_signal) {
       std::memcpy(g_remove_on_signal, temporary.c_str(), temporary.size() + 1);
       std::signal(SIGINT, RemoveAndDie);

@@ -86,6 +86,12 @@ uint64_t Fnv(uint64_t h, const void* data, size_t bytes) {
   return h;
 }
 
+}  // namespace
+
+uint64_t TextDigest(std::string_view text) { return Fnv(1469598103934665603ull, text.data(), text.size()); }
+
+namespace {
+
 // Names and shapes of a state, as one digest.
 uint64_t LayoutDigest(const std::vector<NamedTensor>& state) {
   uint64_t h = 1469598103934665603ull;
@@ -156,15 +162,7 @@ Status CheckSameState(dist::Communicator& comm, const Network& net) {
   return InternalError(fmt::format("data-parallel: the model on rank(s) {} differs from rank 0's", fmt::join(differ, ", ")));
 }
 
-Result<std::vector<std::string>> RankHosts(dist::Communicator& comm) {
-  constexpr size_t kName = 256;
-  std::vector<char> mine(kName, '\0'), all(kName * static_cast<size_t>(comm.size()));
-  std::copy_n(comm.host().data(), std::min(comm.host().size(), kName - 1), mine.data());
-  STOKE_RETURN_IF_ERROR(comm.AllGather(mine.data(), kName, all.data()).Wait());
-  std::vector<std::string> hosts;
-  for (int r = 0; r < comm.size(); ++r) hosts.emplace_back(all.data() + static_cast<size_t>(r) * kName);
-  return hosts;
-}
+Result<std::vector<std::string>> RankHosts(dist::Communicator& comm) { return comm.AllGatherStrings(comm.host()); }
 
 Result<int> DeviceForRank(int rank, int local_rank, int local_size, int visible_devices, bool share) {
   if (visible_devices >= local_size && local_rank < visible_devices) return local_rank;

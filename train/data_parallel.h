@@ -13,6 +13,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/status.h"
@@ -98,6 +99,9 @@ Result<int> DeviceForRank(int rank, int local_rank, int local_size, int visible_
 
 // Every rank's machine (its processor name), in rank order. Collective.
 Result<std::vector<std::string>> RankHosts(dist::Communicator& comm);
+
+// FNV-1a (64 bits) of `text`: a digest every rank computes alike (StateDigest's hash).
+uint64_t TextDigest(std::string_view text);
 
 // Sums over the ranks, in place (blocking); a no-op on a world of one.
 Status SumStats(dist::Communicator& comm, BatchStats& stats);

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <climits>
 #include <chrono>
 #include <fstream>
@@ -33,12 +32,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// FNV-1a, 64 bits: a digest every rank computes the same way.
-uint64_t Fnv1a64(std::string_view text) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (unsigned char c : text) h = (h ^ c) * 0x100000001b3ull;
-  return h;
-}
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 }  // namespace
@@ -87,9 +80,10 @@ Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c, const dist:
                 : c.data.dtype == "float16" ? Precision::kFloat16
                                             : Precision::kFloat32;
 #if STOKE_WITH_CUDA
-  const Status gpu = CudaAvailable();
-  if (c.backend == "cuda" || (c.backend == "auto" && gpu.ok())) {
-    if (!gpu.ok()) return UnavailableError(fmt::format("backend 'cuda' was requested: {}", gpu.message()));
+  if (SelectsCudaBackend(c)) {
+    if (const Status gpu = CudaAvailable(); !gpu.ok()) {
+      return UnavailableError(fmt::format("backend 'cuda' was requested: {}", gpu.message()));
+    }
     if (comm) {
       const bool share = o.device_comm == DeviceComm::kHost;
       STOKE_ASSIGN_OR_RETURN(o.device, DeviceForRank(comm->rank(), comm->local_rank(), comm->local_size(),
@@ -185,7 +179,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     shared.data.val = config.data.val.empty() ? "" : "given";  // the path may differ, not whether there is one
     shared.run_dir.clear();
     shared.source.clear();
-    const uint64_t mine = Fnv1a64(ConfigToYaml(shared));
+    const uint64_t mine = TextDigest(ConfigToYaml(shared));
     std::vector<uint64_t> all(static_cast<size_t>(world));
     STOKE_RETURN_IF_ERROR(must(comm->AllGather(&mine, sizeof mine, all.data()).Wait()));
     Status same = OkStatus();
@@ -378,8 +372,8 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   // Records the loaders skipped (on_error: skip) appear in metrics.jsonl as they happen, once each.
   // With several ranks they are gathered at every log line (a collective: every rank reaches the
   // same log lines), so that rank 0 records every rank's, and every rank holds them against
-  // max_skip_fraction of the global epoch as one rank would (each loader's own budget is widened
-  // by the world size, see below).
+  // max_skip_fraction of the global epoch as one rank would (each loader's own budget is of the
+  // global epoch too: LoaderOptions::skip_budget_samples below).
   std::set<int64_t> bad_seen;    // distinct bad records met by any rank
   std::set<int64_t> bad_shared;  // this rank's, already gathered
   const int64_t global_max_bad = static_cast<int64_t>(
@@ -390,30 +384,16 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
       if (bad_shared.insert(b.index).second) fresh.push_back(std::move(b));
     }
     if (world > 1) {
-      constexpr size_t kRecord = 512;  // the index, then the reason (cut to fit)
-      int64_t mine = static_cast<int64_t>(fresh.size());
-      std::vector<int64_t> counts(static_cast<size_t>(world));
-      STOKE_RETURN_IF_ERROR(must(comm->AllGather(&mine, sizeof mine, counts.data()).Wait()));
-      const int64_t most = *std::max_element(counts.begin(), counts.end());
-      if (most == 0) return OkStatus();
-      std::vector<char> send(static_cast<size_t>(most) * kRecord, 0);
-      std::vector<char> all(send.size() * static_cast<size_t>(world), 0);
-      for (size_t i = 0; i < fresh.size(); ++i) {
-        char* at = send.data() + i * kRecord;
-        std::memcpy(at, &fresh[i].index, sizeof(int64_t));
-        std::memcpy(at + sizeof(int64_t), fresh[i].reason.data(),
-                    std::min(fresh[i].reason.size(), kRecord - sizeof(int64_t) - 1));
-      }
-      STOKE_RETURN_IF_ERROR(must(comm->AllGather(send.data(), send.size(), all.data()).Wait()));
+      nlohmann::json mine = nlohmann::json::array();
+      for (const prefetch::BadRecord& b : fresh) mine.push_back({b.index, b.reason});
+      const std::string text =
+          fresh.empty() ? std::string() : mine.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+      auto all = comm->AllGatherStrings(text);
+      STOKE_RETURN_IF_ERROR(must(all.status()));
       fresh.clear();
-      for (int r = 0; r < world; ++r) {
-        for (int64_t i = 0; i < counts[static_cast<size_t>(r)]; ++i) {
-          const char* at = all.data() + (static_cast<size_t>(r) * static_cast<size_t>(most) + static_cast<size_t>(i)) * kRecord;
-          prefetch::BadRecord b;
-          std::memcpy(&b.index, at, sizeof(int64_t));
-          b.reason = std::string(at + sizeof(int64_t), strnlen(at + sizeof(int64_t), kRecord - sizeof(int64_t) - 1));
-          fresh.push_back(std::move(b));
-        }
+      for (const std::string& part : *all) {
+        if (part.empty()) continue;
+        for (const auto& b : nlohmann::json::parse(part)) fresh.push_back({b[0].get<int64_t>(), b[1].get<std::string>()});
       }
     }
     for (const prefetch::BadRecord& b : fresh) {
