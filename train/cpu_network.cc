@@ -122,6 +122,10 @@ class Net {
   std::vector<std::unique_ptr<Layer>> layers;
   std::vector<std::unique_ptr<Param>> params;
   std::vector<Buffer> buffers;
+  // The buffers (batch norm's running statistics) as they were before the data-parallel step in
+  // flight: a skipped step puts them back, so a batch whose forward pass overflowed cannot leave them
+  // infinite for good.
+  std::vector<float> buffers_saved;
   memory logits_plain;  // N x classes, plain
   Converter logits_conv;
   memory loss_diff;  // N x classes, plain
@@ -878,6 +882,20 @@ struct CpuNetwork::Impl {
     return Data(net.logits_conv.needed ? net.logits_conv.out : net.nodes.back().out);
   }
 
+  void SaveBuffers() {
+    net.buffers_saved.clear();
+    for (const auto& b : net.buffers) {
+      net.buffers_saved.insert(net.buffers_saved.end(), Data(b.value), Data(b.value) + Floats(b.value));
+    }
+  }
+  void RestoreBuffers() {
+    size_t at = 0;
+    for (auto& b : net.buffers) {
+      std::copy_n(net.buffers_saved.data() + at, Floats(b.value), Data(b.value));
+      at += Floats(b.value);
+    }
+  }
+
   BatchStats ForwardBackward(std::span<const int32_t> labels, int64_t step) {
     Forward(true, step);
     const int n = net.opt.batch;
@@ -1125,10 +1143,15 @@ Result<BatchStats> CpuNetwork::TrainStep(const prefetch::Batch& batch, float lr,
   STOKE_RETURN_IF_ERROR(CheckBatch(impl_->net.opt, batch, true));
   return impl_->Guard(fmt::format("training step {}", step), [&]() -> Result<BatchStats> {
     STOKE_RETURN_IF_ERROR(impl_->Normalise(batch));
+    if (impl_->net.Parallel()) impl_->SaveBuffers();  // only these steps can be skipped
     BatchStats stats = impl_->ForwardBackward(batch.labels, step);
     if (impl_->net.Parallel()) {
       STOKE_ASSIGN_OR_RETURN(stats, impl_->FinishParallelStep(stats));
-      if (stats.skipped == 0) impl_->Update(lr, sgd);
+      if (stats.skipped == 0) {
+        impl_->Update(lr, sgd);
+      } else {
+        impl_->RestoreBuffers();
+      }
       return stats;
     }
     if (!std::isfinite(stats.loss_sum)) {

@@ -315,6 +315,55 @@ TEST(DataParallel, NanOnOneRankSkipsTheStepOnEveryRank) {
   }
 }
 
+// A batch whose forward pass overflows (batch-norm variance infinite) makes every rank skip the
+// step, and the skip leaves the running statistics as they were before it: without that, one bad
+// batch left them infinite for every later evaluation and checkpoint.
+TEST(DataParallel, SkippedStepLeavesTheRunningStatisticsAsTheyWere) {
+  dist::Communicator& comm = *World();
+  if (comm.size() < 2) GTEST_SKIP() << "needs several ranks (run under mpirun -np 2)";
+  auto net = MakeNet({Conv(4, 3, 1, 1), L(LayerType::kBatchNorm), L(LayerType::kRelu), L(LayerType::kFlatten),
+                      Linear(kClasses)},
+                     3, false);
+  ASSERT_TRUE(net);
+  DataParallel dp(comm);
+  ASSERT_OK(net->SetStepSync(&dp));
+  ASSERT_OK(BroadcastState(comm, *net));
+  SgdOptions sgd;
+  auto train = [&](int64_t step) {
+    HostBatch mine = Slice(step, comm.rank() * 3, 3);
+    return net->TrainStep(mine.batch, 0.05f, sgd, step);
+  };
+  ASSERT_OK_AND_ASSIGN(BatchStats first, train(0));
+  ASSERT_EQ(first.skipped, 0);
+  ASSERT_OK_AND_ASSIGN(auto sane, net->State());
+  // Convolution weights of 1e36: the outputs stay finite, their squared spread does not.
+  auto huge = sane;
+  bool scaled = false;
+  for (auto& t : huge) {
+    if (t.dims.size() == 4 && t.name.ends_with(".weight")) {
+      for (float& v : t.values) v = v * 1e36f + (v >= 0 ? 1e35f : -1e35f);
+      scaled = true;
+    }
+  }
+  ASSERT_TRUE(scaled);
+  ASSERT_OK(net->LoadState(huge));
+  ASSERT_OK_AND_ASSIGN(uint64_t before, StateDigest(*net));
+  ASSERT_OK_AND_ASSIGN(BatchStats bad, train(1));
+  EXPECT_EQ(bad.skipped, 1);
+  ASSERT_OK_AND_ASSIGN(uint64_t after, StateDigest(*net));
+  EXPECT_EQ(before, after) << "the skipped step changed the model or its running statistics";
+  ASSERT_OK_AND_ASSIGN(auto state, net->State());
+  for (const auto& t : state) {
+    if (!t.name.ends_with(".running_mean") && !t.name.ends_with(".running_var")) continue;
+    for (float v : t.values) ASSERT_TRUE(std::isfinite(v)) << t.name << " = " << v << " after the skipped step";
+  }
+  // Back to the sane weights: training goes on with finite statistics.
+  ASSERT_OK(net->LoadState(sane));
+  ASSERT_OK_AND_ASSIGN(BatchStats next, train(2));
+  EXPECT_EQ(next.skipped, 0);
+  EXPECT_TRUE(std::isfinite(next.loss_sum));
+}
+
 // The small packed set of the trainer tests, packed once by rank 0 into a directory every rank
 // reads (the path travels by broadcast). Collective: every rank calls it at the same point.
 const std::string& SharedSet() {

@@ -160,7 +160,8 @@ struct Group {
 
 struct RunningStat {
   std::string name;
-  DeviceBuffer value;  // float, c
+  float* value = nullptr;  // c floats in Net::running_values
+  int64_t offset = 0;      // where, in floats
   int64_t c = 0;
   float init = 0;
 };
@@ -204,6 +205,11 @@ class Net {
   std::vector<ParamInfo> params;
   std::array<Group, 2> groups;
   std::vector<std::unique_ptr<RunningStat>> running;
+  // Every running statistic in one allocation, and its copy from before the step in flight: a step
+  // skipped (float16 overflow, a non-finite data-parallel step) puts the statistics back as they were,
+  // so a batch whose forward pass overflowed cannot leave them infinite for good.
+  DeviceBuffer running_values, running_saved;
+  int64_t running_floats = 0;
   std::vector<std::string> fallbacks;
   std::vector<std::string> nondeterministic;  // operations whose only engines are non-deterministic
   std::vector<GraphOp*> bound;       // every bound graph operation (while the network is made)
@@ -286,6 +292,8 @@ class Net {
     r->name = name;
     r->c = c;
     r->init = init;
+    r->offset = running_floats;
+    running_floats += (c + 63) / 64 * 64;  // 256-byte aligned, as cuDNN prefers
     running.push_back(std::move(r));
   }
 
@@ -698,8 +706,8 @@ class BatchNormLayer final : public OneInputLayer {
 
  private:
   static bool Synchronised(const Net& net) { return net.opt.sync_batchnorm && net.sum_over_ranks != nullptr; }
-  float* RunningMean(Net& net) const { return net.running[static_cast<size_t>(mean_stat_)]->value.as<float>(); }
-  float* RunningVar(Net& net) const { return net.running[static_cast<size_t>(mean_stat_) + 1]->value.as<float>(); }
+  float* RunningMean(Net& net) const { return net.running[static_cast<size_t>(mean_stat_)]->value; }
+  float* RunningVar(Net& net) const { return net.running[static_cast<size_t>(mean_stat_) + 1]->value; }
 
   int64_t c_ = 0, rows_ = 0;
   float eps_ = 0, factor_ = 0;  // by-value scalars of the cuDNN graph: must outlive it
@@ -1524,11 +1532,15 @@ struct CudaNetwork::Impl {
       STOKE_RETURN_IF_ERROR(Upload(p, p.init, net.groups[p.group].master.as<float>()));
       p.init = {};
     }
-    for (auto& r : net.running) {
-      STOKE_RETURN_IF_ERROR(r->value.Alloc(static_cast<size_t>(r->c) * sizeof(float)));
-      std::vector<float> v(static_cast<size_t>(r->c), r->init);
-      STOKE_CUDA_OK(cudaMemcpyAsync(r->value.get(), v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice,
-                                    net.stream));
+    if (net.running_floats > 0) {
+      const size_t bytes = static_cast<size_t>(net.running_floats) * sizeof(float);
+      STOKE_RETURN_IF_ERROR(net.running_values.Alloc(bytes));
+      std::vector<float> v(static_cast<size_t>(net.running_floats), 0.f);
+      for (auto& r : net.running) {
+        r->value = net.running_values.as<float>() + r->offset;
+        std::fill_n(v.begin() + r->offset, r->c, r->init);
+      }
+      STOKE_CUDA_OK(cudaMemcpyAsync(net.running_values.get(), v.data(), bytes, cudaMemcpyHostToDevice, net.stream));
       STOKE_CUDA_OK(cudaStreamSynchronize(net.stream));
     }
     RefreshCopies();
@@ -1895,6 +1907,14 @@ Result<BatchStats> CudaNetwork::TrainStep(const prefetch::Batch& batch, float lr
     STOKE_ASSIGN_OR_RETURN(auto in, impl_->Input(batch));
     STOKE_CUDA_OK(cudaEventRecord(net.ready, net.stream));
     STOKE_RETURN_IF_ERROR(impl_->Normalise(in.first, batch.size));
+    // Only these steps can be skipped; the others end the run when they are not finite.
+    const bool may_skip = net.opt.precision == Precision::kFloat16 || impl_->dp != nullptr;
+    const size_t stat_bytes = static_cast<size_t>(net.running_floats) * sizeof(float);
+    if (may_skip && stat_bytes > 0) {
+      if (net.running_saved.get() == nullptr) STOKE_RETURN_IF_ERROR(net.running_saved.Alloc(stat_bytes));
+      STOKE_CUDA_OK(cudaMemcpyAsync(net.running_saved.get(), net.running_values.get(), stat_bytes,
+                                    cudaMemcpyDeviceToDevice, net.stream));
+    }
     STOKE_RETURN_IF_ERROR(impl_->ForwardBackward(in.second, step, net.loss_scale));
     STOKE_RETURN_IF_ERROR(impl_->Update(lr, sgd));
     STOKE_RETURN_IF_ERROR(impl_->Finish());
@@ -1909,6 +1929,11 @@ Result<BatchStats> CudaNetwork::TrainStep(const prefetch::Batch& batch, float lr
 
     BatchStats stats = impl_->Stats(batch.size * (impl_->dp ? impl_->dp->world() : 1));
     const bool overflow = net.host_stats->non_finite != 0 || !std::isfinite(stats.loss_sum);
+    if (overflow && may_skip && stat_bytes > 0) {
+      // The step is skipped (below) or the run ends: the statistics go back to before this batch.
+      STOKE_CUDA_OK(cudaMemcpyAsync(net.running_values.get(), net.running_saved.get(), stat_bytes,
+                                    cudaMemcpyDeviceToDevice, net.stream));
+    }
     if (net.opt.precision == Precision::kFloat16) {
       // Dynamic loss scaling: halve and skip on overflow, double after 2000 clean steps.
       if (overflow) {
@@ -2002,7 +2027,7 @@ Result<std::vector<NamedTensor>> CudaNetwork::State() const {
       out.push_back({p.name, p.dims, std::move(v)});
     }
     for (const auto& r : net.running) {
-      STOKE_ASSIGN_OR_RETURN(auto v, Download(r->value.get(), DType::kF32, r->c, net.stream));
+      STOKE_ASSIGN_OR_RETURN(auto v, Download(r->value, DType::kF32, r->c, net.stream));
       out.push_back({r->name, {r->c}, std::move(v)});
     }
     for (const auto& p : net.params) {
@@ -2030,7 +2055,7 @@ Status CudaNetwork::LoadState(const std::vector<NamedTensor>& state) {
     }
     for (const auto& r : net.running) {
       const auto& v = found[k++]->values;
-      STOKE_CUDA_OK(cudaMemcpyAsync(r->value.get(), v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice,
+      STOKE_CUDA_OK(cudaMemcpyAsync(r->value, v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice,
                                     net.stream));
     }
     impl_->RefreshCopies();
@@ -2164,14 +2189,14 @@ Status CudaNetwork::AverageRunningStats() {
     // Rare (before evaluations and checkpoints): through the host, over the same world as the step.
     std::vector<float> all;
     for (const auto& r : net.running) {
-      STOKE_ASSIGN_OR_RETURN(auto v, Download(r->value.get(), DType::kF32, r->c, net.stream));
+      STOKE_ASSIGN_OR_RETURN(auto v, Download(r->value, DType::kF32, r->c, net.stream));
       all.insert(all.end(), v.begin(), v.end());
     }
     if (all.empty()) return OkStatus();
     STOKE_RETURN_IF_ERROR(impl_->sync->AverageOverRanks(all));
     size_t k = 0;
     for (auto& r : net.running) {
-      STOKE_CUDA_OK(cudaMemcpyAsync(r->value.get(), all.data() + k, static_cast<size_t>(r->c) * sizeof(float),
+      STOKE_CUDA_OK(cudaMemcpyAsync(r->value, all.data() + k, static_cast<size_t>(r->c) * sizeof(float),
                                     cudaMemcpyHostToDevice, net.stream));
       k += static_cast<size_t>(r->c);
     }
