@@ -342,7 +342,11 @@ int Run(int argc, char** argv) {
     std::signal(SIGINT, OnInterrupt);
     std::signal(SIGTERM, OnInterrupt);
     auto summary = stoke::pack::Pack(pack);
-    if (!summary.ok()) return Fail(summary.status());
+    if (!summary.ok()) {
+      Fail(summary.status());
+      // 130, as shells report an interrupted command: a script can tell "resume me" from a failure.
+      return g_stop.load() ? 130 : 1;
+    }
     std::fputs(stoke::pack::FormatSummary(*summary).c_str(), stdout);
     return 0;
   }

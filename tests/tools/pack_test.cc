@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -176,7 +177,7 @@ TEST(Pack, ListFileWithCaffeConvention) {
 TEST(Pack, BadListLinesNameTheLine) {
   TempDir dir;
   testing::MakeImageTree(dir / "src", {"a"}, 1);
-  for (std::string bad : {"a/a_100.jpg\n", "a/a_100.jpg x\n", "a/a_100.jpg -1\n"}) {
+  for (std::string bad : {"a/a_100.jpg\n", "a/a_100.jpg x\n", "a/a_100.jpg -1\n", "a/a_100.jpg 1\n"}) {
     std::ofstream(dir / "list.txt") << "a/a_100.jpg 0\n" << bad;
     auto o = Options(dir / "src", dir / "out");
     o.list_file = dir / "list.txt";
@@ -184,6 +185,16 @@ TEST(Pack, BadListLinesNameTheLine) {
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
     EXPECT_NE(r.status().message().find("list.txt:2"), std::string::npos) << r.status().ToString();
   }
+  // The conflict names both lines; the same image twice under one label is allowed (oversampling).
+  std::ofstream(dir / "list.txt") << "a/a_100.jpg 0\na/a_100.jpg 1\n";
+  auto o = Options(dir / "src", dir / "out");
+  o.list_file = dir / "list.txt";
+  auto r = Pack(o);
+  EXPECT_NE(r.status().message().find("'a/a_100.jpg' has label 1 here and label 0 on line 1"), std::string::npos)
+      << r.status().ToString();
+  std::ofstream(dir / "list.txt") << "a/a_100.jpg 0\na/a_100.jpg 0\n";
+  ASSERT_OK_AND_ASSIGN(PackSummary twice, Pack(o));
+  EXPECT_EQ(twice.splits[0].records, 2);
 }
 
 TEST(Pack, ShuffleIsADeterministicPermutation) {
@@ -229,6 +240,24 @@ TEST(Pack, ValidationSplitIsStratifiedAndDisjoint) {
   for (const auto& r : ReadAll(dir / "train.lmdb")) seen.insert(r.path);
   for (const auto& r : ReadAll(dir / "train_val.lmdb")) EXPECT_TRUE(seen.insert(r.path).second);
   EXPECT_EQ(seen.size(), 40u);
+}
+
+// A fraction that would send a small class wholly to validation keeps one of its images in training.
+TEST(Pack, ValidationSplitLeavesEveryClassATrainingImage) {
+  TempDir dir;
+  for (const auto& [cls, n] : std::vector<std::pair<std::string, int>>{{"one", 1}, {"two", 2}, {"ten", 10}}) {
+    for (int i = 0; i < n; ++i) {
+      testing::WriteBytes(dir / "src" / cls / fmt::format("{}.jpg", i), testing::EncodeJpeg(testing::MakeImage(32, 24, 3)));
+    }
+  }
+  auto o = Options(dir / "src", dir / "train.lmdb");
+  o.val_fraction = 0.9;
+  ASSERT_OK(Pack(o).status());
+  ASSERT_OK_AND_ASSIGN(Dataset train, Dataset::Open(dir / "train.lmdb"));
+  ASSERT_OK_AND_ASSIGN(Dataset val, Dataset::Open(dir / "train_val.lmdb"));
+  // Classes sorted: one, ten, two.
+  EXPECT_EQ(train.manifest().class_counts, (std::vector<int64_t>{1, 1, 1}));
+  EXPECT_EQ(val.manifest().class_counts, (std::vector<int64_t>{0, 9, 1}));
 }
 
 // Writes a few bad inputs into src/<class>/ and returns their relative paths.
@@ -661,10 +690,24 @@ TEST(Pack, OutputsThatWouldDestroyOrSwallowTheSourceAreRefused) {
   val.val_output = dir / "o.lmdb/";
   refused(val, "is the training output");
   EXPECT_EQ(fs::directory_iterator(src / "cat") != fs::directory_iterator(), true) << "the images are still there";
-  // A symlink loop in the tree is skipped, not an internal error.
+  // A link loop, a dangling link, a FIFO and a link to a folder in the tree are inputs that cannot
+  // be read: each is reported as skipped (not an internal error, not a hang, not left out silently).
   fs::create_symlink("loop", src / "cat" / "loop");
+  fs::create_symlink("gone.jpg", src / "cat" / "dangling.jpg");
+  ASSERT_EQ(::mkfifo((src / "cat" / "pipe.jpg").c_str(), 0600), 0);
+  fs::create_symlink(src / "dog", src / "cat" / "linked_folder");
   ASSERT_OK_AND_ASSIGN(PackSummary s, Pack(Options(src, dir / "fine.lmdb")));
-  EXPECT_EQ(s.inputs, 8);
+  EXPECT_EQ(s.inputs, 12);
+  ASSERT_EQ(s.bad.size(), 4u);
+  std::map<std::string, std::string> why;
+  for (const auto& b : s.bad) why[b.path] = b.reason;
+  EXPECT_NE(why["cat/loop"].find("symbolic links"), std::string::npos) << why["cat/loop"];
+  EXPECT_NE(why["cat/dangling.jpg"].find("No such file"), std::string::npos) << why["cat/dangling.jpg"];
+  EXPECT_NE(why["cat/pipe.jpg"].find("not a regular file"), std::string::npos) << why["cat/pipe.jpg"];
+  EXPECT_NE(why["cat/linked_folder"].find("not a regular file"), std::string::npos) << why["cat/linked_folder"];
+  auto strict = Options(src, dir / "strict.lmdb");
+  strict.on_error = OnError::kFail;
+  EXPECT_FALSE(Pack(strict).ok());
   // A report that cannot be written is an error (the dataset itself is complete).
   auto report = Options(src, dir / "reported.lmdb");
   report.report_file = dir / "no" / "such" / "r.json";

@@ -26,6 +26,7 @@
 #include <span>
 #include <system_error>
 #include <thread>
+#include <unordered_map>
 
 #include "common/file_util.h"
 #include "common/limits.h"
@@ -80,23 +81,31 @@ Result<InputSet> ListFolderTree(const fs::path& root) {
   for (size_t label = 0; label < class_dirs.size(); ++label) {
     set.classes.push_back(class_dirs[label].filename().string());
     std::vector<Input> files;
+    fs::path entered = class_dirs[label];  // the folder whose listing an error would be about
     for (auto it = fs::recursive_directory_iterator(class_dirs[label], ec);
          it != fs::recursive_directory_iterator(); it.increment(ec)) {
       if (ec) break;
       const std::string name = it->path().filename().string();
-      std::error_code entry_ec;  // a symlink loop or a dangling link: not an image, not a failure
+      std::error_code entry_ec;
       if (name[0] == '.') {
         if (it->is_directory(entry_ec)) it.disable_recursion_pending();
         continue;
       }
-      if (!it->is_regular_file(entry_ec)) {
-        if (entry_ec) STOKE_LOG(WARN, "pack: {}: skipped ({})", it->path().string(), entry_ec.message());
+      // A folder (not a link to one) is listed by the iterator itself. Everything else is an input:
+      // a FIFO, a socket, a dangling link, a link loop or a link to a folder fails to read as an
+      // image and so is reported with the other skipped inputs (or fails the pack under
+      // --on-error fail), instead of vanishing from the dataset without a word.
+      if (it->is_directory(entry_ec) && !it->is_symlink(entry_ec)) {
+        entered = it->path();
         continue;
       }
       files.push_back(Input{it->path(), it->path().lexically_relative(root).generic_string(),
                             static_cast<int32_t>(label)});
     }
-    if (ec) return IoError(fmt::format("pack: {}: {}", class_dirs[label].string(), ec.message()));
+    if (ec) {
+      return IoError(fmt::format("pack: {}: {} (while listing class '{}'; fix or remove it and pack again)",
+                                 entered.string(), ec.message(), set.classes.back()));
+    }
     std::sort(files.begin(), files.end(),
               [](const Input& a, const Input& b) { return a.key < b.key; });
     set.inputs.insert(set.inputs.end(), files.begin(), files.end());
@@ -109,6 +118,7 @@ Result<InputSet> ReadListFile(const fs::path& list, const fs::path& root) {
   if (!in) return NotFoundError(fmt::format("pack: {}: cannot open list file", list.string()));
   InputSet set;
   int32_t max_label = -1;
+  std::unordered_map<std::string, std::pair<int, long>> first_seen;  // path -> line, label
   std::string line;
   for (int line_no = 1; std::getline(in, line); ++line_no) {
     if (!line.empty() && line.back() == '\r') line.pop_back();
@@ -130,6 +140,13 @@ Result<InputSet> ReadListFile(const fs::path& list, const fs::path& root) {
     long label = std::strtol(label_text.c_str(), &end, 10);
     if (*end != '\0' || errno != 0 || label < 0 || label > 1'000'000) {
       return bad(fmt::format("label '{}' is not an integer in [0, 1000000]", label_text));
+    }
+    // The same image under two labels is a mistake in the list, not data: which label is right?
+    // (The same image twice under one label is kept: lists repeat images to oversample them.)
+    const auto [at, fresh] = first_seen.try_emplace(path, std::pair{line_no, label});
+    if (!fresh && at->second.second != label) {
+      return bad(fmt::format("'{}' has label {} here and label {} on line {}", path, label, at->second.second,
+                             at->second.first));
     }
     fs::path p(path);
     set.inputs.push_back(Input{p.is_absolute() ? p : root / p, path, static_cast<int32_t>(label)});
@@ -977,16 +994,29 @@ Result<PackSummary> Pack(const PackOptions& options) {
         "pack: {}: no input files found", (o.list_file.empty() ? o.source : o.list_file).string()));
   }
 
-  // Stratified split: in each class, round(fraction * count) inputs chosen by the seed.
+  // Stratified split: in each class, round(fraction * count) inputs chosen by the seed, but never
+  // the class's last one: a class with no training image could not be learned at all.
   std::vector<bool> is_val(set.inputs.size(), false);
   if (o.val_fraction > 0) {
     std::vector<std::vector<size_t>> by_class(set.classes.size());
     for (size_t i = 0; i < set.inputs.size(); ++i) by_class[set.inputs[i].label].push_back(i);
     SplitMix64 rng(MixSeed(o.seed, 0x76616c));  // "val"
-    for (auto& members : by_class) {
+    std::vector<std::string> kept;
+    for (size_t c = 0; c < by_class.size(); ++c) {
+      auto& members = by_class[c];
       Shuffle(std::span(members), rng);
-      auto n_val = static_cast<size_t>(std::lround(o.val_fraction * members.size()));
+      auto n_val = static_cast<size_t>(std::lround(o.val_fraction * static_cast<double>(members.size())));
+      if (!members.empty() && n_val >= members.size()) {
+        n_val = members.size() - 1;
+        if (kept.size() < 10) kept.push_back(fmt::format("'{}' ({})", set.classes[c], members.size()));
+      }
       for (size_t k = 0; k < n_val; ++k) is_val[members[k]] = true;
+    }
+    if (!kept.empty()) {
+      STOKE_LOG(WARN,
+                "pack: --val-fraction {} would leave no training image in class(es) {}{}: one image of each "
+                "stays in training",
+                o.val_fraction, fmt::join(kept, ", "), kept.size() == 10 ? " and more" : "");
     }
   }
   std::vector<SplitJob> jobs;
