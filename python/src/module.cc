@@ -8,6 +8,7 @@
 #include <pybind11/stl.h>
 
 #include <dlpack/dlpack.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -37,6 +38,45 @@ namespace py = pybind11;
 
 namespace stoke::python {
 namespace {
+
+// Every ring slot is held by the consumer's tensors: nothing was taken from the pipeline, which
+// goes on once they are freed (stoke._stoke.BuffersHeldError, a RuntimeError).
+struct BuffersHeld : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// The interpreter's main thread (set at import): the one that finalises it.
+unsigned long g_main_thread = 0;
+
+bool Finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+// Releases the GIL for a scope, as py::gil_scoped_release does, with one difference. When the
+// interpreter has begun to shut down meanwhile (a daemon thread waiting here for a batch while the
+// main thread exits), re-taking the GIL ends the thread with a forced unwind, which aborts the
+// process when it meets a destructor, as it does here. Such a thread sleeps instead until the process
+// is gone (as newer Pythons do with their own daemon threads). The main thread finalises the
+// interpreter and takes the GIL back as usual.
+class GilReleased {
+ public:
+  GilReleased() : state_(PyEval_SaveThread()) {}
+  GilReleased(const GilReleased&) = delete;
+  GilReleased& operator=(const GilReleased&) = delete;
+  ~GilReleased() {
+    if (Finalizing() && PyThread_get_thread_ident() != g_main_thread) {
+      for (;;) ::pause();
+    }
+    PyEval_RestoreThread(state_);
+  }
+
+ private:
+  PyThreadState* state_;
+};
 
 // A stoke error as a Python exception carrying stoke's message: ValueError for bad arguments and
 // data, FileNotFoundError for a missing path, OSError for I/O, RuntimeError for the rest.
@@ -77,7 +117,14 @@ struct RecordBytes {
   size_t size = 0;
 };
 
-std::shared_ptr<PyDataset> OpenDataset(const std::string& path) {
+// `path`: a str or any path-like object (pathlib.Path, os.DirEntry).
+std::shared_ptr<PyDataset> OpenDataset(const py::object& path_like) {
+  py::object fs = py::module_::import("os").attr("fspath")(path_like);
+  if (!py::isinstance<py::str>(fs)) {
+    throw py::type_error(fmt::format("stoke.Dataset: path {}: expected a str or path-like object naming a dataset",
+                                     py::repr(path_like).cast<std::string>()));
+  }
+  const std::string path = fs.cast<std::string>();
   auto d = std::make_shared<PyDataset>();
   d->ds = std::make_unique<dataset::Dataset>(Take(dataset::Dataset::Open(path)));
   d->reader = std::make_unique<dataset::Reader>(Take(d->ds->NewReader()));
@@ -211,7 +258,7 @@ prefetch::LoaderOptions ToLoaderOptions(const EpochOptions& e) {
 
 class EpochLoader {
  public:
-  EpochLoader(std::shared_ptr<PyDataset> ds, const EpochOptions& e) : ds_(std::move(ds)) {
+  EpochLoader(std::shared_ptr<PyDataset> ds, const EpochOptions& e) : ds_(std::move(ds)), pid_(::getpid()) {
     if (e.normalize) {
       if (e.dtype != "float32" && e.dtype != "float16") {
         throw py::value_error(fmt::format("stoke: dtype {}: normalised batches are float32 or float16", e.dtype));
@@ -225,7 +272,7 @@ class EpochLoader {
     const prefetch::LoaderOptions options = ToLoaderOptions(e);
     std::optional<Result<std::unique_ptr<prefetch::Loader>>> created;
     {
-      py::gil_scoped_release unlocked;  // the ring's allocation can take a while
+      GilReleased unlocked;  // the ring's allocation can take a while
       created.emplace(prefetch::Loader::Create(*ds_->ds, options));
     }
     loader_ = Take(std::move(*created));
@@ -246,12 +293,17 @@ class EpochLoader {
   // close() may run while this waits (from another thread, or from a signal handler that runs in
   // the Ctrl-C check): this call holds the loader until it returns, and then returns None.
   py::object Next(uintptr_t stream) {
+    if (Forked()) {
+      throw std::runtime_error(
+          "stoke: this loader was made in another process, before a fork(); its threads are not in this one: "
+          "make a new Loader in this process");
+    }
     Held loader{loader_};
     if (!loader.it) return py::none();
     while (true) {
       bool ready = false;
       {
-        py::gil_scoped_release unlocked;
+        GilReleased unlocked;
         ready = loader.it->WaitReady(std::chrono::milliseconds(50));
       }
       if (PyErr_CheckSignals() != 0) throw py::error_already_set();
@@ -260,7 +312,7 @@ class EpochLoader {
     }
     std::optional<Result<prefetch::BatchLease>> got;
     {
-      py::gil_scoped_release unlocked;
+      GilReleased unlocked;
       got.emplace(loader.it->Next());
     }
     if (loader_ != loader.it) return py::none();  // the lease (if any) goes back as `got` goes
@@ -268,7 +320,7 @@ class EpochLoader {
     if (!next.ok()) {
       const Status& s = next.status();
       if (s.message().find("ring buffers are held by the consumer") != std::string::npos) {
-        throw std::runtime_error(fmt::format(
+        throw BuffersHeld(fmt::format(
             "stoke: every one of the loader's {} batch buffers is still in use by tensors you hold; a batch's "
             "tensors view the loader's memory until they are freed: .clone() what you keep beyond the next "
             "iteration (or pass a larger ring=)",
@@ -295,7 +347,7 @@ class EpochLoader {
       img->bytes.resize(augment::NormalizedBytes(b.size, b.width, b.height, normalize_->dtype));
       Status st;
       {
-        py::gil_scoped_release unlocked;
+        GilReleased unlocked;
         st = augment::Normalize(b.images, b.size, b.width, b.height, *normalize_, img->bytes);
       }
       if (!st.ok()) Raise(st);
@@ -346,7 +398,13 @@ class EpochLoader {
   void Close() {
     std::shared_ptr<prefetch::Loader> loader = std::move(loader_);
     if (!loader) return;
-    py::gil_scoped_release unlocked;
+    if (Forked()) {
+      // A copy of the parent's loader, whose threads were not copied: stopping it would wait for
+      // them for ever. Its memory is left as it is (the parent owns the real one).
+      new std::shared_ptr<prefetch::Loader>(std::move(loader));
+      return;
+    }
+    GilReleased unlocked;
     loader->Stop();
     loader.reset();
   }
@@ -376,13 +434,16 @@ class EpochLoader {
     std::shared_ptr<prefetch::Loader> it;
     ~Held() {
       if (it.use_count() == 1) {
-        py::gil_scoped_release unlocked;
+        GilReleased unlocked;
         it.reset();
       }
     }
   };
 
+  bool Forked() const { return ::getpid() != pid_; }
+
   std::shared_ptr<PyDataset> ds_;  // outlives the loader
+  pid_t pid_;                      // the process that made it
   std::optional<augment::NormalizeOptions> normalize_;
   std::shared_ptr<prefetch::Loader> loader_;  // null once closed
 };
@@ -426,7 +487,7 @@ Result<T> RunInterruptibly(std::atomic<bool>& stop, std::function<Result<T>()> f
   bool interrupted = false;
   while (!done.load()) {
     {
-      py::gil_scoped_release unlocked;
+      GilReleased unlocked;
       for (int i = 0; i < 50 && !done.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     if (!interrupted && PyErr_CheckSignals() != 0) {
@@ -435,7 +496,7 @@ Result<T> RunInterruptibly(std::atomic<bool>& stop, std::function<Result<T>()> f
     }
   }
   {
-    py::gil_scoped_release unlocked;
+    GilReleased unlocked;
     worker.join();
   }
   if (interrupted) throw py::error_already_set();
@@ -496,6 +557,7 @@ py::dict Pack(const std::string& source, const std::string& output, const py::di
     // An exception it raises stops the pack at once (as Ctrl-C does: resumable) and is raised
     // from stoke.pack.
     p.after_commit = [callable, &callback_error, &stop](int64_t records) {
+      if (Finalizing()) return;  // a pack in a daemon thread at exit: no callback any more
       py::gil_scoped_acquire locked;
       if (callback_error) return;
       try {
@@ -575,6 +637,8 @@ PYBIND11_MODULE(_stoke, m) {
   namespace ds = stoke::dataset;
   m.doc() = "stoke's native module: packed datasets and the loader (see the stoke package)";
   m.attr("__version__") = STOKE_VERSION;
+  py::register_exception<BuffersHeld>(m, "BuffersHeldError", PyExc_RuntimeError);
+  g_main_thread = py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
 
   py::class_<RecordBytes>(m, "RecordBytes", py::buffer_protocol())
       .def_buffer([](RecordBytes& r) {
@@ -594,8 +658,13 @@ PYBIND11_MODULE(_stoke, m) {
       .def_property_readonly("payload_bytes", [](const PyDataset& d) { return d.ds->manifest().payload_bytes; })
       .def(
           "record",
-          [](const std::shared_ptr<PyDataset>& d, int64_t i) {
-            if (i < 0) i += d->ds->size();
+          [](const std::shared_ptr<PyDataset>& d, int64_t index) {
+            const int64_t n = d->ds->size();
+            if (index < -n || index >= n) {
+              throw py::index_error(fmt::format("stoke: record {} out of range: the dataset {} has {} records",
+                                                index, d->ds->path().string(), n));
+            }
+            const int64_t i = index < 0 ? index + n : index;
             auto view = Take(d->reader->Get(i));
             std::string source = d->ds->manifest().has_paths ? Take(d->reader->SourcePath(i)) : std::string();
             RecordBytes bytes{d, view.image.data(), view.image.size()};

@@ -9,12 +9,51 @@
 
 Datasets are made by `stoke pack` (the command line tool).
 """
+import os
 from typing import Any, Callable, Dict, Optional
 
 from . import _stoke
 from ._stoke import Dataset, __version__
 
 __all__ = ["Dataset", "pack", "__version__"]
+
+
+_PATHS = {"source", "output", "list_file", "val_output", "report"}
+_FLAGS = {"shuffle", "resume", "overwrite", "store_paths"}
+_WORDS = {"encoding", "on_error", "validate", "index"}
+
+
+def _checked(name: str, value: Any) -> Any:
+    """A pack option of the right type (paths as str), else a ValueError naming it."""
+    def bad(expected: str) -> ValueError:
+        return ValueError(f"stoke.pack: {name}={value!r}: expected {expected}")
+    if name in _PATHS:
+        if value is None and name not in ("source", "output"):
+            return None
+        try:
+            path = os.fspath(value)
+        except TypeError:
+            raise bad("a path (str or path-like)") from None
+        if not isinstance(path, str):
+            raise bad("a path (str or path-like)")
+        return path
+    if name in _FLAGS:
+        if not isinstance(value, bool):
+            raise bad("True or False")
+        return value
+    if name in _WORDS:
+        if not isinstance(value, str):
+            raise bad("a str")
+        return value
+    if name == "val_fraction":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad("a number in [0, 1)")
+        return float(value)
+    # seed, threads, max_side, quality: whole numbers >= 0 (their ranges are checked by stoke)
+    limit = 2**64 if name == "seed" else 2**31
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
+        raise bad(f"an int in [0, {limit})")
+    return value
 
 
 def pack(source: str, output: str, *, list_file: Optional[str] = None, val_fraction: float = 0.0,
@@ -35,7 +74,11 @@ def pack(source: str, output: str, *, list_file: Optional[str] = None, val_fract
                    seed=seed, threads=threads, max_side=max_side, quality=quality, encoding=encoding,
                    on_error=on_error, validate=validate, index=index, resume=resume, overwrite=overwrite,
                    store_paths=store_paths, report=report)
-    report = _stoke._pack(str(source), str(output), options, progress)
+    for name, value in options.items():
+        options[name] = _checked(name, value)
+    if progress is not None and not callable(progress):
+        raise ValueError(f"stoke.pack: progress={progress!r}: expected a callable taking the records written")
+    report = _stoke._pack(_checked("source", source), _checked("output", output), options, progress)
     if progress is not None:
         progress(sum(split["records"] for split in report["splits"]))  # and once at the end
     return report

@@ -1,12 +1,18 @@
 """Types of stoke's native module (python/src/module.cc). Use it through `stoke` and `stoke.torch`."""
-from typing import Any, Callable, Dict, List, Optional, Tuple
+import os
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+__version__: str
+
+class BuffersHeldError(RuntimeError):
+    """Every ring buffer is viewed by tensors the caller holds; .clone() what is kept."""
 
 class RecordBytes:
     """A record's encoded bytes inside the dataset's read-only map (buffer protocol)."""
     def __len__(self) -> int: ...
 
 class Dataset:
-    def __init__(self, path: str) -> None: ...
+    def __init__(self, path: Union[str, "os.PathLike[str]"]) -> None: ...
     def __len__(self) -> int: ...
     @property
     def path(self) -> str: ...

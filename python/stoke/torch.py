@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import weakref
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Union
 
@@ -26,7 +27,20 @@ def _rank_and_world(rank: Optional[int], world_size: Optional[int]) -> Tuple[int
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         r, w = torch.distributed.get_rank(), torch.distributed.get_world_size()
     else:
-        r, w = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        def from_env(name: str, default: int) -> int:
+            text = os.environ.get(name)
+            if text is None:
+                return default
+            try:
+                return int(text)
+            except ValueError:
+                raise ValueError(f"stoke.torch.Loader: the environment variable {name}={text!r} is not an int") \
+                    from None
+        r, w = from_env("RANK", 0), from_env("WORLD_SIZE", 1)
+        if w > 1 and rank is None and "RANK" not in os.environ:
+            # Every process would take rank 0's shard: the same samples on every rank.
+            raise ValueError(f"stoke.torch.Loader: WORLD_SIZE={w} is set but RANK is not; set both (as "
+                             "torchrun does), initialise torch.distributed, or pass rank= and world_size=")
     return (r if rank is None else rank), (w if world_size is None else world_size)
 
 
@@ -59,6 +73,35 @@ def _is_count(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
+def _check_types(**options: Any) -> None:
+    """Each Loader option of the type it needs, else a ValueError naming it (the values' ranges are
+    checked by stoke, which names them too)."""
+    for name, value in options.items():
+        if name in ("train", "drop_last"):
+            ok, expected = isinstance(value, bool), "True or False"
+        elif name == "on_error":
+            ok, expected = isinstance(value, str), "'skip' or 'fail'"
+        elif name in ("rank", "world_size"):
+            ok, expected = value is None or _is_count(value), "None or an int >= 0"
+        elif name == "seed":
+            ok, expected = _is_count(value) and value < 2**64, "an int in [0, 2**64)"
+        elif name in ("scale",):
+            ok = (isinstance(value, (tuple, list)) and len(value) == 2
+                  and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value))
+            expected = "two numbers (min, max)"
+        elif name == "flip":
+            ok, expected = isinstance(value, (int, float)) and not isinstance(value, bool), "a number in [0, 1]"
+        elif name == "normalize":
+            ok = value is None or (isinstance(value, (tuple, list)) and len(value) == 2 and all(
+                isinstance(v, (tuple, list)) and len(v) == 3
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v) for v in value))
+            expected = "None or ((mean r, g, b), (std r, g, b))"
+        else:  # batch_size, size, threads, ring, resize: whole numbers
+            ok, expected = _is_count(value) and value < 2**31, "an int in [0, 2**31)"
+        if not ok:
+            raise ValueError(f"stoke.torch.Loader: {name}={value!r}: expected {expected}")
+
+
 def _no_epoch() -> None:
     """What Loader._current returns before the first iter() and after close()."""
     return None
@@ -73,13 +116,29 @@ class _Epoch:
         self._native = native
         self.epoch = epoch
         self.yielded = start  # batches of this epoch handed to the user (resume counts from here)
+        self.superseded = False  # a later iter() of the loader started another epoch before this one ended
+        self._busy = threading.Lock()  # one next() at a time
 
     def __iter__(self) -> "_Epoch":
         return self
 
     def __next__(self) -> Dict[str, Any]:
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("stoke.torch.Loader: next() of this epoch's iterator is already running in another "
+                               "thread; take batches from one thread (the loader decodes on its own threads)")
+        try:
+            return self._next()
+        finally:
+            self._busy.release()
+
+    def _next(self) -> Dict[str, Any]:
+        if self.superseded and self.yielded < len(self._owner):
+            raise RuntimeError(
+                f"stoke.torch.Loader: this iterator of epoch {self.epoch} was replaced by a later iter() of the same "
+                "loader after {self.yielded} of its {len(self._owner)} batches; a loader runs one epoch at a time "
+                "(use two Loaders to iterate twice at once)")
         if self._native is None or self._native is not self._owner._native:
-            raise StopIteration  # the loader was closed, or moved on to another epoch
+            raise StopIteration  # the loader was closed
         if self.yielded >= len(self._owner):
             # The pipeline is already working on the next epoch: the next iter() picks it up. An
             # older iterator of the same pipeline (a counted loop went on with a new iter()) must
@@ -89,15 +148,26 @@ class _Epoch:
             self._native = None
             raise StopIteration
         owner = self._owner
-        if owner._device < 0:
-            got = self._native.next()
-        else:
-            # The loader's GPU current while its stream waits for the copy (stream 0 means the
-            # current device's default stream).
-            stream = torch.cuda.current_stream(owner._device)
-            with torch.cuda.device(owner._device):
-                got = self._native.next(stream.cuda_stream)
+        try:
+            if owner._device < 0:
+                got = self._native.next()
+            else:
+                # The loader's GPU current while its stream waits for the copy (stream 0 means the
+                # current device's default stream).
+                stream = torch.cuda.current_stream(owner._device)
+                with torch.cuda.device(owner._device):
+                    got = self._native.next(stream.cuda_stream)
+        except _stoke.BuffersHeldError:
+            raise  # nothing was taken: the same iterator goes on once the held tensors are freed
+        except BaseException:
+            # A bad record under on_error="fail", Ctrl-C, ...: this pipeline is not reused (this
+            # iterator ends, as a generator does after raising); the next iter() starts a new one,
+            # where set_epoch or load_state_dict(state_dict()) says.
+            self._drop_pipeline()
+            raise
         if got is None:
+            # Closed from another thread while waiting.
+            self._drop_pipeline()
             raise StopIteration
         images, labels, indices, epoch, number, replaced = got
         self.yielded += 1
@@ -124,6 +194,11 @@ class _Epoch:
             "batch": number,
             "replaced": replaced,
         }
+
+    def _drop_pipeline(self) -> None:
+        if self._native is not None and self._native is self._owner._native:
+            self._owner._close_native()
+        self._native = None
 
 
 class Loader:
@@ -163,7 +238,7 @@ class Loader:
 
     def __init__(
         self,
-        path: str,
+        path: Union[str, "os.PathLike[str]"],
         batch_size: int,
         *,
         train: bool = True,
@@ -182,6 +257,9 @@ class Loader:
         normalize: Optional[Tuple[Tuple[float, float, float], Tuple[float, float, float]]] = None,
         dtype: Any = None,
     ) -> None:
+        _check_types(batch_size=batch_size, size=size, seed=seed, threads=threads, ring=ring, resize=resize,
+                     train=train, drop_last=drop_last, on_error=on_error, rank=rank, world_size=world_size,
+                     scale=scale, flip=flip, normalize=normalize)
         self._device = _device_index(device)
         self._dataset = _stoke.Dataset(path)
         r, w = _rank_and_world(rank, world_size)
@@ -275,6 +353,7 @@ class Loader:
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         wanted = (self._next_epoch, self._start_batch)
+        previous = self._current()
         if self._native is None or self._position != wanted:
             # A new start (first epoch, set_epoch, a break, a resume): stop the old pipeline.
             self._close_native()
@@ -284,6 +363,8 @@ class Loader:
                 self._native = _stoke.EpochLoader(self._dataset, o)
             self._position = wanted
         current = _Epoch(self, self._native, *wanted)
+        if previous is not None:
+            previous.superseded = True
         self._current = weakref.ref(current)
         self._handed = wanted
         self._next_epoch, self._start_batch = wanted[0] + 1, 0
@@ -337,6 +418,17 @@ class Loader:
     def close(self) -> None:
         """Stops the pipeline and joins its threads. Tensors already handed out stay valid."""
         self._close_native()
+
+    def __copy__(self) -> "Loader":
+        raise TypeError("stoke.torch.Loader cannot be copied: it owns a running pipeline; make another Loader "
+                        "with the same arguments")
+
+    def __deepcopy__(self, memo: Any) -> "Loader":
+        return self.__copy__()
+
+    def __reduce__(self) -> Any:
+        raise TypeError("stoke.torch.Loader cannot be pickled: it owns a running pipeline; make the Loader in the "
+                        "process that uses it")
 
     def __enter__(self) -> "Loader":
         return self

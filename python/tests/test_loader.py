@@ -117,6 +117,17 @@ def test_rank_and_world_come_from_the_environment(data, monkeypatch):
         Loader(data["train"], batch_size=8, size=32, rank=2, world_size=2)
 
 
+def test_rank_and_world_from_the_environment_are_checked(data, monkeypatch):
+    monkeypatch.setenv("RANK", "abc")
+    with pytest.raises(ValueError, match="RANK='abc'"):
+        Loader(data["train"], batch_size=8)
+    monkeypatch.delenv("RANK")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="WORLD_SIZE=4 is set but RANK is not"):
+        Loader(data["train"], batch_size=8)
+    assert Loader(data["train"], batch_size=8, rank=1).world_size == 4
+
+
 def test_state_dict_resumes_exactly(data):
     def run(loader, n=None):
         out = []
@@ -238,6 +249,123 @@ def test_bad_records_are_skipped_and_reported(data):
             pass
 
 
+def test_an_error_ends_the_pipeline_and_a_resume_starts_a_new_one(data):
+    # on_error="fail" stops at the bad record; iterating again from the saved state runs a new
+    # pipeline from there (it used to reuse the dead one and yield nothing).
+    strict = Loader(data["damaged"], batch_size=8, size=32, train=False, on_error="fail")
+    it = iter(strict)
+    got = 0
+    with pytest.raises(ValueError, match="record"):
+        for _ in it:
+            got += 1
+    with pytest.raises(StopIteration):
+        next(it)  # ended, as a generator that raised
+    state = strict.state_dict()
+    assert state["batch"] == got
+    strict.load_state_dict(state)
+    with pytest.raises(ValueError, match="record"):
+        next(iter(strict))  # the same bad record again, from a new pipeline
+    lenient = Loader(data["damaged"], batch_size=8, size=32, train=False)
+    lenient.load_state_dict({**state, "dataset": data["damaged"]} | {"train": False})
+    assert sum(1 for _ in lenient) == len(lenient) - got
+
+
+def test_one_epoch_at_a_time(data):
+    loader = Loader(data["train"], batch_size=8, size=32, threads=1)
+    with pytest.raises(RuntimeError, match="replaced by a later iter"):
+        list(zip(loader, loader))  # a second iter() took over the first one's pipeline
+    # Several threads pulling from one iterator: one next() at a time, never more than len() batches.
+    import threading
+    it = iter(loader)
+    counts, errors = [], []
+
+    def pull():
+        n = 0
+        while True:
+            try:
+                next(it)
+                n += 1
+            except StopIteration:
+                break
+            except RuntimeError as e:
+                assert "another thread" in str(e)
+                errors.append(e)
+        counts.append(n)
+
+    workers = [threading.Thread(target=pull) for _ in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert sum(counts) == len(loader)
+    assert loader.state_dict()["epoch"] == it.epoch + 1 and loader.state_dict()["batch"] == 0
+    loader.close()
+
+
+def test_a_loader_is_not_copied_or_pickled(data):
+    import copy
+    import pickle
+    loader = Loader(data["train"], batch_size=8, size=32, threads=1)
+    it = iter(loader)
+    next(it)
+    for make in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="Loader"):
+            make(loader)
+    assert next(it)["images"].shape[0] == 8  # the original goes on
+    loader.close()
+
+
+def test_a_forked_child_leaves_the_parents_loader_alone(data):
+    # The child has none of the loader's threads: closing or dropping the copy must not wait for
+    # them (it hung), and taking a batch says what to do.
+    loader = Loader(data["train"], batch_size=8, size=32, threads=1)
+    it = iter(loader)
+    next(it)
+    pid = os.fork()
+    if pid == 0:  # the child: 0 when everything went as it should
+        code = 1
+        try:
+            try:
+                next(it)
+            except RuntimeError as e:
+                code = 0 if "another process" in str(e) else 2
+            loader.close()
+            del it, loader
+            gc.collect()
+        finally:
+            os._exit(code)
+    import time
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung closing the parent's loader")
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert next(it)["images"].shape[0] == 8  # the parent's loader is untouched
+    loader.close()
+
+
+def test_a_daemon_thread_waiting_in_next_does_not_abort_the_exit(slow_data):
+    # The interpreter exits while a daemon thread waits for a batch (it aborted: re-taking the
+    # GIL at shutdown ended the thread through a destructor).
+    code = f"""
+import threading, time
+from stoke.torch import Loader
+it = iter(Loader({slow_data!r}, batch_size=16, size=224, threads=1, ring=2, train=False))
+threading.Thread(target=lambda: next(it), daemon=True).start()
+time.sleep(0.2)
+print("exiting")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "exiting" in r.stdout
+
+
 def test_bad_options_name_themselves(data):
     with pytest.raises(ValueError, match="on_error|skip"):
         Loader(data["train"], batch_size=8, on_error="ignore")
@@ -246,6 +374,24 @@ def test_bad_options_name_themselves(data):
     if _gpu_reason() is not None:  # with a GPU, device="cuda" is a valid option
         with pytest.raises(ValueError, match="device"):
             Loader(data["train"], batch_size=8, device="cuda")
+    # Wrong types name the option (they gave pybind11's "incompatible function arguments").
+    for key, value in [("seed", -1), ("seed", 2**64), ("batch_size", 16.0), ("rank", 1.0), ("on_error", None),
+                       ("train", "yes"), ("normalize", ((0.5, 0.5), (0.2, 0.2))), ("resize", -10),
+                       ("scale", 0.5), ("flip", "half")]:
+        options = {"batch_size": 8, key: value}
+        if key == "rank":
+            options["world_size"] = 2
+        with pytest.raises(ValueError, match=f"{key}="):
+            Loader(data["train"], **options)
+    # Paths may be path-like; records out of range are IndexErrors naming the index asked for.
+    import pathlib
+    assert len(Loader(pathlib.Path(data["train"]), batch_size=8, size=32)) == 15
+    ds = stoke.Dataset(pathlib.Path(data["train"]))
+    assert ds.record(-120)["index"] == 0
+    with pytest.raises(IndexError, match="record -121 out of range"):
+        ds.record(-121)
+    with pytest.raises(IndexError, match="record 120 out of range"):
+        ds.record(120)
 
 
 def test_normalize_gives_floats_of_the_same_pixels(data):
@@ -396,6 +542,12 @@ def test_errors_of_pack_and_verify_keep_their_python_types(tmp_path):
         _stoke._verify(str(tmp_path / "nowhere.lmdb"), 1)
     with pytest.raises(ValueError, match="threads"):
         stoke.pack(str(tmp_path), str(tmp_path / "out.lmdb"), threads=1 << 30)
+    # Options of the wrong type name themselves (they gave "Unable to cast Python instance").
+    for key, value in [("seed", -1), ("threads", "2"), ("val_fraction", "x"), ("shuffle", 1), ("report", 3)]:
+        with pytest.raises(ValueError, match=f"stoke.pack: {key}="):
+            stoke.pack(str(tmp_path), str(tmp_path / "out.lmdb"), **{key: value})
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        stoke.pack(tmp_path / "nowhere", tmp_path / "out.lmdb")  # path-like
 
 
 @pytest.fixture(scope="session")
@@ -608,5 +760,8 @@ def test_the_type_stub_matches_the_native_module():
         if isinstance(node, ast.ClassDef):
             members = {m.name for m in node.body if isinstance(m, ast.FunctionDef)}
             members |= {m.target.id for m in node.body if isinstance(m, ast.AnnAssign)}
-            real = {m for m in dir(getattr(_stoke, name)) if not m.startswith("_")}
+            cls = getattr(_stoke, name)
+            real = {m for m in dir(cls) if not m.startswith("_")}
+            if issubclass(cls, BaseException):
+                real -= set(dir(BaseException))  # what every exception has
             assert real <= members, f"{name}: {sorted(real - members)} missing from the stub"
