@@ -273,7 +273,7 @@ int Run(int argc, char** argv) {
   std::string demo_dir = demo.dir.string();
   auto* demo_cmd = app.add_subcommand(
       "demo", "Generate a labelled image set, pack it, train a small CNN on it and report accuracy");
-  demo_cmd->add_option("--dir", demo_dir, "Working directory (recreated)")->default_str(demo_dir);
+  demo_cmd->add_option("--dir", demo_dir, "Working folder: new, empty, or an earlier demo's (its outputs are replaced)")->default_str(demo_dir);
   demo_cmd->add_option("--epochs", demo.epochs, "Training epochs")->check(CLI::PositiveNumber);
   demo_cmd->add_option("--per-class", demo.per_class, "Images per class")->check(CLI::Range(20, 100000));
   demo_cmd->add_option("--threads", demo.threads, "Threads (0 = all cores)")->check(CLI::NonNegativeNumber);

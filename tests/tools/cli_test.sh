@@ -7,6 +7,8 @@ source "$(dirname "$0")/cli_lib.sh"
 
 check synth 0 "wrote 3 classes" -- "$stoke" synth "$work/src" --classes 3 --per-class 10
 printf 'not a jpeg' >"$work/src/class_01/broken.jpg"
+check synth_shapes_limit 1 "at most 20 distinct classes" -- "$stoke" synth "$work/shapes" --style shapes --classes 21 \
+  --per-class 1
 check pack 0 "train: 30 records" -- "$stoke" pack "$work/src" "$work/ds.lmdb" --threads 2 -q \
   --report "$work/report.json"
 check pack_validate_pixels 0 "train: 30 records" -- "$stoke" pack "$work/src" "$work/px.lmdb" -q \

@@ -7,6 +7,18 @@ source "$(dirname "$0")/cli_lib.sh"
 
 check demo 0 "demo: validation top-1" -- "$stoke" demo --dir "$work/demo" --per-class 40 --epochs 2 --threads 2
 check demo_outputs 0 "curves.svg" -- ls "$work/demo/run"
+# The demo replaces only its own folder's outputs: a folder of other files is refused, untouched.
+mkdir -p "$work/precious/sub" && echo keep >"$work/precious/sub/thesis.txt"
+check demo_refuses_other_folder 1 "precious: the folder exists, is not empty and is not a demo's" -- \
+  "$stoke" demo --dir "$work/precious" --per-class 20 --epochs 1 --threads 2
+check demo_left_it_alone 0 "keep" -- cat "$work/precious/sub/thesis.txt"
+# A folder name that YAML would misread unquoted ('#' starts a comment, ': ' a map), twice: the second
+# run replaces the first's outputs and keeps a file of the user's.
+odd="$work/demo #2: [x]"
+check demo_odd_folder 0 "demo: validation top-1" -- "$stoke" demo --dir "$odd" --per-class 20 --epochs 1 --threads 2
+echo mine >"$odd/notes.txt"
+check demo_again 0 "demo: validation top-1" -- "$stoke" demo --dir "$odd" --per-class 20 --epochs 1 --threads 2
+check demo_again_kept_notes 0 "mine" -- cat "$odd/notes.txt"
 cfg=$work/demo/demo.yaml
 check print_config 0 "momentum: 0.9" -- "$stoke" train --config "$cfg" --print-config
 "$stoke" train --config "$cfg" --print-config >"$work/resolved.yaml"

@@ -1,5 +1,6 @@
 #include "tools/demo/demo.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 
@@ -11,12 +12,65 @@
 #include "train/trainer.h"
 
 namespace stoke::demo {
+namespace {
+
+// What the demo writes in its folder; only these are replaced by the next demo there.
+constexpr const char* kMarker = ".stoke-demo";
+constexpr const char* kOwnEntries[] = {"images", "train.lmdb", "train_val.lmdb", "run", "demo.yaml", kMarker};
+
+// `text` as a YAML double-quoted scalar: any folder name (spaces, '#', ':', brackets) stays one string.
+std::string YamlQuoted(const std::string& text) {
+  std::string out = "\"";
+  for (const char c : text) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      out += fmt::format("\\x{:02x}", static_cast<unsigned char>(c));
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+// Makes `dir` ready for a demo: created when missing; a previous demo's outputs replaced; any other
+// non-empty folder refused, so that `--dir .` or `--dir ~` can never delete what is there.
+Status PrepareFolder(const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::exists(dir, ec)) {
+    if (!fs::is_directory(dir, ec)) return InvalidArgumentError(fmt::format("demo: --dir {}: not a folder", dir.string()));
+    // Only the demo's own names in it (an empty folder, or an older demo's that had no marker yet).
+    bool only_own = true;
+    for (const auto& e : fs::directory_iterator(dir, ec)) {
+      only_own = only_own && std::ranges::find(kOwnEntries, e.path().filename().string()) != std::end(kOwnEntries);
+    }
+    if (ec) return IoError(fmt::format("demo: --dir {}: {}", dir.string(), ec.message()));
+    if (!only_own && !fs::exists(dir / kMarker, ec)) {
+      return InvalidArgumentError(fmt::format(
+          "demo: --dir {}: the folder exists, is not empty and is not a demo's (no {} in it); the demo replaces "
+          "its folder's contents, so give a new or empty folder",
+          dir.string(), kMarker));
+    }
+    for (const char* entry : kOwnEntries) {
+      fs::remove_all(dir / entry, ec);
+      if (ec) return IoError(fmt::format("demo: {}: {}", (dir / entry).string(), ec.message()));
+    }
+  }
+  fs::create_directories(dir, ec);
+  if (ec) return IoError(fmt::format("demo: {}: {}", dir.string(), ec.message()));
+  return WriteFileAtomic(dir / kMarker, std::string("written by stoke demo: the demo may replace this folder's "
+                                                    "images, datasets, config and run\n"));
+}
+
+}  // namespace
 
 std::string DemoConfigYaml(const std::filesystem::path& dir, int classes, int epochs, int threads) {
   return fmt::format(R"(# stoke demo: a small CNN on synthetic 32x32 images of {classes} shapes.
 data:
-  train: {dir}/train.lmdb
-  val: {dir}/train_val.lmdb
+  train: {train}
+  val: {val}
   batch_size: 64
   threads: {threads}
   image_size: 32
@@ -45,20 +99,19 @@ epochs: {epochs}
 seed: 1
 backend: auto
 compute_threads: {threads}
-run_dir: {dir}/run
+run_dir: {run}
 log_every_steps: 10
 )",
-                     fmt::arg("dir", dir.string()), fmt::arg("classes", classes), fmt::arg("epochs", epochs),
+                     fmt::arg("train", YamlQuoted((dir / "train.lmdb").string())),
+                     fmt::arg("val", YamlQuoted((dir / "train_val.lmdb").string())),
+                     fmt::arg("run", YamlQuoted((dir / "run").string())), fmt::arg("classes", classes), fmt::arg("epochs", epochs),
                      fmt::arg("threads", threads));
 }
 
 Result<DemoResult> RunDemo(const DemoOptions& o) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
-  std::error_code ec;
-  std::filesystem::remove_all(o.dir, ec);
-  std::filesystem::create_directories(o.dir, ec);
-  if (ec) return IoError(fmt::format("demo: {}: {}", o.dir.string(), ec.message()));
+  STOKE_RETURN_IF_ERROR(PrepareFolder(o.dir));
 
   std::printf("== 1. %d classes x %d synthetic JPEGs (each class a shape, in random colours, places and sizes)\n",
               o.classes, o.per_class);

@@ -109,6 +109,12 @@ Status WriteSyntheticTree(const std::filesystem::path& out_dir, const SynthOptio
     return InvalidArgumentError(
         "synth: need classes > 0, per_class > 0 and 8 <= min_side <= max_side");
   }
+  if (o.style == SynthStyle::kShapes && o.classes > 20) {
+    // Ten shapes, each large or small: a 21st class would draw the first one again.
+    return InvalidArgumentError(fmt::format(
+        "synth: --classes {}: the shapes style draws at most 20 distinct classes (use --style stripes for more)",
+        o.classes));
+  }
   STOKE_ASSIGN_OR_RETURN(decode::JpegEncoder encoder, decode::JpegEncoder::Create());
   SplitMix64 rng(MixSeed(o.seed, 0x73796e));
   Image img;
