@@ -476,13 +476,25 @@ Result<std::unique_ptr<StorageStage>> StorageStage::Create(const dataset::Datase
   uint64_t budget = o.memory_bytes > 0 ? static_cast<uint64_t>(o.memory_bytes)
                     : block            ? static_cast<uint64_t>(3 * segment_bytes)
                                        : static_cast<uint64_t>(std::max(4 * segment_bytes, ring_bytes));
+  // The default never asks for more than half the memory this process may ever have (the machine's,
+  // or its cgroup's limit): a large block x window otherwise got the process killed for memory.
+  const uint64_t physical = o.physical_memory_bytes > 0 ? o.physical_memory_bytes : PhysicalMemoryBytes();
+  if (o.memory_bytes == 0 && physical > 0 && budget > physical / 2) {
+    budget = physical / 2;
+    if (block && static_cast<double>(budget) < segment_bytes) {
+      return InvalidArgumentError(fmt::format(
+          "loader: one block-shuffle window of {} records ({} blocks of {} records of {:.0f} KB on average, {:.0f} MB) "
+          "does not fit in half of the {} MB this process may use; lower data.window_blocks or data.block_size",
+          segment, clamped.window_blocks, clamped.block_size, mean / 1024, segment_bytes / (1 << 20), physical >> 20));
+    }
+  }
   if (block && static_cast<double>(budget) < segment_bytes) {
     return InvalidArgumentError(fmt::format(
         "loader: data.io.memory_mb {} cannot hold one block-shuffle window of {} records ({} blocks of {} records "
         "of {:.0f} KB on average, {:.0f} MB); raise data.io.memory_mb or lower data.window_blocks or data.block_size",
         budget >> 20, segment, clamped.window_blocks, clamped.block_size, mean / 1024, segment_bytes / (1 << 20)));
   }
-  if (block && o.memory_bytes > 0 && static_cast<double>(budget) < 3 * segment_bytes) {
+  if (block && static_cast<double>(budget) < 3 * segment_bytes) {
     STOKE_LOG(WARN,
               "loader: data.io.memory_mb {} holds fewer than three block-shuffle windows of {:.0f} MB: reading the "
               "next window waits for the decoders, so reads will not keep the device busy",

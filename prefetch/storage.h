@@ -25,7 +25,8 @@ namespace stoke::prefetch {
 struct StorageOptions {
   bool enabled = true;        // false: decoders read every record through the map (page faults)
   // Read-ahead budget; 0: block shuffle three windows (one decoding, one read, one being read),
-  // else the larger of four segments and the ring's batches plus one, of mean-sized records.
+  // else the larger of four segments and the ring's batches plus one, of mean-sized records; in
+  // both cases at most half the memory the process may use.
   int64_t memory_bytes = 0;
   int io_threads = 0;         // reads in flight; 0: 32 for full shuffle, 4 otherwise
   int64_t segment_positions = 0;  // samples per segment; 0: the block window, else 256
@@ -37,6 +38,9 @@ struct StorageOptions {
   // dataset which fits stays cached for the next epoch and one that does not cannot crowd out
   // everything else.
   enum class Cache { kAuto, kKeep, kDrop } cache = Cache::kAuto;
+  // The memory this process may ever use, which caps the default budget at half of it; 0: the
+  // machine's, or its cgroup's limit (tests set it to play a small machine).
+  uint64_t physical_memory_bytes = 0;
 };
 
 // Where the stage's plan starts and ends, in the sampler's per-rank positions.

@@ -155,7 +155,8 @@ int Run(int argc, char** argv) {
   auto add_common = [&](CLI::App* cmd) {
     cmd->add_option("--data", bench.data, "Image folder tree to measure on")
         ->default_str("../shared/data/imagenet_like");
-    cmd->add_option("--threads", bench.threads, "Threads for the N-thread runs (0 = all cores)");
+    cmd->add_option("--threads", bench.threads, "Threads for the N-thread runs (0 = all cores)")
+        ->check(CLI::Range(0, 4096));
     cmd->add_option("--repeats", bench.repeats, "Timed runs per figure (median reported)")
         ->check(CLI::PositiveNumber);
     cmd->add_option("--seconds", bench.seconds,
@@ -181,14 +182,14 @@ int Run(int argc, char** argv) {
   bench_pipeline->add_option("--epochs", pipeline.epochs,
                              "Epochs per loader run, the first untimed (default: runs sized by --seconds); "
                              "storage runs (--shuffle): epochs per run, all timed (default 1)")
-      ->check(CLI::Range(1, 1000000));
+      ->check(CLI::Range(0, 1000000));
   bench_pipeline->add_option("--ring", pipeline.ring, "Batch buffers in the ring")->check(CLI::Range(2, 1024));
   bench_pipeline->add_option("--shuffle", pipeline.shuffle,
                              "Measure storage instead: the loader alone in this order, with bytes read per image")
       ->check(CLI::IsMember({"full", "block", "sequential"}));
   bench_pipeline->add_option("--memory-mb", pipeline.memory_mb,
                              "Storage run: read-ahead budget in MB (0: no read-ahead; default: sized from the order)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   bench_pipeline->add_option("--block-size", pipeline.block_size, "Storage run, block shuffle: records per block")
       ->check(CLI::PositiveNumber);
   bench_pipeline->add_option("--window-blocks", pipeline.window_blocks, "Storage run, block shuffle: blocks per window")
@@ -215,7 +216,8 @@ int Run(int argc, char** argv) {
   bench_train->add_option("--python", train_bench.python, "Python with torch for --peer")->default_str("/usr/bin/python3");
   std::string peer_script;
   bench_train->add_option("--peer-script", peer_script, "The peer (default: bench/peers/torch_train.py of the source tree)");
-  bench_train->add_option("--threads", bench.threads, "Compute and loader threads (default: the config's)");
+  bench_train->add_option("--threads", bench.threads, "Compute and loader threads (0 or unset: the config's)")
+      ->check(CLI::Range(0, 4096));
   bench_train->add_option("--repeats", bench.repeats, "Timed runs (median reported)")->check(CLI::PositiveNumber);
   bench_train->add_option("--timeline", train_bench.timeline,
                           "After the runs, time N more end-to-end steps and their batches' copies on the GPU's clock "

@@ -223,6 +223,32 @@ TEST(Storage, AWindowLargerThanTheBudgetIsRefused) {
   EXPECT_NE(loader.status().message().find("data.io.memory_mb"), std::string::npos) << loader.status().ToString();
 }
 
+// The default budget stays within half of the memory the process may use: three windows of a
+// small machine's worth are cut to half of it, and a window larger than that half is refused by
+// name (a large block x window got the process killed for memory instead).
+TEST(Storage, TheDefaultBudgetFitsTheMachine) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.records = 40}));
+  ASSERT_OK(ds.status());
+  uint64_t stored = 0;
+  ASSERT_OK_AND_ASSIGN(auto extents, ds->RecordExtents());
+  for (const auto& e : extents) stored += e.size;
+  LoaderOptions o = SmallOptions(2);
+  o.sampler.mode = dataset::ShuffleMode::kBlock;
+  o.sampler.block_size = 8;
+  o.sampler.window_blocks = 5;  // the whole dataset: one window of about `stored` bytes
+  o.storage.physical_memory_bytes = 4 * stored;  // half of it holds one window, not three
+  StorageStats stats;
+  const auto seen = RunLoader(*ds, o, &stats);
+  EXPECT_EQ(seen.size(), 14u);  // 7 batches of 6 (the last padded) in each of 2 epochs
+  EXPECT_EQ(stats.budget_bytes, static_cast<int64_t>(2 * stored));
+  o.storage.physical_memory_bytes = stored;  // half of it holds no window
+  auto loader = Loader::Create(*ds, o);
+  ASSERT_FALSE(loader.ok());
+  EXPECT_NE(loader.status().message().find("does not fit in half of the"), std::string::npos)
+      << loader.status().ToString();
+}
+
 TEST(Storage, StopsCleanlyWithReadsInFlight) {
   testing::TempDir dir;
   auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.records = 40}));

@@ -21,6 +21,18 @@ check bench_pipeline 0 "loader, 2 threads .* img/s" -- \
   "$stoke" bench pipeline "$work/ds.lmdb" --batch 4 "${quick[@]}"
 check bench_pipeline_epochs 0 "3 epochs per run" -- \
   "$stoke" bench pipeline "$work/ds.lmdb" --batch 4 --epochs 3 --repeats 1 --threads 2
+# Without --seconds a storage run times its whole epochs: 2 x 24 records pass the read-ahead (its
+# open-ended deadline overflowed the clock and the run stopped after the first batch of 4).
+records_read() {  # the records the read-ahead handed out, summed over where they came from
+  "$stoke" bench pipeline "$work/ds.lmdb" --shuffle full --repeats 1 --threads 2 --batch 4 --epochs 2 2>&1 |
+    sed -nE 's/.*read-ahead[^:]*: ([0-9]+) records from its buffers, ([0-9]+) from the page cache, ([0-9]+) through the map.*/records \1 \2 \3/p' |
+    awk '{ print "records read:", $2 + $3 + $4 }'
+}
+check bench_pipeline_storage_whole_epochs 0 "^records read: 48$" -- records_read
+check bench_storage_flags_need_shuffle 1 "need --shuffle" -- "$stoke" bench pipeline "$work/ds.lmdb" --memory-mb 10
+check bench_memory_mb_bounded 105 "--memory-mb: Value 17592186044416 not in range" -- \
+  "$stoke" bench pipeline "$work/ds.lmdb" --shuffle full --memory-mb 17592186044416
+check bench_threads_not_negative 105 "--threads" -- "$stoke" bench read --data "$work/src" --threads -3
 cat >"$work/train.yaml" <<YAML
 data: {train: $work/ds.lmdb, batch_size: 4, threads: 2, image_size: 16}
 model:

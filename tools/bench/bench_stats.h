@@ -30,15 +30,23 @@ inline int64_t ItemsForSeconds(double rate, double seconds, int64_t min_items, i
   return n;
 }
 
-// The end of a timed run; Passed() is a clock read, so check it every few dozen items.
+// The end of a timed run; Passed() is a clock read, so check it every few dozen items. `seconds`
+// over about 30 years (or not a number) means never: converted as they are, they overflowed the
+// clock's 64-bit nanoseconds and the deadline had passed at once.
 class Deadline {
  public:
-  explicit Deadline(double seconds)
-      : end_(std::chrono::steady_clock::now() +
-             std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(seconds))) {}
-  bool Passed() const { return std::chrono::steady_clock::now() >= end_; }
+  explicit Deadline(double seconds) : never_(!(seconds < kMaxSeconds)) {
+    if (!never_) {
+      end_ = std::chrono::steady_clock::now() +
+             std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(seconds));
+    }
+  }
+  static Deadline Never() { return Deadline(kMaxSeconds); }
+  bool Passed() const { return !never_ && std::chrono::steady_clock::now() >= end_; }
 
  private:
+  static constexpr double kMaxSeconds = 1e9;
+  bool never_;
   std::chrono::steady_clock::time_point end_;
 };
 
