@@ -79,8 +79,9 @@ CropPlan PlanCenterCrop(int width, int height, int resize, int crop) {
   const double scale = static_cast<double>(resize) / std::min(width, height);
   const int rw = width <= height ? resize : static_cast<int>(resize * static_cast<double>(width) / height);
   const int rh = width <= height ? static_cast<int>(resize * static_cast<double>(height) / width) : resize;
-  // CenterCrop(crop) on the resized image, mapped back to source pixels.
-  const double top = std::round((rh - crop) / 2.0), left = std::round((rw - crop) / 2.0);
+  // CenterCrop(crop) on the resized image, mapped back to source pixels. Its offset is rounded
+  // half to even, as torchvision's (Python's round): (341 - 224) / 2 = 58.5 is 58, not 59.
+  const double top = std::nearbyint((rh - crop) / 2.0), left = std::nearbyint((rw - crop) / 2.0);
   // In source pixels, rounded to whole pixels and kept inside the image.
   const double x0 = std::clamp(std::round(left / scale), 0.0, width - 1.0);
   const double y0 = std::clamp(std::round(top / scale), 0.0, height - 1.0);

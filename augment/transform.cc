@@ -17,7 +17,7 @@ constexpr double kAreaAbove = 2.0;
 void Jitter(cv::Mat& rgb, const ColorJitter& j) {
   if (j.brightness != 1) rgb.convertTo(rgb, CV_8U, j.brightness, 0);
   if (j.contrast != 1) {
-    cv::Mat gray;
+    thread_local cv::Mat gray;  // reused: no allocation per sample once a thread has seen the size
     cv::cvtColor(rgb, gray, cv::COLOR_RGB2GRAY);
     const double mean = cv::mean(gray)[0];
     rgb.convertTo(rgb, CV_8U, j.contrast, (1 - j.contrast) * mean);

@@ -475,8 +475,8 @@ Result<DecodedRegion> JpegDecoder::DecodeRegion(std::span<const std::byte> jpeg,
     const int sx = j0 * k * mcu_w, sy = r0 * mcu_h;
     const int sw = std::min(info.width, j1 * k * mcu_w) - sx, sh = std::min(info.height, r1 * mcu_h) - sy;
     jpeg_abort_decompress(cinfo);
-    Status expanded = ExpandRestartOffsets(*index, &s->offsets);
-    if (!expanded.ok()) return expanded;
+    // Scoped: libjpeg may longjmp out of the calls below, which must not skip a live destructor.
+    if (Status expanded = ExpandRestartOffsets(*index, &s->offsets); !expanded.ok()) return expanded;
     const std::vector<uint32_t>& offsets = s->offsets;
     const uint32_t scan = offsets[0];
     std::vector<std::byte>& b = s->synthetic;

@@ -28,6 +28,16 @@
 
 namespace stoke::prefetch {
 
+int SnapToBestScale(augment::CropPlan& plan, int width, int height, int out_w, int out_h) {
+  const augment::CropPlan wanted = plan;
+  int d = decode::ChooseRegionScale(static_cast<int>(wanted.region.width), static_cast<int>(wanted.region.height),
+                                    out_w, out_h);
+  for (;; d /= 2) {
+    plan = augment::SnapToScale(wanted, d, width, height);
+    if (d == 1 || (plan.region.width / d >= out_w && plan.region.height / d >= out_h)) return d;
+  }
+}
+
 Result<CropMode> ParseCropMode(std::string_view name) {
   if (name == "random-resized") return CropMode::kRandomResized;
   if (name == "center") return CropMode::kCenter;
@@ -188,9 +198,7 @@ struct LoaderState {
                                         h.height, info.width, info.height));
       }
       plan = Plan(info.width, info.height, rng);
-      const int d = decode::ChooseRegionScale(static_cast<int>(plan.region.width),
-                                              static_cast<int>(plan.region.height), out_w, out_h);
-      plan = augment::SnapToScale(plan, d, info.width, info.height);
+      const int d = SnapToBestScale(plan, info.width, info.height, out_w, out_h);
       const decode::Region region{static_cast<int>(plan.region.x), static_cast<int>(plan.region.y),
                                   static_cast<int>(plan.region.width),
                                   static_cast<int>(plan.region.height)};

@@ -137,6 +137,12 @@ struct BadRecord {
   std::string reason;  // names the record, its source path when known, and what was wrong
 };
 
+// How the loader fits a JPEG sample's crop to the DCT scales: snaps `plan` (of a width x height
+// image) to the strongest scale 1/d whose whole decoded pixels still cover out_w x out_h, and
+// returns d. Snapping can take a decoded pixel off an edge, so the scale the unsnapped region
+// allowed is checked again after it, and halved until it holds.
+int SnapToBestScale(augment::CropPlan& plan, int width, int height, int out_w, int out_h);
+
 namespace detail {
 struct LoaderState;
 }

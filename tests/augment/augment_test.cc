@@ -127,10 +127,13 @@ TEST(RandomResizedCrop, RejectsBadOptions) {
 TEST(CenterCrop, MatchesResizeThenCentreCrop) {
   CropPlan p = PlanCenterCrop(500, 375, 256, 224);
   const double s = 256.0 / 375;  // resized to 341x256
-  // The same rectangle, rounded to whole source pixels.
+  // The same rectangle, rounded to whole source pixels. torchvision's offset rounds half to even:
+  // (341 - 224) / 2 = 58.5 -> 58 resized pixels, 84.96 source pixels (59 gave 86.4, a whole output
+  // pixel off).
   EXPECT_NEAR(p.region.width, 224 / s, 1.0);
-  EXPECT_NEAR(p.region.x, std::round((341 - 224) / 2.0) / s, 0.5);
-  EXPECT_NEAR(p.region.y, std::round((256 - 224) / 2.0) / s, 0.5);
+  EXPECT_NEAR(p.region.x, 58 / s, 0.5);
+  EXPECT_EQ(p.region.x, 85);
+  EXPECT_NEAR(p.region.y, 16 / s, 0.5);
   EXPECT_EQ(p.region.x, std::round(p.region.x));
   EXPECT_FALSE(p.flip);
   EXPECT_FALSE(p.jitter.enabled());

@@ -45,7 +45,7 @@ TEST(SteadyState, NoHeapAllocationPerSampleOnceWarm) {
   decode::JpegDecoder decoder;
   Image decoded;
   std::vector<uint8_t> slot(64 * 64 * 3);
-  const RandomResizedCropOptions options{.size = 64};
+  RandomResizedCropOptions options{.size = 64};
   auto sample = [&](size_t i, int64_t epoch, bool augment) {
     auto info = decoder.ReadHeader(jpegs[i]);
     ASSERT_TRUE(info.ok());
@@ -83,6 +83,11 @@ TEST(SteadyState, NoHeapAllocationPerSampleOnceWarm) {
   EXPECT_EQ(count(false), 0) << "operator new calls over " << samples << " decodes";
   // Plus resize/flip: only cv::resize's two tables.
   EXPECT_LE(count(true), 2 * samples) << "over " << samples << " samples";
+  // Colour jitter adds none (the contrast step's gray image is a reused scratch; it allocated one
+  // image per sample).
+  options.brightness = options.contrast = options.saturation = 0.4;
+  for (size_t i = 0; i < jpegs.size(); ++i) sample(i, 0, true);
+  EXPECT_LE(count(true), 2 * samples) << "over " << samples << " samples with colour jitter";
 }
 
 }  // namespace

@@ -41,6 +41,36 @@ std::vector<Seen> RunAll(const dataset::Dataset& ds, const LoaderOptions& o) {
   return Drain(**loader);
 }
 
+// The DCT scale is chosen again after snapping: these regions allowed 1/4 before it, and snapping
+// to 1/4 left 223 decoded pixels for an output of 224 (an upscale).
+TEST(Loader, SnappedRegionsStillCoverTheOutput) {
+  struct Case {
+    int width, height;
+    augment::RectF region;
+  };
+  for (const Case& c : {Case{1197, 898, {36, 2, 1117, 896}}, Case{1799, 2398, {6, 213, 1793, 2059}}}) {
+    augment::CropPlan plan{.region = c.region, .out_width = 224, .out_height = 224};
+    const int d = SnapToBestScale(plan, c.width, c.height, 224, 224);
+    EXPECT_GE(plan.region.width / d, 224) << c.width << "x" << c.height << " at 1/" << d;
+    EXPECT_GE(plan.region.height / d, 224) << c.width << "x" << c.height << " at 1/" << d;
+    EXPECT_GE(d, 2) << "a scale below the first choice, not the full size";
+  }
+  // Sweep: every snapped plan covers its output at the scale returned.
+  SplitMix64 rng(5);
+  augment::RandomResizedCropOptions o;
+  o.size = 224;
+  for (int i = 0; i < 20000; ++i) {
+    const int w = 224 + static_cast<int>(rng.Below(2200)), h = 224 + static_cast<int>(rng.Below(2200));
+    augment::CropPlan plan = augment::PlanRandomResizedCrop(w, h, o, rng);
+    const augment::RectF wanted = plan.region;
+    const int d = SnapToBestScale(plan, w, h, 224, 224);
+    if (wanted.width >= 224 && wanted.height >= 224) {
+      ASSERT_GE(plan.region.width / d, 224) << w << "x" << h;
+      ASSERT_GE(plan.region.height / d, 224) << w << "x" << h;
+    }
+  }
+}
+
 TEST(Loader, BatchesAreBitIdenticalForAnyThreadCountAndRing) {
   testing::TempDir dir;
   auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {}));
