@@ -123,6 +123,14 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
                                       : t.model_json;
     STOKE_RETURN_IF_ERROR(WriteFileAtomic(peer_model, model_json.dump(1) + "\n"));
   }
+  // The temporary model file goes however this function returns (an error below left it in /tmp).
+  struct RemoveTemporary {
+    std::filesystem::path path;
+    ~RemoveTemporary() {
+      std::error_code ec;
+      if (!path.empty()) std::filesystem::remove(path, ec);
+    }
+  } remove_temporary{t.peer && t.model_json.empty() ? peer_model : std::filesystem::path()};
   prefetch::LoaderOptions lo = train::TrainLoaderOptions(c, rank, world);
   lo.epochs = 0;  // endless
   if (net->stream() != nullptr) {
@@ -305,7 +313,6 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
         peer_info.version, nchw, fmt::join(torch_nchw, ", "), cl, fmt::join(torch_cl, ", "), ratio,
         ratio >= 1.0 ? "met" : "NOT met", model_json["params"].get<int64_t>(), peer_info.params);
   }
-  if (t.peer && t.model_json.empty()) std::filesystem::remove(peer_model);
   if (!o.json_out.empty()) {
     nlohmann::json j{{"config", t.config.string()}, {"batch", c.data.batch_size}, {"backend", net->backend()},
                      {"world", world}, {"allreduce_ms_per_step", comm_ms}, {"overlap_fraction", overlap_fraction},
