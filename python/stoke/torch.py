@@ -135,7 +135,7 @@ class _Epoch:
         if self.superseded and self.yielded < len(self._owner):
             raise RuntimeError(
                 f"stoke.torch.Loader: this iterator of epoch {self.epoch} was replaced by a later iter() of the same "
-                "loader after {self.yielded} of its {len(self._owner)} batches; a loader runs one epoch at a time "
+                f"loader after {self.yielded} of its {len(self._owner)} batches; a loader runs one epoch at a time "
                 "(use two Loaders to iterate twice at once)")
         if self._native is None or self._native is not self._owner._native:
             raise StopIteration  # the loader was closed

@@ -272,7 +272,7 @@ def test_an_error_ends_the_pipeline_and_a_resume_starts_a_new_one(data):
 
 def test_one_epoch_at_a_time(data):
     loader = Loader(data["train"], batch_size=8, size=32, threads=1)
-    with pytest.raises(RuntimeError, match="replaced by a later iter"):
+    with pytest.raises(RuntimeError, match="replaced by a later iter.. of the same loader after 0 of its 15 batches"):
         list(zip(loader, loader))  # a second iter() took over the first one's pipeline
     # Several threads pulling from one iterator: one next() at a time, never more than len() batches.
     import threading
