@@ -37,10 +37,12 @@
 namespace {
 
 std::atomic<bool> g_stop{false};
+std::atomic<int> g_stop_signal{0};  // the signal that set g_stop
 
 // First Ctrl-C: finish the current transaction (pack) or step (train) and leave resumable state.
 // Second: die.
-void OnInterrupt(int) {
+void OnInterrupt(int sig) {
+  g_stop_signal.store(sig);
   g_stop.store(true);
   std::signal(SIGINT, SIG_DFL);
   std::signal(SIGTERM, SIG_DFL);
@@ -346,8 +348,9 @@ int Run(int argc, char** argv) {
     auto summary = stoke::pack::Pack(pack);
     if (!summary.ok()) {
       Fail(summary.status());
-      // 130, as shells report an interrupted command: a script can tell "resume me" from a failure.
-      return g_stop.load() ? 130 : 1;
+      // 128 + the signal (130 for Ctrl-C, 143 for SIGTERM), as shells report a command a signal
+      // ended: a script can tell "resume me" from a failure.
+      return g_stop.load() ? 128 + g_stop_signal.load() : 1;
     }
     std::fputs(stoke::pack::FormatSummary(*summary).c_str(), stdout);
     return 0;

@@ -10,6 +10,8 @@
 #include <dlpack/dlpack.h>
 #include <unistd.h>
 
+#include <cxxabi.h>
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -56,26 +58,58 @@ bool Finalizing() {
 #endif
 }
 
-// Releases the GIL for a scope, as py::gil_scoped_release does, with one difference. When the
-// interpreter has begun to shut down meanwhile (a daemon thread waiting here for a batch while the
-// main thread exits), re-taking the GIL ends the thread with a forced unwind, which aborts the
-// process when it meets a destructor, as it does here. Such a thread sleeps instead until the process
-// is gone (as newer Pythons do with their own daemon threads). The main thread finalises the
-// interpreter and takes the GIL back as usual.
+// Once the interpreter shuts down, a thread other than the main one that asks for the GIL is ended
+// by the interpreter with a forced unwind (pthread_exit). Through a destructor, or through frames
+// not made for it (the pack's threads), that aborts the process. Such a thread sleeps instead until
+// the process is gone, as newer Pythons do with their own daemon threads. Checking Finalizing()
+// first is not enough: shutdown may begin while the thread already waits for the GIL.
+[[noreturn]] void SleepUntilTheProcessEnds() {
+  for (;;) ::pause();
+}
+void RestoreThread(PyThreadState* state) {  // not noexcept: the forced unwind is caught here
+  try {
+    PyEval_RestoreThread(state);
+  } catch (abi::__forced_unwind&) {
+    SleepUntilTheProcessEnds();  // never rethrown: the thread never leaves this handler
+  }
+}
+
+// Releases the GIL for a scope, as py::gil_scoped_release does, but takes it back through
+// RestoreThread: a daemon thread waiting here for a batch while the main thread exits sleeps
+// instead of aborting the process. The main thread finalises the interpreter and takes the GIL back
+// as usual.
 class GilReleased {
  public:
   GilReleased() : state_(PyEval_SaveThread()) {}
   GilReleased(const GilReleased&) = delete;
   GilReleased& operator=(const GilReleased&) = delete;
   ~GilReleased() {
-    if (Finalizing() && PyThread_get_thread_ident() != g_main_thread) {
-      for (;;) ::pause();
-    }
-    PyEval_RestoreThread(state_);
+    if (Finalizing() && PyThread_get_thread_ident() != g_main_thread) SleepUntilTheProcessEnds();
+    RestoreThread(state_);
   }
 
  private:
   PyThreadState* state_;
+};
+
+// Takes the GIL on a thread Python did not start (the pack's), as py::gil_scoped_acquire does,
+// sleeping instead of aborting when the interpreter is shutting down.
+class GilAcquired {
+ public:
+  GilAcquired() {
+    if (Finalizing() && PyThread_get_thread_ident() != g_main_thread) SleepUntilTheProcessEnds();
+    try {
+      state_ = PyGILState_Ensure();
+    } catch (abi::__forced_unwind&) {
+      SleepUntilTheProcessEnds();
+    }
+  }
+  GilAcquired(const GilAcquired&) = delete;
+  GilAcquired& operator=(const GilAcquired&) = delete;
+  ~GilAcquired() { PyGILState_Release(state_); }
+
+ private:
+  PyGILState_STATE state_{};
 };
 
 // A stoke error as a Python exception carrying stoke's message: ValueError for bad arguments and
@@ -117,9 +151,11 @@ struct RecordBytes {
   size_t size = 0;
 };
 
-// `path`: a str or any path-like object (pathlib.Path, os.DirEntry).
+// `path`: a str, bytes or any path-like object (pathlib.Path, os.DirEntry).
 std::shared_ptr<PyDataset> OpenDataset(const py::object& path_like) {
-  py::object fs = py::module_::import("os").attr("fspath")(path_like);
+  py::module_ os = py::module_::import("os");
+  py::object fs = os.attr("fspath")(path_like);  // a TypeError naming the type for anything else
+  if (py::isinstance<py::bytes>(fs)) fs = os.attr("fsdecode")(fs);
   if (!py::isinstance<py::str>(fs)) {
     throw py::type_error(fmt::format("stoke.Dataset: path {}: expected a str or path-like object naming a dataset",
                                      py::repr(path_like).cast<std::string>()));
@@ -551,14 +587,13 @@ py::dict Pack(const std::string& source, const std::string& output, const py::di
     // The options (and so this function) are copied and dropped on the pack's threads, without the
     // GIL: they share one reference to the callable, taken and given back under the GIL.
     std::shared_ptr<py::object> callable(new py::object(std::move(progress)), [](py::object* o) {
-      py::gil_scoped_acquire locked;
+      GilAcquired locked;
       delete o;
     });
     // An exception it raises stops the pack at once (as Ctrl-C does: resumable) and is raised
     // from stoke.pack.
     p.after_commit = [callable, &callback_error, &stop](int64_t records) {
-      if (Finalizing()) return;  // a pack in a daemon thread at exit: no callback any more
-      py::gil_scoped_acquire locked;
+      GilAcquired locked;
       if (callback_error) return;
       try {
         (*callable)(records);

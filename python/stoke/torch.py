@@ -7,6 +7,7 @@ iteration with ``.clone()``. torch is imported when this module is.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import threading
 import weakref
@@ -16,6 +17,12 @@ import torch
 import torch.utils.dlpack
 
 from . import _stoke
+
+try:  # numpy's bool is no int subclass; refuse it as a count, accept it as a flag
+    from numpy import bool_ as np_bool
+except ImportError:  # pragma: no cover - torch needs numpy in practice
+    class np_bool:  # type: ignore[no-redef]
+        pass
 
 __all__ = ["Loader"]
 
@@ -37,7 +44,7 @@ def _rank_and_world(rank: Optional[int], world_size: Optional[int]) -> Tuple[int
                 raise ValueError(f"stoke.torch.Loader: the environment variable {name}={text!r} is not an int") \
                     from None
         r, w = from_env("RANK", 0), from_env("WORLD_SIZE", 1)
-        if w > 1 and rank is None and "RANK" not in os.environ:
+        if (w if world_size is None else world_size) > 1 and rank is None and "RANK" not in os.environ:
             # Every process would take rank 0's shard: the same samples on every rank.
             raise ValueError(f"stoke.torch.Loader: WORLD_SIZE={w} is set but RANK is not; set both (as "
                              "torchrun does), initialise torch.distributed, or pass rank= and world_size=")
@@ -69,37 +76,68 @@ def _device_index(device: Union[str, "torch.device"]) -> int:
 
 
 def _is_count(v: Any) -> bool:
-    """An int >= 0 (not a bool, a float or a string)."""
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    """A whole number >= 0: an int or numpy integer (not a bool, a float or a string)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np_bool)) and v >= 0
 
 
-def _check_types(**options: Any) -> None:
-    """Each Loader option of the type it needs, else a ValueError naming it (the values' ranges are
-    checked by stoke, which names them too)."""
+def _is_real(v: Any) -> bool:
+    """A number: int, float or their numpy kinds (not a bool or a string)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np_bool))
+
+
+def _reals(v: Any, n: int) -> Optional[Tuple[float, ...]]:
+    """`v` as n floats when it is a sequence (tuple, list, numpy array, ...) of n numbers, else None."""
+    if isinstance(v, (str, bytes)):
+        return None
+    try:
+        items = list(v)
+    except TypeError:
+        return None
+    return tuple(float(x) for x in items) if len(items) == n and all(_is_real(x) for x in items) else None
+
+
+def _checked_options(**options: Any) -> Dict[str, Any]:
+    """Each Loader option of the type it needs, as plain Python values, else a ValueError naming it
+    (the values' ranges are checked by stoke, which names them too)."""
+    out: Dict[str, Any] = {}
     for name, value in options.items():
+        converted: Any = value
         if name in ("train", "drop_last"):
-            ok, expected = isinstance(value, bool), "True or False"
+            ok, expected = isinstance(value, (bool, np_bool)), "True or False"
+            converted = bool(value)
         elif name == "on_error":
             ok, expected = isinstance(value, str), "'skip' or 'fail'"
         elif name in ("rank", "world_size"):
             ok, expected = value is None or _is_count(value), "None or an int >= 0"
+            converted = None if value is None or not ok else int(value)
         elif name == "seed":
             ok, expected = _is_count(value) and value < 2**64, "an int in [0, 2**64)"
-        elif name in ("scale",):
-            ok = (isinstance(value, (tuple, list)) and len(value) == 2
-                  and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value))
-            expected = "two numbers (min, max)"
+            converted = int(value) if ok else value
+        elif name == "scale":
+            converted = _reals(value, 2)
+            ok, expected = converted is not None, "two numbers (min, max)"
         elif name == "flip":
-            ok, expected = isinstance(value, (int, float)) and not isinstance(value, bool), "a number in [0, 1]"
+            ok, expected = _is_real(value), "a number in [0, 1]"
+            converted = float(value) if ok else value
         elif name == "normalize":
-            ok = value is None or (isinstance(value, (tuple, list)) and len(value) == 2 and all(
-                isinstance(v, (tuple, list)) and len(v) == 3
-                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v) for v in value))
+            mean_std = None
+            if value is not None and not isinstance(value, (str, bytes)):
+                try:
+                    parts = list(value)
+                except TypeError:
+                    parts = []
+                if len(parts) == 2:
+                    mean_std = (_reals(parts[0], 3), _reals(parts[1], 3))
+            ok = value is None or (mean_std is not None and None not in mean_std)
             expected = "None or ((mean r, g, b), (std r, g, b))"
+            converted = mean_std if value is not None else None
         else:  # batch_size, size, threads, ring, resize: whole numbers
             ok, expected = _is_count(value) and value < 2**31, "an int in [0, 2**31)"
+            converted = int(value) if ok else value
         if not ok:
             raise ValueError(f"stoke.torch.Loader: {name}={value!r}: expected {expected}")
+        out[name] = converted
+    return out
 
 
 def _no_epoch() -> None:
@@ -257,9 +295,13 @@ class Loader:
         normalize: Optional[Tuple[Tuple[float, float, float], Tuple[float, float, float]]] = None,
         dtype: Any = None,
     ) -> None:
-        _check_types(batch_size=batch_size, size=size, seed=seed, threads=threads, ring=ring, resize=resize,
-                     train=train, drop_last=drop_last, on_error=on_error, rank=rank, world_size=world_size,
-                     scale=scale, flip=flip, normalize=normalize)
+        checked = _checked_options(batch_size=batch_size, size=size, seed=seed, threads=threads, ring=ring,
+                                   resize=resize, train=train, drop_last=drop_last, on_error=on_error, rank=rank,
+                                   world_size=world_size, scale=scale, flip=flip, normalize=normalize)
+        batch_size, size, seed, threads, ring, resize = (checked[k] for k in
+                                                         ("batch_size", "size", "seed", "threads", "ring", "resize"))
+        train, drop_last, rank, world_size = checked["train"], checked["drop_last"], checked["rank"], checked["world_size"]
+        scale, flip, normalize = checked["scale"], checked["flip"], checked["normalize"]
         self._device = _device_index(device)
         self._dataset = _stoke.Dataset(path)
         r, w = _rank_and_world(rank, world_size)

@@ -126,6 +126,7 @@ def test_rank_and_world_from_the_environment_are_checked(data, monkeypatch):
     with pytest.raises(ValueError, match="WORLD_SIZE=4 is set but RANK is not"):
         Loader(data["train"], batch_size=8)
     assert Loader(data["train"], batch_size=8, rank=1).world_size == 4
+    assert Loader(data["train"], batch_size=8, world_size=1).world_size == 1  # explicit: one process
 
 
 def test_state_dict_resumes_exactly(data):
@@ -350,13 +351,18 @@ def test_a_forked_child_leaves_the_parents_loader_alone(data):
     loader.close()
 
 
-def test_a_daemon_thread_waiting_in_next_does_not_abort_the_exit(slow_data):
+@pytest.mark.parametrize("exit_handler", [False, True])
+def test_a_daemon_thread_waiting_in_next_does_not_abort_the_exit(slow_data, exit_handler):
     # The interpreter exits while a daemon thread waits for a batch (it aborted: re-taking the
-    # GIL at shutdown ended the thread through a destructor).
+    # GIL at shutdown ended the thread through a destructor). With a C-level exit handler that holds
+    # the GIL until shutdown begins, the thread is already waiting for the GIL when it does: a check
+    # of the interpreter's state before taking the GIL cannot see that, every time.
     code = f"""
-import threading, time
+import atexit, threading, time
 from stoke.torch import Loader
 it = iter(Loader({slow_data!r}, batch_size=16, size=224, threads=1, ring=2, train=False))
+if {exit_handler}:
+    atexit.register(sum, range(20_000_000))
 threading.Thread(target=lambda: next(it), daemon=True).start()
 time.sleep(0.2)
 print("exiting")
@@ -383,9 +389,20 @@ def test_bad_options_name_themselves(data):
             options["world_size"] = 2
         with pytest.raises(ValueError, match=f"{key}="):
             Loader(data["train"], **options)
-    # Paths may be path-like; records out of range are IndexErrors naming the index asked for.
+    # numpy numbers and arrays are numbers and sequences (the checks refused them at first).
+    loader = Loader(data["train"], batch_size=np.int64(8), size=np.int32(32), seed=np.uint32(1), flip=np.float32(0.5),
+                    scale=np.array([0.2, 1.0]), drop_last=np.bool_(True),
+                    normalize=(np.array([0.5, 0.5, 0.5]), [0.25, 0.25, np.float64(0.25)]))
+    assert len(loader) == 15 and next(iter(loader))["images"].dtype == torch.float32
+    loader.close()
+    with pytest.raises(ValueError, match="batch_size=True"):
+        Loader(data["train"], batch_size=True)
+    # Paths may be path-like or bytes; records out of range are IndexErrors naming the index asked for.
     import pathlib
     assert len(Loader(pathlib.Path(data["train"]), batch_size=8, size=32)) == 15
+    assert len(stoke.Dataset(os.fsencode(data["train"]))) == 120
+    with pytest.raises(TypeError):
+        stoke.Dataset(123)
     ds = stoke.Dataset(pathlib.Path(data["train"]))
     assert ds.record(-120)["index"] == 0
     with pytest.raises(IndexError, match="record -121 out of range"):

@@ -82,12 +82,13 @@ TEST(SteadyState, NoHeapAllocationPerSampleOnceWarm) {
   // Header, plan and region decode: none at all.
   EXPECT_EQ(count(false), 0) << "operator new calls over " << samples << " decodes";
   // Plus resize/flip: only cv::resize's two tables.
-  EXPECT_LE(count(true), 2 * samples) << "over " << samples << " samples";
-  // Colour jitter adds none (the contrast step's gray image is a reused scratch; it allocated one
-  // image per sample).
+  const int64_t plain = count(true);
+  EXPECT_LE(plain, 2 * samples) << "over " << samples << " samples";
+  // Colour jitter adds none: the plans are the same (the jitter draws are made either way), and
+  // the contrast step's gray image is a reused scratch (it allocated one for 5 samples in 6).
   options.brightness = options.contrast = options.saturation = 0.4;
   for (size_t i = 0; i < jpegs.size(); ++i) sample(i, 0, true);
-  EXPECT_LE(count(true), 2 * samples) << "over " << samples << " samples with colour jitter";
+  EXPECT_LE(count(true), plain + samples / 8) << "over " << samples << " samples with colour jitter";
 }
 
 }  // namespace

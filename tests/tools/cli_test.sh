@@ -21,22 +21,31 @@ check pack_missing_src 1 "no-such-dir" -- "$stoke" pack "$work/no-such-dir" "$wo
 check pack_bad_flag 105 "quality" -- "$stoke" pack "$work/src" "$work/y.lmdb" --quality 0
 check pack_on_error_fail 1 "broken.jpg.*--on-error fail" -- \
   "$stoke" pack "$work/src" "$work/z.lmdb" -q --on-error fail
-# Ctrl-C during a pack: exit 130 (not 1, as for a failure) and a resumable dataset. The list file is
-# a FIFO, so the signal lands while pack waits for its list: after the handler is in place (pack
-# opens the list only then), before any record is written.
-pack_from_fifo() {  # pack_from_fifo SIGNAL_FIRST(0|1) pack-args...
-  local signal_first=$1
+# Ctrl-C during a pack: exit 130 (143 for SIGTERM; not 1, as for a failure) and a resumable
+# dataset. The list file is a FIFO, so the signal lands while pack waits for its list: after the
+# handler is in place (pack opens the list only then), before any record is written.
+pack_from_fifo() {  # pack_from_fifo SIGNAL(0: none, else INT or TERM) pack-args...
+  local signal=$1
   shift
   rm -f "$work/list.fifo" && mkfifo "$work/list.fifo"
   "$stoke" pack "$work/src" "$work/int.lmdb" --list "$work/list.fifo" -q "$@" &
   local pid=$!
-  exec 9>"$work/list.fifo"
-  if [[ $signal_first == 1 ]]; then kill -INT "$pid" && sleep 0.2; fi
-  printf 'class_00/img_0000.jpg 0\nclass_00/img_0001.jpg 0\nclass_02/img_0003.jpg 2\n' >&9
-  exec 9>&-
+  # The writer opens the FIFO (which waits for pack to open it), signals, then writes the list. It
+  # runs apart, so that a pack that fails before opening its list cannot leave this test waiting.
+  (
+    exec 9>"$work/list.fifo"
+    if [[ $signal != 0 ]]; then kill -"$signal" "$pid" && sleep 0.2; fi
+    printf 'class_00/img_0000.jpg 0\nclass_00/img_0001.jpg 0\nclass_02/img_0003.jpg 2\n' >&9
+  ) &
+  local writer=$!
   wait "$pid"
+  local rc=$?
+  kill "$writer" 2>/dev/null
+  wait "$writer" 2>/dev/null
+  return $rc
 }
-check pack_interrupted 130 "interrupted; 0 records of train kept .*--resume" -- pack_from_fifo 1
+check pack_interrupted 130 "interrupted; 0 records of train kept .*--resume" -- pack_from_fifo INT
+check pack_terminated 143 "interrupted; 0 records of train kept .*--resume" -- pack_from_fifo TERM --resume
 check pack_interrupted_resumed 0 "train: 3 records" -- pack_from_fifo 0 --resume
 check inspect 0 "records +30" -- "$stoke" inspect "$work/ds.lmdb"
 check inspect_json 0 '"records": 30' -- "$stoke" inspect "$work/ds.lmdb" --json

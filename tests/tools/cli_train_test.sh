@@ -12,6 +12,11 @@ mkdir -p "$work/precious/sub" && echo keep >"$work/precious/sub/thesis.txt"
 check demo_refuses_other_folder 1 "precious: the folder exists, is not empty and is not a demo's" -- \
   "$stoke" demo --dir "$work/precious" --per-class 20 --epochs 1 --threads 2
 check demo_left_it_alone 0 "keep" -- cat "$work/precious/sub/thesis.txt"
+# Even when the folder holds only names the demo writes itself (images, train.lmdb, run, ...).
+mkdir -p "$work/proj/images/holiday" && echo photo >"$work/proj/images/holiday/p1.jpg"
+check demo_refuses_its_own_names 1 "proj: the folder exists, is not empty and is not a demo's" -- \
+  "$stoke" demo --dir "$work/proj" --per-class 20 --epochs 1 --threads 2
+check demo_left_the_photos 0 "photo" -- cat "$work/proj/images/holiday/p1.jpg"
 # A folder name that YAML would misread unquoted ('#' starts a comment, ': ' a map), twice: the second
 # run replaces the first's outputs and keeps a file of the user's.
 odd="$work/demo #2: [x]"

@@ -781,7 +781,8 @@ Result<std::string> BenchStorage(const BenchOptions& o, const fs::path& db, cons
   if (last.storage_stage) {
     t += fmt::format("  decoders waiting for reads          {:9.1f}% of the time\n", 100 * wait);
   }
-  t += fmt::format("  record lookup + CRC check           {:9.1f}% of the time\n", 100 * lookup);
+  t += fmt::format("  record lookup + CRC check{}{:9.1f}% of the time\n",
+                   last.storage_stage ? "           " : " (+ faults)", 100 * lookup);
   if (last.storage_stage) {
     const auto& s = last.storage;
     j["results"]["storage"] = {{"bytes_read", s.bytes_read},       {"read_calls", s.read_calls},

@@ -1,6 +1,5 @@
 #include "tools/demo/demo.h"
 
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
 
@@ -41,13 +40,11 @@ Status PrepareFolder(const std::filesystem::path& dir) {
   std::error_code ec;
   if (fs::exists(dir, ec)) {
     if (!fs::is_directory(dir, ec)) return InvalidArgumentError(fmt::format("demo: --dir {}: not a folder", dir.string()));
-    // Only the demo's own names in it (an empty folder, or an older demo's that had no marker yet).
-    bool only_own = true;
-    for (const auto& e : fs::directory_iterator(dir, ec)) {
-      only_own = only_own && std::ranges::find(kOwnEntries, e.path().filename().string()) != std::end(kOwnEntries);
-    }
+    // The names the demo writes are common ones (images, train.lmdb, run): without the marker a
+    // folder holding them is the user's, not a demo's.
+    const bool empty = fs::directory_iterator(dir, ec) == fs::directory_iterator();
     if (ec) return IoError(fmt::format("demo: --dir {}: {}", dir.string(), ec.message()));
-    if (!only_own && !fs::exists(dir / kMarker, ec)) {
+    if (!empty && !fs::exists(dir / kMarker, ec)) {
       return InvalidArgumentError(fmt::format(
           "demo: --dir {}: the folder exists, is not empty and is not a demo's (no {} in it); the demo replaces "
           "its folder's contents, so give a new or empty folder",

@@ -1002,13 +1002,14 @@ Result<PackSummary> Pack(const PackOptions& options) {
     for (size_t i = 0; i < set.inputs.size(); ++i) by_class[set.inputs[i].label].push_back(i);
     SplitMix64 rng(MixSeed(o.seed, 0x76616c));  // "val"
     std::vector<std::string> kept;
+    int64_t kept_classes = 0;
     for (size_t c = 0; c < by_class.size(); ++c) {
       auto& members = by_class[c];
       Shuffle(std::span(members), rng);
       auto n_val = static_cast<size_t>(std::lround(o.val_fraction * static_cast<double>(members.size())));
       if (!members.empty() && n_val >= members.size()) {
         n_val = members.size() - 1;
-        if (kept.size() < 10) kept.push_back(fmt::format("'{}' ({})", set.classes[c], members.size()));
+        if (kept_classes++ < 10) kept.push_back(fmt::format("'{}' ({})", set.classes[c], members.size()));
       }
       for (size_t k = 0; k < n_val; ++k) is_val[members[k]] = true;
     }
@@ -1016,7 +1017,8 @@ Result<PackSummary> Pack(const PackOptions& options) {
       STOKE_LOG(WARN,
                 "pack: --val-fraction {} would leave no training image in class(es) {}{}: one image of each "
                 "stays in training",
-                o.val_fraction, fmt::join(kept, ", "), kept.size() == 10 ? " and more" : "");
+                o.val_fraction, fmt::join(kept, ", "),
+                kept_classes > 10 ? fmt::format(" and {} more", kept_classes - 10) : std::string());
     }
   }
   std::vector<SplitJob> jobs;
