@@ -76,6 +76,14 @@ class Section {
     std::conditional_t<integral, int64_t, T> value{};
     try {
       if (!n.IsScalar()) throw YAML::Exception(n.Mark(), "not a scalar");
+      if constexpr (integral) {
+        // Decimal only: yaml-cpp reads 010 as octal 8 and 0x10 as 16, where a config means 10.
+        const std::string& text = n.Scalar();
+        const size_t digits = text.starts_with('-') || text.starts_with('+') ? 1 : 0;
+        const bool decimal = text.size() > digits && text.find_first_not_of("0123456789", digits) == std::string::npos &&
+                             !(text.size() > digits + 1 && text[digits] == '0');
+        if (!decimal) throw YAML::Exception(n.Mark(), "not a decimal integer");
+      }
       value = n.as<decltype(value)>();
     } catch (const YAML::Exception&) {
       return Error(n, path, fmt::format("'{}' is not {}; expected {}", n.IsScalar() ? n.Scalar() : "(a list or map)",
@@ -352,14 +360,30 @@ Status ParseSchedule(Section& top, ScheduleConfig& c) {
   return s.Finish();
 }
 
+// A number as the shortest text that reads back as exactly the same double (0.35, not
+// 0.34999999999999998; 0.12345678901234567 in full, where 15 digits lost the last two).
+std::string Shortest(double v) { return fmt::format("{}", v); }
+template <typename T>
+decltype(auto) Emitted(const T& value) {
+  if constexpr (std::is_same_v<T, double>) {
+    return Shortest(value);
+  } else if constexpr (std::is_same_v<T, std::vector<double>>) {
+    std::vector<std::string> out;
+    for (double v : value) out.push_back(Shortest(v));
+    return out;
+  } else {
+    return (value);
+  }
+}
+
 // One `key: value` of a mapping being emitted (PutFlow: a list on one line).
 template <typename T>
 void Put(YAML::Emitter& e, const char* key, const T& value) {
-  e << YAML::Key << key << YAML::Value << value;
+  e << YAML::Key << key << YAML::Value << Emitted(value);
 }
 template <typename T>
 void PutFlow(YAML::Emitter& e, const char* key, const T& value) {
-  e << YAML::Key << key << YAML::Value << YAML::Flow << value;
+  e << YAML::Key << key << YAML::Value << YAML::Flow << Emitted(value);
 }
 
 Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::string& source);
@@ -373,10 +397,49 @@ Result<TrainConfig> ParseConfig(const std::string& yaml, const std::string& sour
 
 namespace {
 
+// The line (1-based) of the first byte of `text` that is not part of valid UTF-8, or 0. Strings
+// of the config travel into checkpoints and metrics as JSON, which holds only UTF-8: a Latin-1
+// path passed parsing and failed the run at its first checkpoint.
+int FirstNonUtf8Line(std::string_view text, unsigned* byte) {
+  int line = 1;
+  for (size_t i = 0; i < text.size();) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c == '\n') ++line;
+    int extra = c < 0x80 ? 0 : (c >> 5) == 0x6 ? 1 : (c >> 4) == 0xE ? 2 : (c >> 3) == 0x1E ? 3 : -1;
+    if (c == 0xC0 || c == 0xC1 || c > 0xF4) extra = -1;  // overlong or past U+10FFFF
+    bool ok = extra >= 0 && i + static_cast<size_t>(extra) < text.size() + (extra == 0 ? 1 : 0);
+    for (int k = 1; ok && k <= extra; ++k) ok = (static_cast<unsigned char>(text[i + k]) & 0xC0) == 0x80;
+    if (ok && extra >= 2) {  // overlong forms, UTF-16 surrogates, past U+10FFFF
+      const auto next = static_cast<unsigned char>(text[i + 1]);
+      ok = !(c == 0xE0 && next < 0xA0) && !(c == 0xED && next >= 0xA0) && !(c == 0xF0 && next < 0x90) &&
+           !(c == 0xF4 && next >= 0x90);
+    }
+    if (!ok) {
+      *byte = c;
+      return line;
+    }
+    i += 1 + static_cast<size_t>(extra);
+  }
+  return 0;
+}
+
 Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::string& source) {
+  unsigned bad_byte = 0;
+  if (const int line = FirstNonUtf8Line(yaml, &bad_byte); line > 0) {
+    return InvalidArgumentError(fmt::format("{}:{}: byte 0x{:02X} is not UTF-8 text; a config is UTF-8 (a path in "
+                                            "another encoding: rename it, or reach it through a link)",
+                                            source, line, bad_byte));
+  }
   YAML::Node root;
   try {
-    root = YAML::Load(yaml);
+    // One document: a second one after `---` (an appended override, say) was silently ignored.
+    std::vector<YAML::Node> documents = YAML::LoadAll(yaml);
+    if (documents.size() > 1) {
+      return InvalidArgumentError(fmt::format("{}:{}: a second YAML document; a config is one document (merge it "
+                                              "into the first)",
+                                              source, documents[1].Mark().line + 1));
+    }
+    if (!documents.empty()) root = documents[0];
   } catch (const YAML::ParserException& e) {
     return InvalidArgumentError(fmt::format("{}:{}: not valid YAML: {}", source, e.mark.line + 1, e.msg));
   }
@@ -450,7 +513,6 @@ Result<TrainConfig> LoadConfig(const std::string& path) {
 
 std::string ConfigToYaml(const TrainConfig& c) {
   YAML::Emitter e;
-  e.SetDoublePrecision(15);  // 0.35, not 0.34999999999999998
   e << YAML::BeginMap;
   const DataConfig& d = c.data;
   Put(e, "data", YAML::BeginMap);

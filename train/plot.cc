@@ -40,13 +40,21 @@ std::string Panel(const std::vector<Series>& series, const std::string& title, d
   double lo = std::numeric_limits<double>::max(), hi = std::numeric_limits<double>::lowest();
   for (const auto& s : series) {
     for (const auto& [x, y] : s.points) {
+      if (!std::isfinite(y)) continue;  // not drawn
       lo = std::min(lo, y);
       hi = std::max(hi, y);
     }
   }
   if (lo > hi) lo = 0, hi = 1;
   if (percent) lo = 0, hi = std::max(hi, 1e-9);
-  if (hi - lo < 1e-9) hi = lo + 1;
+  // A flat or nearly flat series gets a span relative to its size: a fixed +1 vanished next to
+  // values of 1e16 (a diverged loss), and the ticks below never advanced.
+  const double size = std::max({1.0, std::abs(lo), std::abs(hi)});
+  if (hi - lo < 1e-6 * size) {
+    const double pad = 0.01 * size;
+    lo -= pad;
+    hi += pad;
+  }
   const double ml = 60, mr = 15, mt = 30, mb = 40;  // margins
   const double pw = w - ml - mr, ph = h - mt - mb;
   auto X = [&](double s) { return x0 + ml + pw * (max_step > 0 ? s / max_step : 0); };
@@ -55,15 +63,20 @@ std::string Panel(const std::vector<Series>& series, const std::string& title, d
                                 x0 + ml, y0 + 20, title);
   out += fmt::format(R"(<rect x="{:.1f}" y="{:.1f}" width="{:.1f}" height="{:.1f}" fill="none" stroke="#888"/>)" "\n",
                      x0 + ml, y0 + mt, pw, ph);
-  const double ys = TickStep(hi - lo, 5);
-  for (double v = std::ceil(lo / ys) * ys; v <= hi + 1e-12; v += ys) {
+  // Ticks counted, not accumulated: at most a dozen whatever the values.
+  const double ys = TickStep(hi - lo, 5), first_tick = std::ceil(lo / ys);
+  for (int k = 0; k < 12; ++k) {
+    const double v = (first_tick + k) * ys;
+    if (v > hi + 1e-9 * ys) break;
     out += fmt::format(R"(<line x1="{:.1f}" x2="{:.1f}" y1="{:.1f}" y2="{:.1f}" stroke="#eee"/>)"
                        R"(<text x="{:.1f}" y="{:.1f}" font-size="11" text-anchor="end">{}</text>)" "\n",
                        x0 + ml, x0 + ml + pw, Y(v), Y(v), x0 + ml - 5, Y(v) + 4,
                        percent ? fmt::format("{:g}%", std::round(v * 1000) / 10) : fmt::format("{:g}", v));
   }
   const double xs = TickStep(std::max(max_step, 1.0), 6);
-  for (double s = 0; s <= max_step + 1e-9; s += xs) {
+  for (int k = 0; k < 12; ++k) {
+    const double s = k * xs;
+    if (s > max_step + 1e-9 * xs) break;
     out += fmt::format(R"(<text x="{:.1f}" y="{:.1f}" font-size="11" text-anchor="middle">{:g}</text>)" "\n", X(s),
                        y0 + mt + ph + 16, s);
   }
@@ -75,11 +88,14 @@ std::string Panel(const std::vector<Series>& series, const std::string& title, d
   for (const auto& s : series) {
     if (s.points.empty()) continue;
     std::string path;
-    for (const auto& [x, y] : s.points) path += fmt::format("{}{:.1f},{:.1f}", path.empty() ? "M" : " L", X(x), Y(y));
+    for (const auto& [x, y] : s.points) {
+      if (std::isfinite(y)) path += fmt::format("{}{:.1f},{:.1f}", path.empty() ? "M" : " L", X(x), Y(y));
+    }
     out += fmt::format(R"(<path d="{}" fill="none" stroke="{}" stroke-width="1.6"{}/>)" "\n", path, s.color,
                        s.dashed ? R"( stroke-dasharray="5,3")" : "");
     if (s.points.size() <= 60) {
       for (const auto& [x, y] : s.points) {
+        if (!std::isfinite(y)) continue;
         out += fmt::format(R"(<circle cx="{:.1f}" cy="{:.1f}" r="2.2" fill="{}"/>)", X(x), Y(y), s.color);
       }
       out += "\n";

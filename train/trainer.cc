@@ -284,6 +284,35 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
         path = all.back();
       }
       STOKE_ASSIGN_OR_RETURN(Checkpoint ck, LoadCheckpoint(path));
+      if (ck.step > summary.total_steps) {
+        return InvalidArgumentError(fmt::format(
+            "checkpoint {} is at step {}, past the {} steps this config trains ({} epochs of {}); raise epochs to go on",
+            path.string(), ck.step, summary.total_steps, config.epochs, steps_per_epoch));
+      }
+      if (!ck.config_yaml.empty()) {
+        // What decides which samples a step sees: changed, the resumed epoch would skip or repeat
+        // records and mix batch sizes in its figures (the steps per epoch can stay equal).
+        auto was = ParseConfig(ck.config_yaml, path.string() + " (its stored config)");
+        if (!was.ok()) return was.status();
+        const DataConfig &a = was->data, &b = config.data;
+        std::vector<std::string> changed;
+        auto differs = [&](const char* key, const auto& then, const auto& now) {
+          if (then != now) changed.push_back(fmt::format("data.{} {} -> {}", key, then, now));
+        };
+        differs("batch_size", a.batch_size, b.batch_size);
+        differs("shuffle", a.shuffle, b.shuffle);
+        if (b.shuffle == "block") {
+          differs("block_size", a.block_size, b.block_size);
+          differs("window_blocks", a.window_blocks, b.window_blocks);
+        }
+        differs("image_size", a.image_size, b.image_size);
+        if (!changed.empty()) {
+          return InvalidArgumentError(fmt::format(
+              "checkpoint {} was taken with other batches than this config makes ({}); resume with the config it "
+              "was taken with, or start a new run_dir",
+              path.string(), fmt::join(changed, ", ")));
+        }
+      }
       if (ck.steps_per_epoch != steps_per_epoch || ck.seed != config.seed) {
         return InvalidArgumentError(fmt::format(
             "checkpoint {} was taken with {} steps per epoch and seed {}; this config gives {} and seed {}",

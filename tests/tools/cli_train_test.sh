@@ -34,6 +34,14 @@ check train_stops_early 0 "stopped at step 4; continue with: .*--resume" -- \
 check train_refuses_fresh_over_old 1 "already holds checkpoints.*--resume" -- \
   "$stoke" train --config "$work/run2.yaml" -q
 check train_resumes 0 "steps 4 -> 10 of 10" -- "$stoke" train --config "$work/run2.yaml" --resume -q
+# A resume under a config that makes other batches, or trains fewer steps than were taken, is
+# refused (it went on, skipping records and mixing batch sizes, or rewrote the last checkpoint).
+sed 's/batch_size: 64/batch_size: 60/' "$work/run2.yaml" >"$work/run2_bs.yaml"
+check resume_other_batches 1 "other batches than this config makes \(data.batch_size 64 -> 60\)" -- \
+  "$stoke" train --config "$work/run2_bs.yaml" --resume -q
+sed 's/^epochs: .*/epochs: 1/' "$work/run2.yaml" >"$work/run2_short.yaml"
+check resume_past_the_end 1 "is at step 10, past the 5 steps this config trains" -- \
+  "$stoke" train --config "$work/run2_short.yaml" --resume -q
 check metrics_file 0 '"type":"val"' -- cat "$work/run2/metrics.jsonl"
 sed 's/momentum: 0.9/momentum: 1.5/' "$cfg" >"$work/bad.yaml"
 check train_bad_value 1 "bad.yaml:[0-9]+: optimizer.momentum: 1.5 is out of range; expected a number in \[0, 1\)" -- \

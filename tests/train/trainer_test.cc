@@ -36,6 +36,31 @@ std::string ErrorOf(const std::string& yaml) {
   return r.ok() ? std::string("(parsed)") : r.status().message();
 }
 
+
+// The curves of a diverged run: points of 1e16 and two almost equal large values made the tick
+// loop spin for ever (the run never exited after its last checkpoint), and a flat series divided
+// by zero. Each plot is written, with no NaN in it.
+TEST(Plot, DivergedAndFlatCurvesAreDrawn) {
+  testing::TempDir dir;
+  const std::vector<std::string> cases = {
+      R"({"type":"train","step":5,"loss":1e16,"top1":0.5})",
+      "{\"type\":\"train\",\"step\":5,\"loss\":10000000.0,\"top1\":0.5}\n"
+      "{\"type\":\"val\",\"step\":5,\"loss\":10000000.000000002,\"top1\":0.5,\"top5\":1}",
+      R"({"type":"train","step":3,"loss":4.3984726698827745e+15,"top1":0.25})",
+      R"({"type":"train","step":1,"loss":2.5,"top1":0.25})"};
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const auto metrics = (dir / fmt::format("m{}.jsonl", i)).string(), svg = (dir / fmt::format("m{}.svg", i)).string();
+    std::ofstream(metrics) << cases[i] << "\n";
+    SCOPED_TRACE(cases[i]);
+    ASSERT_OK(WritePlot(metrics, svg));
+    std::ifstream in(svg);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_NE(text.find("<path d=\"M"), std::string::npos) << cases[i];
+    EXPECT_EQ(text.find("nan"), std::string::npos) << cases[i];
+    EXPECT_EQ(text.find("inf"), std::string::npos) << cases[i];
+  }
+}
+
 TEST(Config, DefaultsAndRoundTrip) {
   ASSERT_OK_AND_ASSIGN(TrainConfig c, ParseConfig(kMinimal, "run.yaml"));
   EXPECT_EQ(c.data.batch_size, 128);
@@ -137,6 +162,32 @@ TEST(Config, ErrorsNameFileLineKeyAndExpectation) {
             "run.yaml:7: run_dir: expected the directory for checkpoints and metrics, got an empty string");
   EXPECT_EQ(ErrorOf(base + "dist: {device_comm: gloo}\n"),
             "run.yaml:7: dist.device_comm: 'gloo' is not allowed; expected one of: auto, nccl, host");
+  // Integers are decimal: yaml-cpp read 010 as 8 and 0x10 as 16.
+  EXPECT_EQ(ErrorOf(base + "epochs: 010\n"),
+            "run.yaml:7: epochs: '010' is not an integer; expected an integer in [1, 16777216]");
+  EXPECT_EQ(ErrorOf(base + "epochs: 0x10\n"),
+            "run.yaml:7: epochs: '0x10' is not an integer; expected an integer in [1, 16777216]");
+  // One document: an override appended after `---` was ignored, even when it was not valid YAML.
+  EXPECT_EQ(ErrorOf(base + "---\nepochs: 50\n"),
+            "run.yaml:8: a second YAML document; a config is one document (merge it into the first)");
+  EXPECT_NE(ErrorOf(base + "---\noptimizer: {lr: 0.5\n").find("not valid YAML"), std::string::npos);
+  // Config strings go into checkpoints as JSON: bytes that are not UTF-8 are refused by line
+  // (the run failed at its first checkpoint).
+  EXPECT_EQ(ErrorOf(base + "run_dir: /tmp/runs/bad\xff\n"),
+            "run.yaml:7: byte 0xFF is not UTF-8 text; a config is UTF-8 (a path in another encoding: rename it, or "
+            "reach it through a link)");
+}
+
+// Numbers are written back exactly: the shortest text that reads back as the same double.
+TEST(Config, NumbersRoundTripExactly) {
+  ASSERT_OK_AND_ASSIGN(TrainConfig c, ParseConfig(std::string(kMinimal) + "optimizer: {lr: 0.12345678901234567, "
+                                                  "momentum: 0.35}\n", "run.yaml"));
+  const std::string yaml = ConfigToYaml(c);
+  EXPECT_NE(yaml.find("lr: 0.12345678901234566"), std::string::npos) << yaml;  // the double's own shortest text
+  EXPECT_NE(yaml.find("momentum: 0.35"), std::string::npos) << yaml;
+  ASSERT_OK_AND_ASSIGN(TrainConfig again, ParseConfig(yaml, "again.yaml"));
+  EXPECT_EQ(again.optimizer.lr, c.optimizer.lr);
+  EXPECT_EQ(ConfigToYaml(again), yaml);
 }
 
 // dist.device_comm: NCCL where every rank has a GPU of its own and NCCL loads everywhere; through
