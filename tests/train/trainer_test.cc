@@ -1,5 +1,7 @@
 // Config parsing and its errors, schedules, checkpoints, and the training loop end to end:
 // learning, resume equivalence, refusing damaged checkpoints.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <fstream>
@@ -287,6 +289,21 @@ Checkpoint SmallCheckpoint() {
   c.config_yaml = "epochs: 3\n";
   c.tensors = {{"a.weight", {2, 3}, {1, 2, 3, 4, 5, 6}}, {"a.bias", {2}, {-1, 0.5}}};
   return c;
+}
+
+// A temporary file that a killed writer left is removed by the next pruning; one of a live
+// process (a write in progress) is not.
+TEST(Checkpoint, PruningRemovesTheTemporaryFilesOfDeadWriters) {
+  testing::TempDir dir;
+  std::filesystem::create_directories(dir / "checkpoints");
+  const auto dead = dir / "checkpoints" / "step-0000000004.ckpt.tmp.2147483646";
+  const auto live = dir / "checkpoints" / fmt::format("step-0000000005.ckpt.tmp.{}", ::getppid());
+  const auto other = dir / "checkpoints" / "notes.tmp.2147483646";
+  for (const auto& p : {dead, live, other}) std::ofstream(p) << "x";
+  PruneCheckpoints(dir.path(), 3);
+  EXPECT_FALSE(std::filesystem::exists(dead));
+  EXPECT_TRUE(std::filesystem::exists(live));
+  EXPECT_TRUE(std::filesystem::exists(other));
 }
 
 TEST(Checkpoint, RoundTripAndDamageIsRefused) {
