@@ -15,7 +15,12 @@ import time
 
 import torch
 import torch.nn.functional as F
-import torchvision
+
+try:
+    import torchvision
+except ImportError:
+    raise SystemExit("train_torchvision.py needs torchvision for its ResNet-18: pip install torchvision "
+                     "(or apt-get install python3-torchvision)") from None
 
 from stoke.torch import Loader
 

@@ -693,6 +693,8 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     Status s = WritePlot(metrics_path.string(), svg.string());
     if (s.ok()) {
       summary.plot = svg.string();
+    } else if (s.message().find("has no training or validation records") != std::string::npos) {
+      STOKE_LOG(INFO, "no plot: the run stopped before its first log line");  // a short run, no fault
     } else {
       STOKE_LOG(WARN, "no plot: {}", s.ToString());
     }

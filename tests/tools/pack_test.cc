@@ -564,7 +564,12 @@ TEST(Pack, ResumeWithOtherOptionsIsRefused) {
   o.shuffle = true;  // not what the partial pack was made with
   auto r = Pack(o);
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(r.status().message().find("other inputs or options"), std::string::npos);
+  // The refusal names the option and the way on, not only --overwrite (which discards the records).
+  EXPECT_NE(r.status().message().find("made with other options: --shuffle false (now true)"), std::string::npos)
+      << r.status().message();
+  EXPECT_NE(r.status().message().find("the same command plus --resume"), std::string::npos) << r.status().message();
+  o.shuffle = false;
+  ASSERT_OK(Pack(o).status());  // with the options it was made with, it resumes
 }
 
 TEST(Pack, ExifOrientationIsApplied) {

@@ -491,10 +491,11 @@ struct SplitState {
   int64_t payload_bytes = 0;
   int64_t converted = 0, reencoded = 0, reoriented = 0;
 
-  std::string ToJson(const std::string& fingerprint) const {
+  // `options`: OptionsJson of the pack, kept so that a refused resume can say which differ.
+  std::string ToJson(const std::string& fingerprint, const nlohmann::json& options) const {
     nlohmann::json bad_json = nlohmann::json::array();
     for (const auto& b : bad) bad_json.push_back({b.path, b.reason});
-    return nlohmann::json{{"fingerprint", fingerprint},   {"next_input", next_input},
+    return nlohmann::json{{"fingerprint", fingerprint},   {"options", options}, {"next_input", next_input},
                           {"created", created},           {"bad", bad_json},
                           {"class_counts", class_counts}, {"payload_bytes", payload_bytes},
                           {"converted", converted},       {"reencoded", reencoded},
@@ -502,15 +503,35 @@ struct SplitState {
         .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   }
   static Result<SplitState> FromJson(const std::string& text, const std::string& fingerprint,
-                                     size_t classes, size_t inputs, const fs::path& where) {
+                                     const nlohmann::json& options, size_t classes, size_t inputs,
+                                     const fs::path& where, int64_t committed) {
     auto j = nlohmann::json::parse(text, nullptr, false);
     try {
       if (j.is_discarded() || !j.is_object()) throw std::runtime_error("not a JSON object");
       if (j.at("fingerprint").get<std::string>() != fingerprint) {
+        // Which options differ, as flags (packs interrupted before the options were kept: unknown).
+        std::vector<std::string> differ;
+        if (j.contains("options") && j["options"].is_object()) {
+          static const std::map<std::string, std::string> kFlag = {
+              {"store_paths", "--no-paths"}, {"index_intervals_per_row", "--index-intervals"},
+              {"reencode_quality", "the re-encode quality"}};
+          for (const auto& [key, now] : options.items()) {
+            const auto then = j["options"].find(key);
+            if (then != j["options"].end() && *then == now) continue;
+            const auto flag = kFlag.find(key);
+            std::string name = flag != kFlag.end() ? flag->second : "--" + key;
+            std::replace(name.begin(), name.end(), '_', '-');
+            differ.push_back(fmt::format("{} {} (now {})", name, then != j["options"].end() ? then->dump() : "?",
+                                         now.dump()));
+          }
+        }
         return InvalidArgumentError(fmt::format(
-            "pack: {}: the partial pack was made from other inputs or options (rerun without "
-            "--resume and with --overwrite to start over)",
-            where.string()));
+            "pack: {}: the partial pack ({} records committed) was made {}; resume it with the options it was made "
+            "with (the same command plus --resume), or pass --overwrite instead of --resume to discard it and "
+            "start over",
+            where.string(), committed,
+            differ.empty() ? "from other inputs (files, labels or classes changed since) or options"
+                           : fmt::format("with other options: {}", fmt::join(differ, ", "))));
       }
       SplitState s;
       s.next_input = j.at("next_input").get<int64_t>();
@@ -595,8 +616,9 @@ class SplitPacker {
       writer.emplace(std::move(w));
       if (!writer->resume_state().empty()) {
         STOKE_ASSIGN_OR_RETURN(state_,
-                               SplitState::FromJson(writer->resume_state(), fingerprint_, classes_.size(),
-                                                    job_.inputs.size(), partial));
+                               SplitState::FromJson(writer->resume_state(), fingerprint_, OptionsJson(o_),
+                                                    classes_.size(), job_.inputs.size(), partial,
+                                                    writer->committed_records()));
       }
       STOKE_LOG(INFO, "resuming {} at input {} of {} ({} records committed)", partial.string(),
                 state_.next_input, job_.inputs.size(), writer->committed_records());
@@ -624,7 +646,7 @@ class SplitPacker {
     Accumulate(total);
     if (stopped_) {
       return UnavailableError(fmt::format(
-          "pack: interrupted; {} records of {} kept in {} (rerun with --resume to finish)",
+          "pack: interrupted; {} records of {} kept in {} (rerun the same command with --resume to finish)",
           writer_->committed_records(), job_.name, partial.string()));
     }
     STOKE_RETURN_IF_ERROR(writer_->Finish(MakeManifest()));
@@ -724,7 +746,7 @@ class SplitPacker {
   }
 
   Status Commit() {
-    Status s = writer_->Commit(state_.ToJson(fingerprint_));
+    Status s = writer_->Commit(state_.ToJson(fingerprint_, OptionsJson(o_)));
     if (s.ok() && o_.after_commit) o_.after_commit(records_before_ + writer_->committed_records());
     return s;
   }
