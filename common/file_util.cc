@@ -1,11 +1,14 @@
 #include "common/file_util.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <climits>
 #include <cstring>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -57,10 +60,31 @@ Result<std::vector<std::byte>> ReadFileBytes(const std::filesystem::path& path,
   return data;
 }
 
+namespace {
+constexpr std::string_view kTemporaryInfix = ".tmp.";  // <target>.tmp.<pid>
+}  // namespace
+
 std::filesystem::path AtomicWriteTemporary(const std::filesystem::path& path) {
   std::filesystem::path tmp = path;
-  tmp += fmt::format(".tmp.{}", ::getpid());
+  tmp += fmt::format("{}{}", kTemporaryInfix, ::getpid());
   return tmp;
+}
+
+void RemoveStaleAtomicTemporaries(const std::filesystem::path& dir,
+                                  const std::function<bool(const std::string& target)>& is_target) {
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    const auto at = name.rfind(kTemporaryInfix);
+    if (at == std::string::npos || !is_target(name.substr(0, at))) continue;
+    const std::string digits = name.substr(at + kTemporaryInfix.size());
+    if (digits.empty() || digits.size() > 10 || digits.find_first_not_of("0123456789") != std::string::npos) continue;
+    const long long pid = std::stoll(digits);
+    if (pid > 0 && pid <= INT_MAX && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      std::error_code gone;
+      std::filesystem::remove(entry.path(), gone);
+    }
+  }
 }
 
 Status WriteFileAtomic(const std::filesystem::path& path, std::span<const std::byte> data) {

@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -24,6 +25,11 @@ Status WriteFileAtomic(const std::filesystem::path& path, std::span<const std::b
 // The temporary file WriteFileAtomic writes `path` through in this process (removed on failure; a
 // signal handler may remove it too).
 std::filesystem::path AtomicWriteTemporary(const std::filesystem::path& path);
+// Removes the temporary files that WriteFileAtomic left in `dir` for names accepted by `is_target`
+// (the file being written, e.g. "step-*.ckpt") when the process that wrote them is gone (killed
+// mid-write); a live writer's are kept. Best effort: errors are ignored.
+void RemoveStaleAtomicTemporaries(const std::filesystem::path& dir,
+                                  const std::function<bool(const std::string& target)>& is_target);
 Status WriteFileAtomic(const std::filesystem::path& path, const std::string& text);
 
 // fsyncs a directory, so that the names created, renamed or removed in it survive a crash.

@@ -1,9 +1,6 @@
 #include "train/checkpoint.h"
 
-#include <signal.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <climits>
 #include <cstring>
 
@@ -195,21 +192,11 @@ void PruneCheckpoints(const std::filesystem::path& run_dir, int keep) {
     std::error_code ec;
     std::filesystem::remove(all[i], ec);
   }
-  // The temporary file of a write that a killed process left (step-N.ckpt.tmp.<pid>, as large as a
-  // checkpoint): removed once no process of that id is alive, so they do not pile up.
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(run_dir / "checkpoints", ec)) {
-    const std::string name = entry.path().filename().string();
-    const auto at = name.rfind(".ckpt.tmp.");
-    if (!name.starts_with("step-") || at == std::string::npos) continue;
-    const std::string digits = name.substr(at + 10);
-    if (digits.empty() || digits.size() > 10 || digits.find_first_not_of("0123456789") != std::string::npos) continue;
-    const long long pid = std::stoll(digits);
-    if (pid > 0 && pid <= INT_MAX && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
-      std::error_code gone;
-      std::filesystem::remove(entry.path(), gone);
-    }
-  }
+  // The temporary file of a write that a killed process left (as large as a checkpoint): removed
+  // once that process is gone, so they do not pile up.
+  RemoveStaleAtomicTemporaries(run_dir / "checkpoints", [](const std::string& target) {
+    return target.starts_with("step-") && target.ends_with(".ckpt");
+  });
 }
 
 }  // namespace stoke::train

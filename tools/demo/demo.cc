@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include <fmt/format.h>
+#include <yaml-cpp/yaml.h>
 
 #include "common/file_util.h"
 #include "tools/pack/packer.h"
@@ -17,20 +18,12 @@ namespace {
 constexpr const char* kMarker = ".stoke-demo";
 constexpr const char* kOwnEntries[] = {"images", "train.lmdb", "train_val.lmdb", "run", "demo.yaml", kMarker};
 
-// `text` as a YAML double-quoted scalar: any folder name (spaces, '#', ':', brackets) stays one string.
+// `text` as a YAML double-quoted scalar (yaml-cpp's emitter escapes it): any folder name (spaces,
+// '#', ': ', brackets) stays one string.
 std::string YamlQuoted(const std::string& text) {
-  std::string out = "\"";
-  for (const char c : text) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      out += fmt::format("\\x{:02x}", static_cast<unsigned char>(c));
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
+  YAML::Emitter e;
+  e << YAML::DoubleQuoted << text;
+  return e.c_str();
 }
 
 // Makes `dir` ready for a demo: created when missing; a previous demo's outputs replaced; any other
