@@ -46,6 +46,19 @@ def threads():
         return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
 
 
+def settled_threads():
+    """threads(), once it has stopped changing: threads that an earlier test's pipeline or pool is
+    still winding down (they end on their own) must not count as this test's starting point."""
+    import time
+    count, since, deadline = threads(), time.monotonic(), time.monotonic() + 5
+    while time.monotonic() < deadline and time.monotonic() - since < 0.3:
+        time.sleep(0.02)
+        now = threads()
+        if now != count:
+            count, since = now, time.monotonic()
+    return count
+
+
 def rss_mb():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
@@ -611,7 +624,7 @@ def test_a_dropped_loader_stops_without_the_garbage_collector(data):
     import weakref
 
     gc.collect()
-    t0 = threads()
+    t0 = settled_threads()
     gc.disable()  # reference counting alone must free it
     try:
         loader = Loader(data["train"], batch_size=8, size=32, threads=2)
@@ -685,7 +698,7 @@ def test_ctrl_c_interrupts_a_waiting_next(slow_data):
     import time
 
     gc.collect()
-    t0 = threads()
+    t0 = settled_threads()
     loader = Loader(slow_data, batch_size=16, size=224, threads=1, ring=2, train=False)
     it = iter(loader)
     fired = []
@@ -722,7 +735,7 @@ def test_close_while_next_waits(slow_data, closer):
     import time
 
     gc.collect()
-    t0 = threads()
+    t0 = settled_threads()
     loader = Loader(slow_data, batch_size=16, size=224, threads=1, ring=2, train=False)
     it = iter(loader)
     if closer == "thread":
