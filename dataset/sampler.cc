@@ -95,31 +95,37 @@ std::vector<int64_t> Sampler::GlobalOrder(int64_t epoch) const {
   return order;
 }
 
-std::vector<int64_t> Sampler::Epoch(int64_t epoch) const {
-  std::vector<int64_t> order = GlobalOrder(epoch);
+std::vector<int64_t> Sampler::ShardPositions() const {
   const int64_t world = options_.world_size, rank = options_.rank;
   if (n_ == 0) return {};
-  auto take = [&](int64_t begin, int64_t count, std::vector<int64_t>& out) {
-    // Past the end wraps around to the epoch's first records (padding).
-    for (int64_t i = begin; i < begin + count; ++i) out.push_back(order[static_cast<size_t>(i % n_)]);
-  };
   std::vector<int64_t> mine;
   mine.reserve(static_cast<size_t>(per_rank_));
+  auto take = [&](int64_t begin, int64_t count) {
+    // Past the end wraps around to the epoch's first records (padding).
+    for (int64_t i = begin; i < begin + count; ++i) mine.push_back(i % n_);
+  };
   switch (options_.sharding) {
     case Sharding::kContiguous:
-      take(per_rank_ * rank, per_rank_, mine);
+      take(per_rank_ * rank, per_rank_);
       break;
     case Sharding::kGlobalBatch: {
       const int64_t g = options_.global_batch, b = g / world, full = n_ / g;
-      for (int64_t k = 0; k < full; ++k) take(k * g + rank * b, b, mine);
+      for (int64_t k = 0; k < full; ++k) take(k * g + rank * b, b);
       const int64_t tail = per_rank_ - full * b;
-      take(full * g + rank * tail, tail, mine);
+      take(full * g + rank * tail, tail);
       break;
     }
     case Sharding::kExact:
-      take(rank * n_ / world, per_rank_, mine);
+      take(rank * n_ / world, per_rank_);
       break;
   }
+  return mine;
+}
+
+std::vector<int64_t> Sampler::Epoch(int64_t epoch) const {
+  const std::vector<int64_t> order = GlobalOrder(epoch);
+  std::vector<int64_t> mine = ShardPositions();
+  for (int64_t& p : mine) p = order[static_cast<size_t>(p)];
   return mine;
 }
 

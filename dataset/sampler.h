@@ -59,6 +59,10 @@ class Sampler {
   const SamplerOptions& options() const { return options_; }
   // This rank's record indices for `epoch`, in visiting order.
   std::vector<int64_t> Epoch(int64_t epoch) const;
+  // Where each of this rank's samples sits in the global order, for every epoch:
+  // Epoch(e)[i] == GlobalOrder(e)[ShardPositions()[i]]. With Sharding::kGlobalBatch a sample has
+  // the same position at any world size (so a bad record's stand-in can be too).
+  std::vector<int64_t> ShardPositions() const;
   // The whole epoch order before sharding (n records, a permutation of [0, n)).
   std::vector<int64_t> GlobalOrder(int64_t epoch) const;
 

@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 #include <oneapi/tbb/concurrent_queue.h>
 #include <oneapi/tbb/concurrent_unordered_map.h>
+#include <oneapi/tbb/concurrent_unordered_set.h>
 #include <oneapi/tbb/enumerable_thread_specific.h>
 #include <oneapi/tbb/global_control.h>
 #include <oneapi/tbb/parallel_pipeline.h>
@@ -81,7 +82,7 @@ struct Slot {
   int32_t* labels = nullptr;
   int64_t* indices = nullptr;
   std::vector<uint8_t> stand_in;  // per sample: 1 where it stands in for a bad record
-  std::shared_ptr<const std::vector<int64_t>> order;  // the epoch's sample order
+  std::shared_ptr<const std::vector<int64_t>> order;  // the epoch's global order (all ranks)
   std::atomic<int> replaced{0};
 };
 
@@ -104,6 +105,7 @@ struct LoaderState {
   const dataset::Dataset* dataset = nullptr;
   LoaderOptions o;
   std::optional<dataset::Sampler> sampler;
+  std::vector<int64_t> shard_positions;  // sampler->ShardPositions(): this rank's global positions
   decode::DecoderOptions decoder_options;
   int64_t per_epoch = 0;
   int64_t batches_per_epoch = 0;
@@ -134,7 +136,11 @@ struct LoaderState {
   }
   // concurrent_unordered_map: workers insert bad records while stats()/bad_records() traverse;
   // nothing is ever erased, which is what this container allows concurrently.
-  tbb::concurrent_unordered_map<int64_t, std::string> bad;
+  tbb::concurrent_unordered_map<int64_t, std::string> bad;  // every bad record met, with its reason
+  // The bad records of this rank's own samples: what max_skip_fraction budgets. A stand-in walk
+  // can meet records of other ranks' shards; those are skipped and reported but counted by the
+  // rank whose sample they are, so the budget means the same at any world size.
+  tbb::concurrent_unordered_set<int64_t> own_bad;
   std::atomic<int64_t> bad_count{0};
 
   std::unique_ptr<tbb::global_control> allow_threads;  // when asked for more threads than cores
@@ -150,7 +156,7 @@ struct LoaderState {
   int64_t batch = 0;
   int pos = 0;
   Slot* filling = nullptr;
-  std::shared_ptr<const std::vector<int64_t>> order;
+  std::shared_ptr<const std::vector<int64_t>> order;  // GlobalOrder(order_epoch)
   int64_t order_epoch = -1;
   bool input_done = false;
   // Output stage (serial).
@@ -233,8 +239,10 @@ struct LoaderState {
     return OkStatus();
   }
 
-  // Records a bad record once (logging it the first time); an error when the policy says stop.
-  Status NoteBad(Worker& w, int64_t index, const Status& s) {
+  // Records a bad record once (logging it the first time); an error when the policy says stop or
+  // when this rank's own bad records (`own`: the record at a sample's own position) exceed the
+  // budget.
+  Status NoteBad(Worker& w, int64_t index, const Status& s, bool own) {
     std::string where = fmt::format("record {}", index);
     if (auto path = w.reader->SourcePath(index); path.ok() && !path->empty()) {
       where += fmt::format(" ({})", *path);
@@ -243,9 +251,9 @@ struct LoaderState {
     if (o.on_error == ErrorPolicy::kFail) {
       return Status(s.code(), reason + " (on_error fail)");
     }
-    if (bad.emplace(index, reason).second) {
+    if (bad.emplace(index, reason).second) STOKE_LOG(WARN, "skipping {}", reason);
+    if (own && own_bad.insert(index).second) {
       const int64_t n = bad_count.fetch_add(1) + 1;
-      STOKE_LOG(WARN, "skipping {}", reason);
       if (n > max_bad) {
         return CorruptError(fmt::format(
             "{} bad records, more than max_skip_fraction {} of the {} samples of an epoch allows "
@@ -256,12 +264,15 @@ struct LoaderState {
   }
 
   // Fills sample `s` of the slot: the record at its epoch position, or, when that record is bad
-  // and the policy is skip, the next good record of the epoch order (wrapping around), keyed by
-  // the attempt number so a stand-in differs from that record's own sample.
+  // and the policy is skip, the next good record of the epoch's global order (wrapping around),
+  // keyed by the attempt number so a stand-in differs from that record's own sample. Walking the
+  // global order rather than this rank's shard gives a bad record the same stand-in at any world
+  // size.
   Status FillSample(Worker& w, Slot& slot, int s) {
     const auto& order = *slot.order;
     const int64_t n = static_cast<int64_t>(order.size());
     const int64_t pos = slot.batch.number * o.batch_size + s;
+    const int64_t global_pos = shard_positions[static_cast<size_t>(pos)];
     uint8_t* dst = slot.images + static_cast<size_t>(s) * sample_bytes;
     // The storage stage holds this position's record until the sample is made (or given up).
     struct Released {
@@ -272,7 +283,7 @@ struct LoaderState {
       }
     } released{storage.get(), slot.batch.epoch, pos};
     for (int64_t k = 0; k < n; ++k) {
-      const int64_t index = order[static_cast<size_t>((pos + k) % n)];
+      const int64_t index = order[static_cast<size_t>((global_pos + k) % n)];
       const uint64_t seed = k == 0 ? o.sampler.seed : MixSeed(o.sampler.seed, static_cast<uint64_t>(k));
       std::span<const std::byte> value;
       if (k == 0 && storage) {
@@ -291,7 +302,7 @@ struct LoaderState {
         return OkStatus();
       }
       if (st.code() == StatusCode::kInternal) return st;  // not the record's fault
-      STOKE_RETURN_IF_ERROR(NoteBad(w, index, st));
+      STOKE_RETURN_IF_ERROR(NoteBad(w, index, st, /*own=*/k == 0));
     }
     return CorruptError(fmt::format("{}: no readable record in the epoch", dataset->path().string()));
   }
@@ -320,7 +331,7 @@ struct LoaderState {
       Slot* slot = slots[static_cast<size_t>(id)].get();
       STOKE_TSAN_ACQUIRE(slot);
       if (order_epoch != epoch) {
-        order = std::make_shared<const std::vector<int64_t>>(sampler->Epoch(epoch));
+        order = std::make_shared<const std::vector<int64_t>>(sampler->GlobalOrder(epoch));
         order_epoch = epoch;
       }
       slot->order = order;
@@ -526,6 +537,7 @@ Result<std::unique_ptr<Loader>> Loader::Create(const dataset::Dataset& ds, Loade
   STOKE_ASSIGN_OR_RETURN(dataset::Sampler sampler, dataset::Sampler::Create(ds.size(), o.sampler));
   st->per_epoch = sampler.samples_per_rank();
   st->sampler.emplace(sampler);
+  st->shard_positions = sampler.ShardPositions();
   st->batches_per_epoch = o.drop_last_batch ? st->per_epoch / o.batch_size
                                             : (st->per_epoch + o.batch_size - 1) / o.batch_size;
   if (st->batches_per_epoch == 0) {

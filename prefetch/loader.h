@@ -117,7 +117,7 @@ struct Batch {
 struct LoaderStats {
   int64_t batches = 0;          // handed to the consumer
   int64_t samples = 0;
-  int64_t bad_records = 0;      // distinct records skipped so far
+  int64_t bad_records = 0;      // distinct bad records among this rank's own samples so far
   double elapsed_s = 0;         // since Create()
   double images_per_s = 0;      // samples / elapsed_s
   double consumer_wait_s = 0;   // time spent blocked in Next()

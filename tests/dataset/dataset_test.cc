@@ -589,6 +589,12 @@ TEST(Sampler, GlobalBatchSlicesAreTheSameBatchForEveryWorldSize) {
             ASSERT_OK_AND_ASSIGN(Sampler s, Sampler::Create(n, o));
             ranks.push_back(s.Epoch(3));
             EXPECT_EQ(static_cast<int64_t>(ranks.back().size()), s.samples_per_rank());
+            // The positions name the same samples in the global order.
+            const std::vector<int64_t> positions = s.ShardPositions(), global = s.GlobalOrder(3);
+            ASSERT_EQ(positions.size(), ranks.back().size());
+            for (size_t i = 0; i < positions.size(); ++i) {
+              ASSERT_EQ(global[static_cast<size_t>(positions[i])], ranks.back()[i]) << "sample " << i;
+            }
             EXPECT_EQ(ranks.back().size(), ranks[0].size());  // equal on every rank
           }
           for (int64_t k = 0; k < full; ++k) {

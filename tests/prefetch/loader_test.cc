@@ -193,6 +193,63 @@ TEST(Loader, SkipPolicyReplacesBadRecordsDeterministicallyAndCounts) {
   EXPECT_EQ(RunAll(*ds, four), one);
 }
 
+// The elastic guarantee with bad records: a stand-in comes from the global order, so rank r's
+// batch k is its slice of the one-rank global batch k, stand-ins included, at any world size.
+TEST(Loader, StandInsAreTheSameAtAnyWorldSize) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.bad = {2, 3, 9, 17, 30}}));
+  ASSERT_OK(ds.status());
+  constexpr int kGlobal = 12;
+  LoaderOptions one = SmallOptions(2);
+  one.max_skip_fraction = 0.2;
+  one.sampler.sharding = dataset::Sharding::kGlobalBatch;
+  one.sampler.global_batch = kGlobal;
+  one.batch_size = kGlobal;
+  const auto reference = RunAll(*ds, one);
+  ASSERT_FALSE(reference.empty());
+  const size_t sample_bytes = reference[0].images.size() / reference[0].indices.size();
+  int stand_ins = 0;
+  for (const auto& b : reference) stand_ins += b.replaced;
+  ASSERT_GT(stand_ins, 0);
+  for (int world : {2, 3, 4}) {
+    SCOPED_TRACE(::testing::Message() << "world " << world);
+    std::vector<std::vector<Seen>> ranks;
+    for (int r = 0; r < world; ++r) {
+      LoaderOptions o = one;
+      o.sampler.rank = r;
+      o.sampler.world_size = world;
+      o.batch_size = kGlobal / world;
+      o.skip_budget_samples = 40;  // the global epoch's, as the trainer passes
+      ranks.push_back(RunAll(*ds, o));
+      ASSERT_EQ(ranks.back().size(), reference.size());
+    }
+    for (size_t k = 0; k < reference.size(); ++k) {
+      Seen joined{reference[k].epoch, reference[k].number, {}, {}, {}, 0, {}};
+      for (const auto& mine : ranks) {
+        const Seen& b = mine[k];
+        joined.images.insert(joined.images.end(), b.images.begin(), b.images.end());
+        joined.labels.insert(joined.labels.end(), b.labels.begin(), b.labels.end());
+        joined.indices.insert(joined.indices.end(), b.indices.begin(), b.indices.end());
+        joined.stand_in.insert(joined.stand_in.end(), b.stand_in.begin(), b.stand_in.end());
+        joined.replaced += b.replaced;
+      }
+      // An epoch's last global batch is short (40 = 3 x 12 + 4) and three ranks pad it to 6 with
+      // the epoch's first samples: what one rank made is then the first 4 of them.
+      const Seen& want = reference[k];
+      const size_t n = want.indices.size();
+      ASSERT_GE(joined.indices.size(), n) << "batch " << k;
+      if (joined.indices.size() > n) {
+        joined.images.resize(n * sample_bytes);
+        joined.labels.resize(n);
+        joined.indices.resize(n);
+        joined.stand_in.resize(n);
+        joined.replaced = static_cast<int>(std::count(joined.stand_in.begin(), joined.stand_in.end(), 1));
+      }
+      EXPECT_EQ(joined, want) << "batch " << k;
+    }
+  }
+}
+
 TEST(Loader, FailPolicyStopsAtTheBadRecordAfterTheBatchesBeforeIt) {
   testing::TempDir dir;
   auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.bad = {5}}));
