@@ -5,6 +5,7 @@
 #include <lmdb.h>
 #include <turbojpeg.h>
 
+#include <filesystem>
 #include <memory>
 #include <string>
 
@@ -40,5 +41,14 @@ Status CommitTxn(MdbTxn& txn, const std::string& what);
 
 // Begins a transaction on `env`: read-only when `flags` has MDB_RDONLY.
 Result<MdbTxn> BeginTxn(MDB_env* env, unsigned flags, const std::string& what);
+
+// Checks an LMDB data file before mdb_env_open maps it, since LMDB trusts what its two meta pages
+// say: a page size of 0 divides by zero, one of another size reads the wrong pages, and a file
+// shorter than the last page they name faults (SIGBUS) when that page is touched. OK for a
+// regular file whose meta pages carry LMDB's magic and version, equal power-of-two page sizes
+// and a last page inside the file; kInvalidArgument for a file that is not an LMDB data file at
+// all (`what` names the object for that message); kCorrupt naming the file and the damage
+// otherwise; kIoError when it cannot be read.
+Status CheckMdbDataFile(const std::filesystem::path& data_file, const std::string& what);
 
 }  // namespace stoke

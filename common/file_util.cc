@@ -1,6 +1,7 @@
 #include "common/file_util.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -140,6 +141,45 @@ std::string HumanBytes(double bytes) {
     ++u;
   }
   return u == 0 ? fmt::format("{:.0f} {}", bytes, units[u]) : fmt::format("{:.1f} {}", bytes, units[u]);
+}
+
+Result<FileLock> FileLock::TryAcquire(const std::filesystem::path& path, const std::string& what) {
+  // The owner removes the file on release while still holding the lock, so a process that opened
+  // the old file and then got its lock holds a lock on a name nobody sees: it checks that the
+  // locked file is still the one at `path`, and tries again when it is not.
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (fd < 0) return ErrnoStatus(errno, path, "open lock file");
+    FdCloser closer{fd};
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      const int err = errno;
+      if (err != EWOULDBLOCK) return ErrnoStatus(err, path, "lock");
+      char buf[32] = {};
+      const ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
+      std::string owner = n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
+      while (!owner.empty() && (owner.back() == '\n' || owner.back() == ' ')) owner.pop_back();
+      return UnavailableError(fmt::format("{}: another process{} holds {} (wait for it to finish, or stop it)",
+                                                 what, owner.empty() ? "" : " (pid " + owner + ")", path.string()));
+    }
+    struct stat locked {}, named {};
+    if (::fstat(fd, &locked) != 0) return ErrnoStatus(errno, path, "stat lock file");
+    if (::stat(path.c_str(), &named) != 0 || named.st_ino != locked.st_ino || named.st_dev != locked.st_dev) {
+      continue;  // released and removed between our open and our lock
+    }
+    const std::string pid = fmt::format("{}\n", ::getpid());
+    if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
+      return ErrnoStatus(errno, path, "write lock file");
+    }
+    closer.fd = -1;
+    return FileLock(path, fd);
+  }
+  return UnavailableError(fmt::format("{}: {} keeps being replaced by other processes", what, path.string()));
+}
+
+FileLock::~FileLock() {
+  if (fd_ < 0) return;
+  ::unlink(path_.c_str());  // while still locked: see TryAcquire
+  ::close(fd_);
 }
 
 }  // namespace stoke

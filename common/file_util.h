@@ -7,6 +7,7 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -34,6 +35,23 @@ Status WriteFileAtomic(const std::filesystem::path& path, const std::string& tex
 
 // fsyncs a directory, so that the names created, renamed or removed in it survive a crash.
 Status SyncDirectory(const std::filesystem::path& dir);
+
+// An exclusive advisory lock (flock) held on a lock file for as long as the object lives; the
+// file holds the owner's pid and is removed on release. Two processes asking for the same path:
+// the second gets kUnavailable naming `what` and the owner's pid, at once (no waiting).
+class FileLock {
+ public:
+  static Result<FileLock> TryAcquire(const std::filesystem::path& path, const std::string& what);
+  FileLock(FileLock&& other) noexcept : path_(std::move(other.path_)), fd_(std::exchange(other.fd_, -1)) {}
+  FileLock& operator=(FileLock&&) = delete;
+  FileLock(const FileLock&) = delete;
+  ~FileLock();
+
+ private:
+  FileLock(std::filesystem::path path, int fd) : path_(std::move(path)), fd_(fd) {}
+  std::filesystem::path path_;
+  int fd_ = -1;
+};
 
 // "1.5 MB", "312 KB", "17 B" (powers of 1000).
 std::string HumanBytes(double bytes);

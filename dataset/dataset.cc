@@ -92,10 +92,11 @@ Result<Dataset> Dataset::Open(const std::filesystem::path& path) {
   } else {
     flags |= MDB_NOSUBDIR;
   }
+  // Before LMDB maps it: LMDB takes an empty file for a new environment (and would write to it),
+  // divides by the page size its meta page holds, and faults on pages past the end of the file.
+  STOKE_RETURN_IF_ERROR(CheckMdbDataFile(data_file, where));
   const auto file_bytes = std::filesystem::file_size(data_file, ec);
   if (ec) return IoError(fmt::format("{}: {}", where, ec.message()));
-  // LMDB takes an empty file for a new environment and would try to write its first pages.
-  if (file_bytes == 0) return CorruptError(fmt::format("{}: the data file {} is empty", where, data_file.string()));
 
   Dataset d;
   d.path_ = path;

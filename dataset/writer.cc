@@ -52,6 +52,10 @@ Result<DatasetWriter> DatasetWriter::OpenForAppend(const std::filesystem::path& 
   if (!std::filesystem::exists(dir / "data.mdb", ec)) {
     return NotFoundError(dir.string() + ": no partial dataset here (no data.mdb)");
   }
+  // A damaged or truncated file would crash LMDB (or have records appended after a hole).
+  if (Status s = CheckMdbDataFile(dir / "data.mdb", dir.string()); !s.ok()) {
+    return Status(s.code(), s.message() + " (this interrupted pack cannot be resumed: pack again with --overwrite)");
+  }
   STOKE_ASSIGN_OR_RETURN(DatasetWriter w, OpenEnv(dir, options));
   STOKE_ASSIGN_OR_RETURN(MdbTxn txn, BeginTxn(w.env_.get(), MDB_RDONLY, dir.string()));
   MDB_dbi meta = 0, records = 0;

@@ -1,6 +1,7 @@
 // Tests for common/: Status/Result, CRC-32C, deterministic random numbers, progress lines.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -178,6 +179,28 @@ TEST(FileUtil, ReadAndAtomicWrite) {
   EXPECT_EQ(fifo.status().code(), StatusCode::kIoError);
   EXPECT_NE(fifo.status().message().find("not a regular file"), std::string::npos);
   EXPECT_EQ(HumanBytes(1500), "1.5 KB");
+}
+
+TEST(FileUtil, FileLockIsExclusiveNamesItsOwnerAndGoesAwayOnRelease) {
+  testing::TempDir dir;
+  const auto path = dir / "out.lock";
+  {
+    ASSERT_OK_AND_ASSIGN(FileLock held, FileLock::TryAcquire(path, "pack: out"));
+    ASSERT_TRUE(std::filesystem::exists(path));
+    // A second open file description (as another process has) cannot take it, and is told who holds it.
+    auto second = FileLock::TryAcquire(path, "pack: out");
+    ASSERT_FALSE(second.ok());
+    EXPECT_EQ(second.status().code(), StatusCode::kUnavailable);
+    EXPECT_NE(second.status().message().find("pack: out: another process (pid " + std::to_string(::getpid()) + ")"),
+              std::string::npos) << second.status().ToString();
+    EXPECT_NE(second.status().message().find(path.string()), std::string::npos) << second.status().ToString();
+    FileLock moved = std::move(held);  // the lock moves with the object
+    EXPECT_FALSE(FileLock::TryAcquire(path, "pack: out").ok());
+  }
+  EXPECT_FALSE(std::filesystem::exists(path));  // removed on release
+  ASSERT_OK_AND_ASSIGN(FileLock again, FileLock::TryAcquire(path, "pack: out"));
+  auto missing_dir = FileLock::TryAcquire(dir / "no" / "such.lock", "pack: x");
+  EXPECT_EQ(missing_dir.status().code(), StatusCode::kNotFound);
 }
 
 }  // namespace

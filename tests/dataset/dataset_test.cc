@@ -1,6 +1,7 @@
 // Tests for dataset/: the record format, writer and reader (identity, zero-copy views, damaged
 // files), and the sampler (determinism, permutations, shards).
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <array>
@@ -409,6 +410,77 @@ TEST(Dataset, TruncatedDataFileIsCorruptNotACrash) {
     ASSERT_FALSE(r.ok());
     EXPECT_EQ(r.status().code(), StatusCode::kCorrupt) << r.status().ToString();
     EXPECT_NE(r.status().message().find("truncated"), std::string::npos);
+  }
+}
+
+// LMDB trusts its meta pages: a page size of 0 divided by zero (SIGFPE), another size read the
+// wrong pages. Each damage is a kCorrupt naming the data file and the meta page, and the file's
+// type is checked before LMDB opens it.
+TEST(Dataset, DamagedMetaPagesAreCorruptNotACrash) {
+  TempDir dir;
+  WriteDataset(dir / "d", 20);
+  const std::vector<std::byte> good = testing::ReadBytes(dir / "d" / "data.mdb");
+  constexpr size_t kPageSizeAt = 40;  // the first meta page's page size field (meta page 1: + 4096)
+  struct Damage {
+    size_t at;
+    uint32_t page_size;
+    const char* want;
+  };
+  for (const Damage& d : {Damage{kPageSizeAt, 0, "meta page 0 is damaged (page size 0"},
+                          Damage{4096 + kPageSizeAt, 0, "meta page 1 is damaged (page size 0"},
+                          Damage{kPageSizeAt, 0x3000, "meta page 0 is damaged (page size 12288"},
+                          Damage{4096 + kPageSizeAt, 8192, "meta page 1 is damaged (page size 8192"}}) {
+    SCOPED_TRACE(d.want);
+    std::vector<std::byte> bad = good;
+    std::memcpy(bad.data() + d.at, &d.page_size, sizeof(d.page_size));
+    fs::remove_all(dir / "m");
+    fs::create_directories(dir / "m");
+    testing::WriteBytes(dir / "m" / "data.mdb", bad);
+    auto r = Dataset::Open(dir / "m");
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kCorrupt) << r.status().ToString();
+    EXPECT_NE(r.status().message().find(d.want), std::string::npos) << r.status().ToString();
+    EXPECT_NE(r.status().message().find((dir / "m" / "data.mdb").string()), std::string::npos);
+  }
+  // One page: the second meta page is missing.
+  testing::WriteBytes(dir / "m" / "data.mdb", std::vector<std::byte>(good.begin(), good.begin() + 4096));
+  auto one_page = Dataset::Open(dir / "m");
+  EXPECT_EQ(one_page.status().code(), StatusCode::kCorrupt) << one_page.status().ToString();
+  EXPECT_NE(one_page.status().message().find("truncated: 4096 bytes"), std::string::npos) << one_page.status().ToString();
+  // data.mdb that is a folder or a FIFO: named, and said what was expected.
+  fs::remove_all(dir / "m");
+  fs::create_directories(dir / "m" / "data.mdb");
+  auto folder = Dataset::Open(dir / "m");
+  EXPECT_NE(folder.status().message().find("data.mdb is not a regular file"), std::string::npos)
+      << folder.status().ToString();
+  fs::remove_all(dir / "m");
+  fs::create_directories(dir / "m");
+  ASSERT_EQ(::mkfifo((dir / "m" / "data.mdb").c_str(), 0600), 0);
+  auto fifo = Dataset::Open(dir / "m");
+  EXPECT_NE(fifo.status().message().find("data.mdb is not a regular file"), std::string::npos) << fifo.status().ToString();
+}
+
+// Resuming a partial dataset whose file lost its tail crashed LMDB (SIGBUS) or appended records
+// after the hole and reported success; it is refused, saying the pack must start over.
+TEST(Dataset, DamagedPartialDatasetIsNotResumed) {
+  TempDir dir;
+  {
+    auto writer = DatasetWriter::Create(dir / "p", {});
+    ASSERT_TRUE(writer.ok());
+    for (int i = 0; i < 40; ++i) writer->Append(RecordHeader{}, RandomPayload(20000, static_cast<uint32_t>(i)), "a");
+    ASSERT_OK(writer->Commit("{\"next_input\": 40}"));
+  }  // dropped without Finish(): like a killed pack
+  const auto full = fs::file_size(dir / "p" / "data.mdb");
+  for (uintmax_t size : {uintmax_t{8192}, uintmax_t{12288}, full / 2, full - 4096}) {
+    SCOPED_TRACE(size);
+    fs::remove_all(dir / "t");
+    fs::copy(dir / "p", dir / "t");
+    fs::resize_file(dir / "t" / "data.mdb", size);
+    auto r = DatasetWriter::OpenForAppend(dir / "t", {});
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kCorrupt) << r.status().ToString();
+    EXPECT_NE(r.status().message().find("truncated"), std::string::npos) << r.status().ToString();
+    EXPECT_NE(r.status().message().find("--overwrite"), std::string::npos) << r.status().ToString();
   }
 }
 

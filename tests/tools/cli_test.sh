@@ -47,6 +47,13 @@ pack_from_fifo() {  # pack_from_fifo SIGNAL(0: none, else INT or TERM) pack-args
 check pack_interrupted 130 "interrupted; 0 records of train kept .*--resume" -- pack_from_fifo INT
 check pack_terminated 143 "interrupted; 0 records of train kept .*--resume" -- pack_from_fifo TERM --resume
 check pack_interrupted_resumed 0 "train: 3 records" -- pack_from_fifo 0 --resume
+# A second pack into an output another one is writing is refused, and touches nothing: flock(1)
+# holds the output's lock as a running pack would.
+check pack_locked 1 "another process .*locked.lmdb.lock" -- \
+  flock "$work/locked.lmdb.lock" "$stoke" pack "$work/src" "$work/locked.lmdb" -q --overwrite
+check pack_locked_left_nothing 1 "" -- test -e "$work/locked.lmdb.partial" -o -e "$work/locked.lmdb"
+check pack_unlocked 0 "train: 30 records" -- "$stoke" pack "$work/src" "$work/locked.lmdb" -q
+check pack_lock_removed 1 "" -- test -e "$work/locked.lmdb.lock"
 check inspect 0 "records +30" -- "$stoke" inspect "$work/ds.lmdb"
 check inspect_json 0 '"records": 30' -- "$stoke" inspect "$work/ds.lmdb" --json
 check inspect_verify 0 "30 records checked, 0 bad" -- "$stoke" inspect "$work/ds.lmdb" --verify

@@ -587,6 +587,15 @@ class SplitPacker {
     SplitSummary summary{job_.name, job_.output, static_cast<int64_t>(job_.inputs.size())};
     const fs::path partial = PartialPath(job_.output);
     std::error_code ec;
+    // One pack at a time per output: a second one would remove or append to the partial
+    // dataset the first is writing, and each would then publish over the other's.
+    fs::path lock_path = job_.output;
+    lock_path += ".lock";
+    if (lock_path.has_parent_path()) {
+      fs::create_directories(lock_path.parent_path(), ec);
+      if (ec) return IoError(fmt::format("pack: {}: {}", lock_path.parent_path().string(), ec.message()));
+    }
+    STOKE_ASSIGN_OR_RETURN(FileLock lock, FileLock::TryAcquire(lock_path, "pack: " + job_.output.string()));
     const bool have_partial = fs::exists(partial, ec);
     if (o_.resume && have_partial && dataset::Dataset::Open(partial).ok()) {
       // Finished but not renamed (stopped between the last commit and the rename).
