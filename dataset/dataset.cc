@@ -12,6 +12,7 @@
 
 #include <fmt/format.h>
 
+#include "common/digest.h"
 #include "common/map_guard.h"
 #include "dataset/writer.h"
 
@@ -188,6 +189,31 @@ Result<RecordView> Dataset::CheckRecord(std::span<const std::byte> value, int64_
                                     manifest_.classes.size()));
   }
   return record;
+}
+
+uint64_t Dataset::Fingerprint() const {
+  uint64_t h = Fnv1a(fmt::format("{} records, {} payload bytes\n", manifest_.records, manifest_.payload_bytes));
+  for (size_t c = 0; c < manifest_.classes.size(); ++c) {
+    h = Fnv1a(fmt::format("{}\t{}\n", manifest_.classes[c], manifest_.class_counts[c]), h);
+  }
+  const int64_t n = size();
+  if (n == 0) return h;
+  auto reader = NewReader({.verify_crc = false});
+  if (!reader.ok()) return Fnv1a(reader.status().message(), h);
+  constexpr int64_t kSamples = 64;
+  for (int64_t i = 0; i < std::min(n, kSamples); ++i) {
+    const int64_t index = n <= kSamples ? i : i * (n - 1) / (kSamples - 1);
+    auto record = reader->Get(index);
+    if (!record.ok()) {
+      h = Fnv1a(fmt::format("record {} unreadable\n", index), h);
+      continue;
+    }
+    const RecordHeader& r = record->header;
+    h = Fnv1a(fmt::format("{} {} {} {} {} {} {}\n", index, r.label, r.width, r.height, r.channels, r.payload_size,
+                          r.crc32c),
+              h);
+  }
+  return h;
 }
 
 Result<RecordView> Reader::Check(const MDB_val& value, int64_t index) const {

@@ -59,6 +59,11 @@ class Dataset {
   // pages (the payloads are not read: about 1% of the file). A record whose extent is missing,
   // out of sequence or outside the file gets size 0. kCorrupt when the table cannot be walked.
   Result<std::vector<RecordExtent>> RecordExtents() const;
+  // A digest of what the dataset holds, for telling copies apart (ranks of a data-parallel run
+  // must read the same data): the manifest's counts, classes and payload bytes, and the stored
+  // header (label, size, CRC) of 64 records spread over the dataset. Equal for byte copies; a few
+  // random reads.
+  uint64_t Fingerprint() const;
   // Checks a stored value read by other means exactly as Reader::Get does: parse, CRC (when
   // `verify_crc`) and label range. The view points into `value`.
   Result<RecordView> CheckRecord(std::span<const std::byte> value, int64_t index, bool verify_crc) const;

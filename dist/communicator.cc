@@ -88,15 +88,19 @@ LaunchInfo DetectLaunch() {
   struct Source {
     const char* launcher;
     const char *rank, *size, *local;
+    const char* only_with = nullptr;  // a variable that must be set too
   };
   // Open MPI's own launcher first: under `srun` inside an mpirun job both sets may be present.
+  // Slurm's batch script has SLURM_PROCID 0 and the job's SLURM_NTASKS as well, but it is not a
+  // task of a step: only srun's tasks have SLURM_STEP_ID, and the step's own task count.
   static constexpr Source kSources[] = {
       {"mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"},
       {"pmix", "PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK"},
-      {"srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"},
+      {"srun", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_STEP_ID"},
       {"pmi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"},
   };
   for (const Source& s : kSources) {
+    if (s.only_with != nullptr && std::getenv(s.only_with) == nullptr) continue;
     const int rank = EnvInt(s.rank), size = EnvInt(s.size);
     if (rank < 0 || size < 1 || rank >= size) continue;
     // srun sets SLURM_PROCID for any job step, including a plain `srun stoke` of one task: that is a
@@ -163,6 +167,8 @@ struct Communicator::Impl {
   std::condition_variable cv;
   std::deque<Task> queue;
   bool closing = false;
+  bool exited = false;  // under mu: the thread is done with MPI (finalised or given up)
+  std::condition_variable exited_cv;
   std::atomic<bool> broken{false};
   std::string broken_reason;  // under mu
 
@@ -327,6 +333,11 @@ Result<std::unique_ptr<Communicator>> Communicator::Create(CommunicatorOptions o
     impl->Loop();
     // A broken world (a collective timed out) cannot finalise: the process is ending anyway.
     if (!impl->broken.load()) MPI_Finalize();
+    {
+      std::lock_guard lock(impl->mu);
+      impl->exited = true;
+    }
+    impl->exited_cv.notify_all();
   });
   Started s = future.get();
   if (!s.status.ok()) {
@@ -346,10 +357,22 @@ Result<std::unique_ptr<Communicator>> Communicator::Create(CommunicatorOptions o
 Communicator::~Communicator() {
   if (!impl_ || !impl_->thread.joinable()) return;
   {
-    std::lock_guard lock(impl_->mu);
+    std::unique_lock lock(impl_->mu);
     impl_->closing = true;
+    impl_->cv.notify_all();
+    // The thread runs what is still queued, then MPI_Finalize, which waits for every rank. A rank
+    // leaving on its own error (the others still in a collective) would wait here for good: after
+    // the collective timeout the world is ended instead, saying why.
+    const double limit_s = options_.timeout_s > 0 ? options_.timeout_s : 300;
+    if (!impl_->broken.load() &&
+        !impl_->exited_cv.wait_for(lock, std::chrono::duration<double>(limit_s), [&] { return impl_->exited; })) {
+      lock.unlock();
+      Abort(UnavailableError(fmt::format(
+          "dist: shutting down, MPI has not finished after {:.0f} s (collectives still queued, or MPI_Finalize "
+          "waiting): another rank has stopped, failed or is stuck",
+          limit_s)));
+    }
   }
-  impl_->cv.notify_all();
   if (impl_->broken.load()) {
     impl_->thread.detach();  // it may be blocked in MPI for good
   } else {

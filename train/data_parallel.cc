@@ -7,6 +7,8 @@
 
 #include <fmt/format.h>
 
+#include "common/digest.h"
+
 namespace stoke::train {
 
 Status DataParallel::AttachGradients(std::span<float> flat, std::vector<GradientSlice> slices) {
@@ -78,28 +80,18 @@ Status DataParallel::AverageOverRanks(std::span<float> values) {
   return comm_.AllReduce(values.data(), values.size(), dist::DataType::kFloat32, dist::ReduceOp::kAvg).Wait();
 }
 
-namespace {
-
-uint64_t Fnv(uint64_t h, const void* data, size_t bytes) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 1099511628211ull;
-  return h;
-}
-
-}  // namespace
-
-uint64_t TextDigest(std::string_view text) { return Fnv(1469598103934665603ull, text.data(), text.size()); }
+uint64_t TextDigest(std::string_view text) { return Fnv1a(text); }
 
 namespace {
 
 // Names and shapes of a state, as one digest.
 uint64_t LayoutDigest(const std::vector<NamedTensor>& state) {
-  uint64_t h = 1469598103934665603ull;
+  uint64_t h = kFnvBasis;
   for (const NamedTensor& t : state) {
-    h = Fnv(h, t.name.data(), t.name.size() + 1);
-    h = Fnv(h, t.dims.data(), t.dims.size() * sizeof(int64_t));
+    h = Fnv1a(t.name.data(), t.name.size() + 1, h);
+    h = Fnv1a(t.dims.data(), t.dims.size() * sizeof(int64_t), h);
     const uint64_t n = t.values.size();
-    h = Fnv(h, &n, sizeof n);
+    h = Fnv1a(&n, sizeof n, h);
   }
   return h;
 }
@@ -114,7 +106,7 @@ Result<uint64_t> StateDigest(const Network& net, bool running_stats) {
     });
   }
   uint64_t h = LayoutDigest(state);
-  for (const NamedTensor& t : state) h = Fnv(h, t.values.data(), t.values.size() * sizeof(float));
+  for (const NamedTensor& t : state) h = Fnv1a(t.values.data(), t.values.size() * sizeof(float), h);
   return h;
 }
 

@@ -242,6 +242,31 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     return OkStatus();
   }();
   STOKE_RETURN_IF_ERROR(agree(setup));
+  if (world > 1) {
+    // The same config is not the same data: each rank opens its own copy, and a copy with other
+    // records (or the classes' folders swapped) would train silently on other labels, or fail
+    // later in a collective of another size.
+    struct Print {
+      uint64_t train = 0, val = 0;
+      int64_t train_records = 0, val_records = 0;
+    } mine{train_set->Fingerprint(), val_set ? val_set->Fingerprint() : 0, train_set->size(),
+           val_set ? val_set->size() : 0};
+    std::vector<Print> all(static_cast<size_t>(world));
+    STOKE_RETURN_IF_ERROR(must(comm->AllGather(&mine, sizeof mine, all.data()).Wait()));
+    Status same = OkStatus();
+    auto differs = [&](const char* key, const std::string& path, int64_t records, int64_t first_records) {
+      same = InvalidArgumentError(fmt::format(
+          "{}: data.{} {} ({} records) differs from rank 0's ({} records): every rank must read a copy of the same "
+          "dataset",
+          config.source, key, path, records, first_records));
+    };
+    if (mine.train != all[0].train) {
+      differs("train", config.data.train, mine.train_records, all[0].train_records);
+    } else if (mine.val != all[0].val) {
+      differs("val", config.data.val, mine.val_records, all[0].val_records);
+    }
+    STOKE_RETURN_IF_ERROR(agree(same));
+  }
   // Only once every rank has its network: attaching may itself be collective (NCCL's set-up).
   STOKE_RETURN_IF_ERROR(agree(net->SetStepSync(&dp)));
 

@@ -60,6 +60,15 @@ config bad 1 ", on_error: fail"
 sed -i "s|train: $work/train.lmdb|train: $work/damaged.lmdb|" "$work/bad.yaml"
 check bad_record_fails_every_rank 1 "rank [01].*record" -- \
   timeout 120 "${mpi[@]}" -np 2 "$stoke" train --config "$work/bad.yaml" -q
+# A rank failing alone inside `stoke bench train` (its loader meets the record) ends every rank at
+# once, saying why; it used to wait in MPI_Finalize while the others waited in a collective.
+check bench_rank_failure_ends_every_rank 1 "rank [01] of 2 .*record .*ending every rank" -- \
+  timeout 120 "${mpi[@]}" -np 2 "$stoke" bench train --config "$work/bad.yaml" --seconds 1 --repeats 1
+# The same config on other data: a rank whose copy holds other records is refused before training.
+config elsewhere 1
+sed -i "s|train: $work/train.lmdb|train: $work/train_val.lmdb|" "$work/elsewhere.yaml"
+check data_differs_on_one_rank 1 "rank 1 \(.*\) failed: .*data.train .*train_val.lmdb \([0-9]+ records\) differs from rank 0's" -- \
+  timeout 120 "${mpi[@]}" -np 1 "$stoke" train --config "$work/odd.yaml" -q : -np 1 "$stoke" train --config "$work/elsewhere.yaml" -q
 config skip 1 ", max_skip_fraction: 0.1"
 sed -i "s|train: $work/train.lmdb|train: $work/damaged.lmdb|" "$work/skip.yaml"
 check bad_record_skipped 0 "bad records skipped: 1" -- \

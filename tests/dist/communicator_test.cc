@@ -7,8 +7,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -25,6 +27,45 @@ Communicator& Comm() { return *test::World(); }
 
 // Sizes that do not fall on any power of two, page or chunk boundary.
 const std::vector<size_t> kAwkward = {0, 1, 3, 7, 1023, 4097, 65537, (size_t{1} << 20) + 3};
+
+// Which launcher started this process, from the environment alone (saved and put back: under
+// mpirun this process has Open MPI's variables).
+TEST(Launch, SlurmsBatchScriptIsNotATaskOfAStep) {
+  static constexpr const char* kNames[] = {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                                           "PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS",
+                                           "SLURM_LOCALID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "PMI_RANK",
+                                           "PMI_SIZE", "MPI_LOCALRANKID"};
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved;
+  for (const char* name : kNames) {
+    const char* v = std::getenv(name);
+    saved.emplace_back(name, v ? std::optional<std::string>(v) : std::nullopt);
+    ::unsetenv(name);
+  }
+  auto detect = [](std::vector<std::pair<const char*, const char*>> env) {
+    for (auto [k, v] : env) ::setenv(k, v, 1);
+    LaunchInfo info = DetectLaunch();
+    for (auto [k, v] : env) ::unsetenv(k);
+    return info;
+  };
+  // `sbatch --ntasks=2` running stoke itself: the batch step, a world of one.
+  LaunchInfo batch = detect({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "0"}});
+  EXPECT_EQ(batch.size, 1);
+  EXPECT_EQ(batch.launcher, "");
+  // `srun -n 3` inside that job: task 2 of the step's 3 (the job's SLURM_NTASKS is 4 here).
+  LaunchInfo task = detect({{"SLURM_PROCID", "2"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "1"}, {"SLURM_STEP_ID", "0"},
+                            {"SLURM_STEP_NUM_TASKS", "3"}});
+  EXPECT_EQ(task.launcher, "srun");
+  EXPECT_EQ(task.rank, 2);
+  EXPECT_EQ(task.size, 3);
+  EXPECT_EQ(task.local_rank, 1);
+  LaunchInfo ompi = detect({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"SLURM_PROCID", "0"},
+                            {"SLURM_NTASKS", "2"}});
+  EXPECT_EQ(ompi.launcher, "mpirun");
+  EXPECT_EQ(ompi.rank, 1);
+  for (const auto& [k, v] : saved) {
+    if (v) ::setenv(k.c_str(), v->c_str(), 1);
+  }
+}
 
 TEST(Collectives, AllReduceSumAvgMaxMinOfAwkwardSizes) {
   const int r = Comm().rank(), w = Comm().size();

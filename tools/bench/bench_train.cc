@@ -1,6 +1,8 @@
 #include <cctype>
 #include <algorithm>
 #include <chrono>
+#include <functional>
+#include <memory>
 #include <cmath>
 #include <cstdio>
 #include <thread>
@@ -81,16 +83,11 @@ Result<PeerRun> RunPeer(const TrainBenchOptions& t, const std::filesystem::path&
   return PeerRun{j.value("img_s", 0.0), j.value("torch", std::string("?")), j.value("params", int64_t{0})};
 }
 
-}  // namespace
-
-Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t) {
-  STOKE_ASSIGN_OR_RETURN(train::TrainConfig c, train::LoadConfig(t.config.string()));
-  if (o.threads > 0) c.compute_threads = o.threads, c.data.threads = o.threads;
-  // Under mpirun or srun: one rank of a data-parallel step (the same as `stoke train` takes).
-  STOKE_ASSIGN_OR_RETURN(auto comm, dist::Communicator::Create({.timeout_s = c.dist.timeout_s}));
+// The bench itself, on one rank of `comm`'s world. `agree` decides a status with every rank.
+Result<std::string> RunTrainBench(const BenchOptions& o, const TrainBenchOptions& t, train::TrainConfig& c,
+                                  const std::unique_ptr<dist::Communicator>& comm,
+                                  const std::function<Status(const Status&)>& agree) {
   const int world = comm->size(), rank = comm->rank();
-  if (t.peer && world > 1) return InvalidArgumentError("bench train: --peer measures one process; run it without mpirun");
-  auto agree = [&](const Status& s) { return world > 1 ? comm->Agree(s) : s; };
   auto db = dataset::Dataset::Open(c.data.train);
   STOKE_RETURN_IF_ERROR(agree(db.status()));
   auto created = train::CreateNetwork(c, comm.get());
@@ -343,6 +340,29 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
     }
     STOKE_RETURN_IF_ERROR(WriteFileAtomic(o.json_out, j.dump(2) + "\n"));
   }
+  return out;
+}
+
+}  // namespace
+
+Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t) {
+  STOKE_ASSIGN_OR_RETURN(train::TrainConfig c, train::LoadConfig(t.config.string()));
+  if (o.threads > 0) c.compute_threads = o.threads, c.data.threads = o.threads;
+  // Under mpirun or srun: one rank of a data-parallel step (the same as `stoke train` takes).
+  STOKE_ASSIGN_OR_RETURN(auto comm, dist::Communicator::Create({.timeout_s = c.dist.timeout_s}));
+  const int world = comm->size();
+  if (t.peer && world > 1) return InvalidArgumentError("bench train: --peer measures one process; run it without mpirun");
+  bool agreed_failure = false;
+  auto agree = [&](const Status& s) {
+    Status decided = world > 1 ? comm->Agree(s) : s;
+    if (!decided.ok()) agreed_failure = true;
+    return decided;
+  };
+  Result<std::string> out = RunTrainBench(o, t, c, comm, agree);
+  // A failure on this rank alone (its loader, its step, a collective that timed out) leaves the
+  // other ranks waiting in a collective, and this one in MPI_Finalize: every rank ends now, told
+  // why. Failures the ranks agreed on end every rank already.
+  if (!out.ok() && world > 1 && !agreed_failure) comm->Abort(out.status());
   return out;
 }
 

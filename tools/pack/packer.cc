@@ -28,6 +28,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "common/digest.h"
 #include "common/file_util.h"
 #include "common/limits.h"
 #include "common/logging.h"
@@ -437,11 +438,6 @@ Processed ProcessInput(const Input& input, const PackOptions& o, Worker& w) {
 }
 
 // ---- Splits, order and identity ---------------------------------------------------------------
-
-uint64_t Fnv1a(std::string_view s, uint64_t h = 0xcbf29ce484222325ull) {
-  for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
-  return h;
-}
 
 nlohmann::json OptionsJson(const PackOptions& o) {
   return {{"max_side", o.max_side},
