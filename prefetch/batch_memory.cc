@@ -178,8 +178,14 @@ Status BatchMemory::MarkConsumed(int slot, void* stream) {
   STOKE_CUDA_RETURN(cudaGetDevice(&current));
   STOKE_CUDA_RETURN(cudaSetDevice(device_));
   const cudaError_t rc = cudaEventRecord(cuda_->consumed[static_cast<size_t>(slot)], static_cast<cudaStream_t>(stream));
+  // Without the event, the slot's next copy would wait on its previous one and could overwrite a
+  // batch the consumer is still reading: wait for the consumer's stream here instead.
+  const cudaError_t synced = rc == cudaSuccess ? cudaSuccess : cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
   STOKE_CUDA_RETURN(cudaSetDevice(current));
-  return rc == cudaSuccess ? OkStatus() : CudaError(rc, "recording the slot's consumed event");
+  if (rc == cudaSuccess) return OkStatus();
+  return CudaError(synced != cudaSuccess ? synced : rc,
+                   synced != cudaSuccess ? "waiting for the consumer's stream (its event could not be recorded)"
+                                         : "recording the slot's consumed event");
 }
 
 #else  // !STOKE_WITH_CUDA

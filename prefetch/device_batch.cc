@@ -57,6 +57,10 @@ Status NormalizeOnDevice(const uint8_t* images, int valid, int total, int64_t pi
   }
   if (int64_t{total} * pixels == 0) return OkStatus();
 #if STOKE_WITH_CUDA
+  // An error left by earlier work (asynchronous, or sticky) is named as such, not as this launch's.
+  if (const cudaError_t pending = cudaPeekAtLastError(); pending != cudaSuccess) {
+    return Failed(pending, "an earlier CUDA error, pending before the normalise kernel");
+  }
   const cudaError_t rc = detail::LaunchNormalize(images, int64_t{valid} * pixels, int64_t{total} * pixels, channels,
                                                  scale, shift, static_cast<int>(t), dst,
                                                  static_cast<cudaStream_t>(stream));

@@ -448,9 +448,15 @@ struct LoaderState {
 
   void ReleaseSlot(int id, void* stream) {
     Status s = memory->MarkConsumed(id, stream);
-    if (!s.ok()) STOKE_LOG(ERROR, "loader: {}", s.message());
     STOKE_TSAN_RELEASE(slots[static_cast<size_t>(id)].get());
     leased.fetch_sub(1);
+    if (!s.ok()) {
+      // The device failed under the consumer: the slot is not filled again (its batch may still
+      // be in use), and the consumer's next Next() reports why.
+      failing = true;
+      PushReady(Ready{Ready::kError, -1, s.Prepend("loader: returning a batch")});
+      return;
+    }
     free.push(id);
   }
 
@@ -469,7 +475,9 @@ struct LoaderState {
 
 // --- BatchLease ---
 
-BatchLease::~BatchLease() { Release(); }
+BatchLease::~BatchLease() {
+  if (slot_ >= 0) Release(state_->o.consumer_stream);
+}
 
 BatchLease::BatchLease(BatchLease&& other) noexcept
     : state_(std::move(other.state_)), slot_(other.slot_), batch_(other.batch_) {
@@ -479,7 +487,7 @@ BatchLease::BatchLease(BatchLease&& other) noexcept
 
 BatchLease& BatchLease::operator=(BatchLease&& other) noexcept {
   if (this != &other) {
-    Release();
+    if (slot_ >= 0) Release(state_->o.consumer_stream);
     state_ = std::move(other.state_);
     slot_ = other.slot_;
     batch_ = other.batch_;

@@ -83,6 +83,10 @@ struct LoaderOptions {
   int64_t epochs = 1;
   DeviceMode device = DeviceMode::kAuto;
   int device_id = 0;
+  // The consumer's CUDA stream (a cudaStream_t): where a lease returned without naming one (its
+  // destructor, on an error path) records that the consumer is done with the slot. nullptr: the
+  // legacy default stream, which does not order work on a non-blocking stream.
+  void* consumer_stream = nullptr;
   // The storage stage: records read ahead in sampler order within a memory budget (see
   // prefetch/storage.h); off, decoders read each record through the map.
   StorageOptions storage;
@@ -162,7 +166,8 @@ class BatchLease {
   const Batch& operator*() const { return *batch_; }
   const Batch* operator->() const { return batch_; }
   // Returns the slot. With a device, `stream` (a cudaStream_t, nullptr = default stream) is where
-  // the consumer queued its work on device_images: the next copy into the slot waits for it.
+  // the consumer queued its work on device_images: the next copy into the slot waits for it. The
+  // destructor releases on LoaderOptions::consumer_stream.
   void Release(void* stream = nullptr);
 
  private:

@@ -73,6 +73,8 @@ class CudaNetwork final : public Network {
   const std::vector<std::string>& FallbackKernels() const;
   // "layer: operation" for each cuDNN step whose only engines cuDNN marks non-deterministic.
   const std::vector<std::string>& NondeterministicSteps() const;
+  // "layer: operation" for each float32 step whose only cuDNN engines round inputs to TF32.
+  const std::vector<std::string>& RoundedFloat32Steps() const;
   // Float16: the current loss scale and the updates skipped for overflowing gradients.
   float loss_scale() const;
   int64_t skipped_steps() const;

@@ -477,6 +477,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
       if (net->stream() != nullptr) {
         o.device = prefetch::DeviceMode::kCuda;
         o.device_id = net->options().device;
+        o.consumer_stream = net->stream();
       }
       STOKE_ASSIGN_OR_RETURN(auto loader, prefetch::Loader::Create(*val_set, o));
       while (true) {
@@ -548,6 +549,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     if (net->stream() != nullptr) {  // batches copied by the ring to the network's GPU
       lo.device = prefetch::DeviceMode::kCuda;
       lo.device_id = net->options().device;
+      lo.consumer_stream = net->stream();
     }
     lo.start_epoch = step / steps_per_epoch;
     lo.start_batch = step % steps_per_epoch;
@@ -692,6 +694,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     summary.seconds = Seconds(Clock::now() - loop_start);
     summary.images_per_s = summary.seconds > 0 ? static_cast<double>(samples_total) / summary.seconds : 0;
     summary.data_wait = summary.seconds > 0 ? wait_total / summary.seconds : 0;
+    summary.device_batches = loader->stats().pinned;
     if (Status gathered = gather_bad_records(*loader); failure.ok()) failure = gathered;
     summary.bad_records = static_cast<int64_t>(bad_seen.size());
     summary.comm_s = dp.stats().comm_s;
@@ -737,8 +740,9 @@ std::string FormatSummary(const TrainSummary& s) {
   std::string out = fmt::format("backend {}: steps {} -> {} of {} ({} per epoch){}\n", s.backend, s.start_step, s.steps,
                                 s.total_steps, s.steps_per_epoch, s.stopped ? ", stopped early" : "");
   if (s.seconds > 0) {
-    out += fmt::format("training: {:.1f} s, {:.1f} images/s, data-wait {:.1f}% of step time\n", s.seconds,
-                       s.images_per_s, 100 * s.data_wait);
+    out += fmt::format("training: {:.1f} s, {:.1f} images/s, data-wait {:.1f}% of step time{}\n", s.seconds,
+                       s.images_per_s, 100 * s.data_wait,
+                       s.device_batches ? " (batches copied to the GPU from the pinned ring)" : "");
   }
   if (s.last_epoch.count > 0) {
     out += fmt::format("last epoch: loss {:.4f}, top-1 {:.2f}% (training, augmented)\n", s.last_epoch.loss(),

@@ -52,6 +52,7 @@ struct TrainSummary {
   int64_t skipped_steps = 0;  // steps every rank skipped (the loss or gradient not finite)
   int64_t overflow_steps = 0;  // float16 steps skipped by dynamic loss scaling (the scale halved)
   double data_wait = 0;       // fraction of the loop spent waiting for batches
+  bool device_batches = false;  // the loader's pinned ring copied the batches to the GPU
   BatchStats last_epoch;      // training statistics of the last (partial) epoch
   bool has_val = false;
   BatchStats val;             // the last evaluation

@@ -139,6 +139,9 @@ int CompareWithTheCpu(const Case& c, Precision precision, bool fuse) {
     for (const auto& f : gpu->NondeterministicSteps()) {
       std::printf("[%s] non-deterministic engine: %s\n", c.name.c_str(), f.c_str());
     }
+    for (const auto& f : gpu->RoundedFloat32Steps()) {
+      std::printf("[%s] float32 engine rounding to TF32: %s\n", c.name.c_str(), f.c_str());
+    }
 
     // The same seed gives the same starting parameters on both backends.
     ASSERT_OK_AND_ASSIGN(const auto cpu_state, cpu->State());
@@ -163,6 +166,20 @@ int CompareWithTheCpu(const Case& c, Precision precision, bool fuse) {
       EXPECT_LE(err, tol.grads) << cpu_grads[i].name;
       std::printf("[%s %s%s] %-14s gradient relative error %.2e\n", c.name.c_str(),
                   std::string(PrecisionName(precision)).c_str(), fuse ? " fused" : "", cpu_grads[i].name.c_str(), err);
+    }
+    // Batch norm's running statistics after that training pass: the same update on both backends
+    // (momentum, and the unbiased batch variance), which evaluation then relies on.
+    ASSERT_OK_AND_ASSIGN(const auto cpu_after, cpu->State());
+    ASSERT_OK_AND_ASSIGN(const auto gpu_after, gpu->State());
+    ASSERT_EQ(cpu_after.size(), gpu_after.size());
+    for (size_t i = 0; i < cpu_after.size(); ++i) {
+      const std::string& name = cpu_after[i].name;
+      if (!name.ends_with(".running_mean") && !name.ends_with(".running_var")) continue;
+      EXPECT_NE(cpu_after[i].values, cpu_state[i].values) << name << ": the training pass did not move it";
+      const double err = RelativeError(gpu_after[i].values, cpu_after[i].values);
+      EXPECT_LE(err, tol.grads) << name;
+      std::printf("[%s %s%s] %-14s relative error %.2e\n", c.name.c_str(), std::string(PrecisionName(precision)).c_str(),
+                  fuse ? " fused" : "", name.c_str(), err);
     }
   }();
   return fused;
@@ -607,29 +624,35 @@ TEST(CudaDataParallel, HostStagedAtAWorldOfOneChangesNothing) {
 // so in BatchStats::skipped, as the CPU backend does, rather than ending the run; the parameters
 // stay as they were and the next finite step trains.
 void NonFiniteLossSkipsTheStep(DeviceComm how) {
-  auto comm = dist::Communicator::Single();
-  DataParallel dp(*comm);
-  auto made = AtAWorldOfOne(Options(Cases()[0].layers, Precision::kBFloat16), how, dp);
-  if (!made.ok() && NcclMissing(made.status())) GTEST_SKIP() << made.status().message();
-  ASSERT_OK_AND_ASSIGN(auto net, std::move(made));
-  ASSERT_OK_AND_ASSIGN(const auto start, net->State());
-  auto huge = start;
-  for (auto& t : huge) {
-    if (t.name.ends_with("weight")) {
-      for (auto& v : t.values) v *= 1e35f;  // bfloat16 logits overflow to infinity
+  // Case 1 has batch norm: its running statistics, moved by the non-finite forward pass, are put
+  // back with the parameters (State() holds them).
+  for (const Case& c : {Cases()[0], Cases()[1]}) {
+    SCOPED_TRACE(c.name);
+    auto comm = dist::Communicator::Single();
+    DataParallel dp(*comm);
+    auto made = AtAWorldOfOne(Options(c.layers, Precision::kBFloat16), how, dp);
+    if (!made.ok() && NcclMissing(made.status())) GTEST_SKIP() << made.status().message();
+    ASSERT_OK_AND_ASSIGN(auto net, std::move(made));
+    ASSERT_OK_AND_ASSIGN(const auto start, net->State());
+    auto huge = start;
+    for (auto& t : huge) {
+      if (t.name.ends_with("weight")) {
+        for (auto& v : t.values) v *= 1e35f;  // bfloat16 logits overflow to infinity
+      }
     }
+    ASSERT_OK(net->LoadState(huge));
+    const Task task = MakeTask(1, 8, 16);
+    SgdOptions sgd;
+    ASSERT_OK_AND_ASSIGN(const BatchStats bad, net->TrainStep(task.Get(0, 8, 16), 0.1f, sgd, 0));
+    EXPECT_EQ(bad.skipped, 1);
+    ASSERT_OK_AND_ASSIGN(const auto after, net->State());
+    ASSERT_EQ(after.size(), huge.size());
+    for (size_t i = 0; i < huge.size(); ++i) EXPECT_EQ(after[i].values, huge[i].values) << huge[i].name;
+    ASSERT_OK(net->LoadState(start));
+    ASSERT_OK_AND_ASSIGN(const BatchStats good, net->TrainStep(task.Get(0, 8, 16), 0.1f, sgd, 1));
+    EXPECT_EQ(good.skipped, 0);
+    EXPECT_TRUE(std::isfinite(good.loss_sum));
   }
-  ASSERT_OK(net->LoadState(huge));
-  const Task task = MakeTask(1, 8, 16);
-  SgdOptions sgd;
-  ASSERT_OK_AND_ASSIGN(const BatchStats bad, net->TrainStep(task.Get(0, 8, 16), 0.1f, sgd, 0));
-  EXPECT_EQ(bad.skipped, 1);
-  ASSERT_OK_AND_ASSIGN(const auto after, net->State());
-  for (size_t i = 0; i < huge.size(); ++i) EXPECT_EQ(after[i].values, huge[i].values) << huge[i].name;
-  ASSERT_OK(net->LoadState(start));
-  ASSERT_OK_AND_ASSIGN(const BatchStats good, net->TrainStep(task.Get(0, 8, 16), 0.1f, sgd, 1));
-  EXPECT_EQ(good.skipped, 0);
-  EXPECT_TRUE(std::isfinite(good.loss_sum));
 }
 
 TEST(CudaDataParallel, NcclNonFiniteLossSkipsTheStep) {
@@ -907,6 +930,7 @@ run_dir: {0}/run
   run.progress = false;
   ASSERT_OK_AND_ASSIGN(TrainSummary s, Train(c, run));
   EXPECT_EQ(s.backend, "cuda");
+  EXPECT_TRUE(s.device_batches) << "the batches did not come through the pinned ring's device copies";
   ASSERT_TRUE(s.has_val);
   EXPECT_GE(s.val.top1_rate(), 0.75) << FormatSummary(s);
   EXPECT_GE(s.data_wait, 0.0);

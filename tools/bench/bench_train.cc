@@ -133,6 +133,7 @@ Result<std::string> RunTrainBench(const BenchOptions& o, const TrainBenchOptions
   if (net->stream() != nullptr) {
     lo.device = prefetch::DeviceMode::kCuda;
     lo.device_id = net->options().device;
+    lo.consumer_stream = net->stream();
   }
   auto loader_or = prefetch::Loader::Create(*db, lo);
   STOKE_RETURN_IF_ERROR(agree(loader_or.status()));

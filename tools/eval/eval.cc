@@ -53,6 +53,7 @@ Result<std::unique_ptr<prefetch::Loader>> ValidationLoader(const train::TrainedM
   lo.max_skip_fraction = max_skip_fraction;
   lo.device = net.stream() != nullptr ? prefetch::DeviceMode::kCuda : prefetch::DeviceMode::kHost;
   lo.device_id = net.options().device;
+  lo.consumer_stream = net.stream();
   return prefetch::Loader::Create(data, lo);
 }
 

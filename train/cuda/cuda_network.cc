@@ -212,6 +212,7 @@ class Net {
   int64_t running_floats = 0;
   std::vector<std::string> fallbacks;
   std::vector<std::string> nondeterministic;  // operations whose only engines are non-deterministic
+  std::vector<std::string> rounded;           // float32 operations whose only engines round to TF32
   std::vector<GraphOp*> bound;       // every bound graph operation (while the network is made)
   std::string autotuned;             // what autotuning reported ("" without it)
   int fused_pairs = 0;               // batch norm + ReLU pairs running as one step
@@ -325,6 +326,7 @@ class Net {
     if (g.plan->nondeterministic) {
       nondeterministic.push_back(fmt::format("{}: {}", Name(building_layer), cuda::OpKindName(op.kind)));
     }
+    if (g.plan->rounds_inputs) rounded.push_back(fmt::format("{}: {}", Name(building_layer), cuda::OpKindName(op.kind)));
     return g;
   }
   Status Bind(GraphOp& g, const std::vector<void*>& pointers) {
@@ -1886,6 +1888,10 @@ Result<std::unique_ptr<CudaNetwork>> CudaNetwork::CreateUnguarded(NetworkOptions
     STOKE_LOG(WARN, "cuDNN offered only non-deterministic engines for {} step(s) (the same inputs may differ in the "
               "last bits from run to run): {}", net.nondeterministic.size(), fmt::join(net.nondeterministic, "; "));
   }
+  if (!net.rounded.empty()) {
+    STOKE_LOG(WARN, "cuDNN offered only engines that round float32 inputs to TF32 for {} step(s) (about 3 decimal "
+              "digits, not float32's 7): {}", net.rounded.size(), fmt::join(net.rounded, "; "));
+  }
   net.fused_pairs = fused;
   STOKE_LOG(INFO,
             "CUDA backend: {} layers, {} precision, {} cuDNN operations sharing {} plans, workspace {} MiB{}{}",
@@ -2076,6 +2082,7 @@ CudaNetwork::AutotuneCounts CudaNetwork::Autotuned() const {
 
 const std::vector<std::string>& CudaNetwork::FallbackKernels() const { return impl_->net.fallbacks; }
 const std::vector<std::string>& CudaNetwork::NondeterministicSteps() const { return impl_->net.nondeterministic; }
+const std::vector<std::string>& CudaNetwork::RoundedFloat32Steps() const { return impl_->net.rounded; }
 
 Status CudaNetwork::StartTimeline() {
   Net& net = impl_->net;

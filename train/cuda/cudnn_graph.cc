@@ -326,6 +326,15 @@ EngineInfo ReadEngine(cudnnBackendDescriptor_t config, const Desc& engine) {
 }  // namespace
 
 Result<std::unique_ptr<Graphs>> Graphs::Create(cudnnHandle_t handle, bool allow_reduced_precision, bool autotune) {
+  // Plans are built for a device-property descriptor, which cuDNN has from 9.8 on: an older
+  // library loaded at run time (the machine's, not the headers') is named rather than failing
+  // on an unknown descriptor type.
+  if (const size_t loaded = cudnnGetVersion(); loaded < 90800) {
+    return UnavailableError(fmt::format(
+        "cuda backend: cuDNN {} is loaded (stoke was built with {}); it needs cuDNN 9.8 or later (set "
+        "LD_LIBRARY_PATH to a newer libcudnn.so.9)",
+        loaded, CUDNN_VERSION));
+  }
   std::unique_ptr<Graphs> g(new Graphs(handle, allow_reduced_precision, autotune));
   STOKE_ASSIGN_OR_RETURN(g->device_, Desc::Make(CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR));
   STOKE_RETURN_IF_ERROR(g->device_.Set(CUDNN_ATTR_DEVICEPROP_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle));
@@ -453,9 +462,12 @@ Result<const Plan*> Graphs::PlanFor(const OpSpec& op) {
     bool collect = tune && mode == CUDNN_HEUR_MODE_A && !use_decision;
     std::vector<std::unique_ptr<Plan>> found;
     // Deterministic engines first (the same inputs give the same bits, which the equivalence
-    // checks rely on); the others only when no deterministic one runs the operation.
-    for (const bool nondeterministic_pass : {false, true}) {
+    // checks rely on); the others only when no deterministic one runs the operation. In float32,
+    // engines that round their inputs (TF32 tensor cores) come last, only when nothing else runs
+    // the operation: an operation cuDNN runs that way beats no network at all, and is listed.
+    for (int pass = 0; pass < (reduced_ ? 2 : 3); ++pass) {
       if (!found.empty()) break;
+      const bool nondeterministic_pass = pass == 1, rounding_pass = pass == 2;
       for (int64_t i : order) {
         // The engine behind the configuration: its numerical and behaviour notes and index.
         STOKE_ASSIGN_OR_RETURN(Desc engine, Desc::Make(CUDNN_BACKEND_ENGINE_DESCRIPTOR));
@@ -464,12 +476,17 @@ Result<const Plan*> Graphs::PlanFor(const OpSpec& op) {
         const auto& behaviour = info.behaviour;
         const int64_t index = info.index;
         int64_t n = 0;
-        if (HasNote(notes, CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC) != nondeterministic_pass) continue;
-        // Float32 reference: no engine that rounds inputs (TF32 tensor cores on float data).
-        if (!reduced_ && (HasNote(notes, CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS) ||
-                          HasNote(notes, CUDNN_NUMERICAL_NOTE_TENSOR_CORE))) {
-          tried += fmt::format(" engine {} (reduced precision);", index);
-          continue;
+        const bool rounds = !reduced_ && (HasNote(notes, CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS) ||
+                                          HasNote(notes, CUDNN_NUMERICAL_NOTE_TENSOR_CORE));
+        if (rounding_pass) {
+          if (!rounds) continue;  // tried in the first two passes
+        } else {
+          if (HasNote(notes, CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC) != nondeterministic_pass) continue;
+          // Float32 reference: no engine that rounds inputs (TF32 tensor cores on float data).
+          if (rounds) {
+            if (!nondeterministic_pass) tried += fmt::format(" engine {} (reduced precision);", index);
+            continue;
+          }
         }
         if (use_decision && i == decided && index != decision.engine) {
           // The list changed since the decision (it should not): heuristics' own order, untuned.
@@ -507,7 +524,8 @@ Result<const Plan*> Graphs::PlanFor(const OpSpec& op) {
         p->engine = fmt::format("engine {}", index);
         p->heuristic_rank = i;
         p->engine_index = index;
-        p->nondeterministic = nondeterministic_pass;
+        p->nondeterministic = HasNote(notes, CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC);
+        p->rounds_inputs = rounds;
         sources->engines.push_back(std::move(engine));
         found.push_back(std::move(p));
         if (!collect || static_cast<int>(found.size()) >= kAutotuneCandidates) break;

@@ -94,6 +94,9 @@ struct Plan {
   // runs the operation, and listed by the network, since the same inputs may then differ in
   // their last bits from run to run.
   bool nondeterministic = false;
+  // Float32 only: cuDNN had no engine that keeps float32 inputs, and this one rounds them (TF32
+  // tensor cores). Listed by the network, since its results then differ from a float32 reference.
+  bool rounds_inputs = false;
 };
 
 // What Graphs::Autotune did: convolution shapes timed, how many changed engine, candidates that
