@@ -31,11 +31,16 @@ class GraphBuilder {
  public:
   explicit GraphBuilder(onnx::GraphProto* g) : g_(g) {}
 
+  // Node names must be unique too (ONNX Runtime refuses a graph where two are not): a layer may be
+  // named like a helper node ("fc_flatten", "normalize_scale", "logits"), so a taken name gets
+  // a "_k" suffix.
   onnx::NodeProto* Node(const std::string& op, const std::vector<std::string>& inputs, const std::string& output,
                         const std::string& name) {
     onnx::NodeProto* n = g_->add_node();
     n->set_op_type(op);
-    n->set_name(name);
+    std::string unique = name;
+    for (int k = 1; !node_names_.insert(unique).second; ++k) unique = fmt::format("{}_{}", name, k);
+    n->set_name(unique);
     for (const std::string& in : inputs) n->add_input(in);
     n->add_output(output);
     ++nodes;
@@ -79,6 +84,7 @@ class GraphBuilder {
 
  private:
   onnx::GraphProto* g_;
+  std::set<std::string> node_names_;
 };
 
 void DeclareTensor(onnx::ValueInfoProto* v, const std::string& name, int32_t elem_type,
@@ -372,8 +378,11 @@ Result<ExportReport> ExportOnnx(const ExportSource& source, const ExportOptions&
   meta("stoke.image_height", std::to_string(source.image_height));
   meta("stoke.image_width", std::to_string(source.image_width));
   meta("stoke.val_resize", std::to_string(source.val_resize));
-  meta("stoke.preprocess", fmt::format("resize the shorter side to {}, centre crop {}x{}", source.val_resize,
-                                       source.image_width, source.image_height));
+  meta("stoke.preprocess",
+       fmt::format("resize the shorter side to {}, centre crop {}x{} (stoke maps the crop to whole source pixels, may "
+                   "decode a JPEG at a reduced DCT scale, and resizes with OpenCV: INTER_AREA when shrinking by more "
+                   "than 2, else bilinear; other resamplers give slightly different pixels)",
+                   source.val_resize, source.image_width, source.image_height));
   meta("stoke.step", std::to_string(source.step));
   if (!model.preset.empty()) meta("stoke.preset", model.preset);
   g->set_doc_string(fmt::format("stoke {} model, {} classes, exported from {}", model.preset.empty() ? "layer-list" : model.preset,

@@ -57,7 +57,9 @@ inline ModelSpec EveryLayerModel(int classes) {
               conv("c2", 8, 3, 1, 1, false),
               Layer(LayerType::kBatchNorm, "bn_c2"),          // c2 also feeds `sum`: not folded
               Layer(LayerType::kAdd, "sum", {"bn_c2", "c2"}),
-              Layer(LayerType::kRelu, "r2"),
+              // Named like a helper node of the export (uint8 input's scaling): node names stay
+              // unique too.
+              Layer(LayerType::kRelu, "normalize_scale"),
               Layer(LayerType::kBatchNorm, "logits"),  // nothing to fold into; named like the output
               pool(LayerType::kMaxPool, "max", 3, 2, 1),
               Layer(LayerType::kFlatten, "flat"),

@@ -5,6 +5,8 @@
 #include <fstream>
 
 #include <gtest/gtest.h>
+
+#include <set>
 #include <nlohmann/json.hpp>
 #include <onnx/onnx_pb.h>
 
@@ -22,6 +24,12 @@ onnx::ModelProto Parse(const std::string& bytes) {
   onnx::ModelProto m;
   EXPECT_TRUE(m.ParseFromString(bytes));
   return m;
+}
+
+// ONNX Runtime refuses a graph with two nodes of one name (the checker does not).
+void ExpectUniqueNodeNames(const onnx::ModelProto& m) {
+  std::set<std::string> names;
+  for (const auto& node : m.graph().node()) EXPECT_TRUE(names.insert(node.name()).second) << node.name();
 }
 
 int CountOps(const onnx::ModelProto& m, const std::string& op) {
@@ -59,6 +67,7 @@ TEST(ExportOnnx, EveryCasePassesOnnxCheckerAndFoldsEveryFoldableBatchNorm) {
     }
     ASSERT_OK_AND_ASSIGN(ExportReport r, ExportOnnx(source, {}));
     const onnx::ModelProto m = Parse(r.bytes);
+    ExpectUniqueNodeNames(m);
     EXPECT_EQ(m.opset_import(0).version(), kOnnxOpset);
     EXPECT_EQ(r.folded_batchnorms + r.kept_batchnorms, bns);
     EXPECT_EQ(CountOps(m, "BatchNormalization"), r.kept_batchnorms);
@@ -89,9 +98,11 @@ TEST(ExportOnnx, EveryCasePassesOnnxCheckerAndFoldsEveryFoldableBatchNorm) {
     ASSERT_OK_AND_ASSIGN(ExportReport kept, ExportOnnx(source, {.fold_batchnorm = false}));
     EXPECT_EQ(kept.kept_batchnorms, bns);
     EXPECT_EQ(CountOps(Parse(kept.bytes), "BatchNormalization"), bns);
+    ExpectUniqueNodeNames(Parse(kept.bytes));
 
     ASSERT_OK_AND_ASSIGN(ExportReport u8, ExportOnnx(source, {.uint8_input = true}));
     const onnx::ModelProto mu = Parse(u8.bytes);
+    ExpectUniqueNodeNames(mu);
     EXPECT_EQ(u8.input_name, "image");
     const auto& in8 = mu.graph().input(0).type().tensor_type();
     EXPECT_EQ(in8.elem_type(), onnx::TensorProto::UINT8);
