@@ -153,26 +153,32 @@ std::vector<std::byte> EncodeJpegIndexedPayload(std::span<const std::byte> jpeg,
 
 namespace {
 
-// The record CRC: header bytes before and after the CRC field, then the payload.
-uint32_t RecordCrc(std::span<const std::byte> header_bytes, std::span<const std::byte> payload) {
+// The record CRC: header bytes before and after the CRC field, the payload, then (from v3) the
+// record's 8-byte key.
+uint32_t RecordCrc(std::span<const std::byte> header_bytes, std::span<const std::byte> payload, uint16_t version,
+                   int64_t index) {
   uint32_t crc = Crc32c(header_bytes.first(kOffCrc));
   crc = Crc32c(header_bytes.subspan(kOffSize, kRecordHeaderSize - kOffSize), crc);
-  return Crc32c(payload, crc);
+  crc = Crc32c(payload, crc);
+  if (version < 3) return crc;
+  std::array<std::byte, 8> key;
+  EncodeKey(static_cast<uint64_t>(index), key);
+  return Crc32c(key, crc);
 }
 
 }  // namespace
 
-void SealRecordHeader(RecordHeader& header, std::span<const std::byte> payload) {
+void SealRecordHeader(RecordHeader& header, std::span<const std::byte> payload, int64_t index) {
   header.format_version = kFormatVersion;
   header.payload_size = payload.size();
   header.crc32c = 0;
   std::array<std::byte, kRecordHeaderSize> bytes;
   EncodeRecordHeader(header, bytes);
-  header.crc32c = RecordCrc(bytes, payload);
+  header.crc32c = RecordCrc(bytes, payload, header.format_version, index);
 }
 
 Status CheckCrc(const RecordView& record) {
-  uint32_t crc = RecordCrc(record.header_bytes, record.payload);
+  uint32_t crc = RecordCrc(record.header_bytes, record.payload, record.header.format_version, record.index);
   if (crc != record.header.crc32c) {
     return CorruptError(fmt::format("record {}: CRC-32C 0x{:08x}, stored 0x{:08x}", record.index,
                                     crc, record.header.crc32c));

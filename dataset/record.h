@@ -13,8 +13,9 @@
 namespace stoke::dataset {
 
 // Format version written by this build. It reads this one and every older one back to
-// kOldestFormatVersion (v1 lacks restart-indexed JPEG records; nothing else changed).
-inline constexpr uint16_t kFormatVersion = 2;
+// kOldestFormatVersion (v1 lacks restart-indexed JPEG records; v2's CRC does not cover the
+// record's index; nothing else changed).
+inline constexpr uint16_t kFormatVersion = 3;
 inline constexpr uint16_t kOldestFormatVersion = 1;
 inline bool ReadableFormatVersion(uint32_t v) { return v >= kOldestFormatVersion && v <= kFormatVersion; }
 // "STKR" as little-endian bytes 'S' 'T' 'K' 'R'.
@@ -79,8 +80,10 @@ std::vector<std::byte> EncodeJpegIndexedPayload(std::span<const std::byte> jpeg,
 // Serialises `header` into out[0..32) as it is (see SealRecordHeader for size and CRC).
 void EncodeRecordHeader(const RecordHeader& header, std::span<std::byte, kRecordHeaderSize> out);
 
-// Sets format_version, payload_size and crc32c of `header` for `payload`.
-void SealRecordHeader(RecordHeader& header, std::span<const std::byte> payload);
+// Sets format_version, payload_size and crc32c of `header` for `payload` stored as record `index`
+// (from v3 the CRC covers the index too: a value that a damaged B-tree serves under another key
+// fails its check instead of passing for that record).
+void SealRecordHeader(RecordHeader& header, std::span<const std::byte> payload, int64_t index);
 
 // Parses a stored value (header + payload) without copying. kCorrupt when the value is shorter
 // than the header, has the wrong magic, an unknown encoding, a payload length that does not match
@@ -89,8 +92,8 @@ void SealRecordHeader(RecordHeader& header, std::span<const std::byte> payload);
 // version this build cannot read. Does not check the CRC: see CheckCrc.
 Result<RecordView> ParseRecord(std::span<const std::byte> value, int64_t index);
 
-// kCorrupt naming the record index when the CRC-32C of header fields and payload differs from
-// the stored one.
+// kCorrupt naming the record index when the CRC-32C of header fields, payload and (v3 records)
+// the index differs from the stored one.
 Status CheckCrc(const RecordView& record);
 
 // 8-byte big-endian key for a record index: byte order = index order in LMDB.

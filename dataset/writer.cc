@@ -84,7 +84,7 @@ Result<DatasetWriter> DatasetWriter::OpenForAppend(const std::filesystem::path& 
 
 void DatasetWriter::Append(RecordHeader header, std::vector<std::byte> payload,
                            std::string source_path) {
-  SealRecordHeader(header, payload);
+  SealRecordHeader(header, payload, committed_ + static_cast<int64_t>(pending_.size()));
   pending_bytes_ += static_cast<int64_t>(payload.size() + kRecordHeaderSize);
   if (!options_.store_paths) source_path.clear();
   pending_.push_back(Pending{header, std::move(payload), std::move(source_path)});

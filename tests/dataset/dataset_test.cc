@@ -12,6 +12,7 @@
 #include <thread>
 #include <atomic>
 
+#include "common/crc32c.h"
 #include "common/random.h"
 #include "dataset/dataset.h"
 #include "dataset/manifest.h"
@@ -141,7 +142,7 @@ TEST(Record, IndexedPayloadsRoundTripAndBadTrailersAreCorrupt) {
     const auto payload = EncodeJpegIndexedPayload(jpeg, offsets, 2, 6, 2);
     RecordHeader h;
     h.encoding = PayloadEncoding::kJpegIndexed;
-    SealRecordHeader(h, payload);
+    SealRecordHeader(h, payload, 0);
     std::vector<std::byte> value(kRecordHeaderSize);
     EncodeRecordHeader(h, std::span<std::byte, kRecordHeaderSize>(value.data(), kRecordHeaderSize));
     value.insert(value.end(), payload.begin(), payload.end());
@@ -318,17 +319,39 @@ TEST(Dataset, FlippedPayloadByteIsCaughtByTheCrc) {
   EXPECT_OK(unchecked.Get(13).status());
 }
 
-TEST(Record, CrcCoversHeaderFieldsAndPayload) {
+TEST(Record, CrcCoversHeaderFieldsPayloadAndIndex) {
   std::vector<std::byte> payload(50, std::byte{3});
   RecordHeader h;
   h.label = 2;
   h.width = 5;
-  SealRecordHeader(h, payload);
+  SealRecordHeader(h, payload, 0);
   std::vector<std::byte> value(kRecordHeaderSize);
   EncodeRecordHeader(h, std::span<std::byte, kRecordHeaderSize>(value.data(), kRecordHeaderSize));
   value.insert(value.end(), payload.begin(), payload.end());
   ASSERT_OK_AND_ASSIGN(RecordView ok, ParseRecord(value, 0));
   EXPECT_OK(CheckCrc(ok));
+  // The same bytes served as another record (a damaged B-tree pointing one key at another's
+  // value) fail their check: the CRC covers the index since v3.
+  ASSERT_OK_AND_ASSIGN(RecordView moved, ParseRecord(value, 1));
+  const Status elsewhere = CheckCrc(moved);
+  EXPECT_EQ(elsewhere.code(), StatusCode::kCorrupt);
+  EXPECT_NE(elsewhere.message().find("record 1"), std::string::npos) << elsewhere.ToString();
+  // A v2 record's CRC does not cover it: still read as before.
+  RecordHeader v2 = h;
+  v2.format_version = 2;
+  v2.crc32c = 0;
+  std::vector<std::byte> header_bytes(kRecordHeaderSize);
+  EncodeRecordHeader(v2, std::span<std::byte, kRecordHeaderSize>(header_bytes.data(), kRecordHeaderSize));
+  uint32_t crc = Crc32c(std::span(header_bytes).first(20));
+  crc = Crc32c(std::span(header_bytes).subspan(24), crc);
+  v2.crc32c = Crc32c(payload, crc);
+  std::vector<std::byte> old(kRecordHeaderSize);
+  EncodeRecordHeader(v2, std::span<std::byte, kRecordHeaderSize>(old.data(), kRecordHeaderSize));
+  old.insert(old.end(), payload.begin(), payload.end());
+  for (int64_t index : {0, 7}) {
+    ASSERT_OK_AND_ASSIGN(RecordView r, ParseRecord(old, index));
+    EXPECT_OK(CheckCrc(r));
+  }
   // A flipped bit anywhere but the CRC field itself is caught: label, size fields, payload.
   for (size_t byte : {8, 12, 16, 40, 81}) {
     SCOPED_TRACE(byte);

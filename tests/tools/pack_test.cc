@@ -1001,7 +1001,7 @@ TEST(Inspect, VerifyChecksTheRestartIndexAgainstTheBytes) {
   std::vector<std::byte> payload(r.payload.begin(), r.payload.end());
   payload[r.image.size() + 4] ^= std::byte{0x01};  // the second interval's distance
   dataset::RecordHeader h = r.header;
-  dataset::SealRecordHeader(h, payload);
+  dataset::SealRecordHeader(h, payload, 4);
   std::vector<std::byte> value(dataset::kRecordHeaderSize);
   dataset::EncodeRecordHeader(h, std::span<std::byte, dataset::kRecordHeaderSize>(value.data(), value.size()));
   value.insert(value.end(), payload.begin(), payload.end());
