@@ -47,6 +47,11 @@ pack_from_fifo() {  # pack_from_fifo SIGNAL(0: none, else INT or TERM) pack-args
 check pack_interrupted 130 "interrupted; 0 records of train kept .*--resume" -- pack_from_fifo INT
 check pack_terminated 143 "interrupted; 0 records of train kept .*--resume" -- pack_from_fifo TERM --resume
 check pack_interrupted_resumed 0 "train: 3 records" -- pack_from_fifo 0 --resume
+# --resume takes only an interrupted pack's folder at OUT.partial; a user's file there is kept.
+echo "notes" >"$work/kept.lmdb.partial"
+check pack_resume_keeps_other_files 1 "kept.lmdb.partial is not an interrupted pack" -- \
+  "$stoke" pack "$work/src" "$work/kept.lmdb" -q --resume
+check pack_resume_kept_the_file 0 "notes" -- cat "$work/kept.lmdb.partial"
 # A second pack into an output another one is writing is refused, and touches nothing: flock(1)
 # holds the output's lock as a running pack would.
 check pack_locked 1 "another process .*locked.lmdb.lock" -- \

@@ -612,7 +612,17 @@ class SplitPacker {
                               .store_paths = o_.store_paths};
     if (o_.resume && fs::exists(partial, ec) && !fs::exists(partial / "data.mdb", ec)) {
       // Killed between creating the directory and the data file: nothing was committed, so
-      // resuming is starting over.
+      // resuming is starting over. Only a folder that holds nothing else is taken for that.
+      bool only_ours = fs::is_directory(partial, ec);
+      if (only_ours) {
+        for (const auto& e : fs::directory_iterator(partial, ec)) only_ours = only_ours && e.path().filename() == "lock.mdb";
+      }
+      if (!only_ours || ec) {
+        return InvalidArgumentError(fmt::format(
+            "pack: {} is not an interrupted pack (no data.mdb, and not a folder holding only LMDB's lock); move it "
+            "away, or pack with --overwrite instead of --resume to replace it",
+            partial.string()));
+      }
       fs::remove_all(partial, ec);
       if (ec) return IoError(fmt::format("pack: {}: {}", partial.string(), ec.message()));
     }
