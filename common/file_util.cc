@@ -149,7 +149,11 @@ Result<FileLock> FileLock::TryAcquire(const std::filesystem::path& path, const s
   // locked file is still the one at `path`, and tries again when it is not.
   for (int attempt = 0; attempt < 100; ++attempt) {
     int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
-    if (fd < 0) return ErrnoStatus(errno, path, "open lock file");
+    const int open_error = errno;
+    // A lock file another user left (a killed process's): flock needs only a read descriptor.
+    const bool read_only = fd < 0 && (open_error == EACCES || open_error == EPERM || open_error == EROFS);
+    if (read_only) fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) return ErrnoStatus(open_error, path, "open lock file");
     FdCloser closer{fd};
     if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
       const int err = errno;
@@ -167,7 +171,8 @@ Result<FileLock> FileLock::TryAcquire(const std::filesystem::path& path, const s
       continue;  // released and removed between our open and our lock
     }
     const std::string pid = fmt::format("{}\n", ::getpid());
-    if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
+    if (!read_only &&
+        (::ftruncate(fd, 0) != 0 || ::pwrite(fd, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size()))) {
       return ErrnoStatus(errno, path, "write lock file");
     }
     closer.fd = -1;

@@ -52,8 +52,10 @@ Result<DatasetWriter> DatasetWriter::OpenForAppend(const std::filesystem::path& 
   if (!std::filesystem::exists(dir / "data.mdb", ec)) {
     return NotFoundError(dir.string() + ": no partial dataset here (no data.mdb)");
   }
-  // A damaged or truncated file would crash LMDB (or have records appended after a hole).
-  if (Status s = CheckMdbDataFile(dir / "data.mdb", dir.string()); !s.ok()) {
+  // A damaged or truncated file would crash LMDB (or have records appended after a hole). An
+  // empty one is a pack stopped before LMDB wrote its first pages: LMDB starts it afresh.
+  const bool empty = std::filesystem::file_size(dir / "data.mdb", ec) == 0 && !ec;
+  if (Status s = empty ? OkStatus() : CheckMdbDataFile(dir / "data.mdb", dir.string()); !s.ok()) {
     return Status(s.code(), s.message() + " (this interrupted pack cannot be resumed: pack again with --overwrite)");
   }
   STOKE_ASSIGN_OR_RETURN(DatasetWriter w, OpenEnv(dir, options));

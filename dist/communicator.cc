@@ -436,6 +436,7 @@ Work Communicator::AllReduce(void* data, size_t count, DataType type, ReduceOp o
     return OkStatus();
   });
 #else
+  (void)data;  // nothing to move without MPI (a world of one returned above)
   return Work();
 #endif
 }
@@ -458,6 +459,7 @@ Work Communicator::Broadcast(void* data, size_t bytes, int root) {
     return OkStatus();
   });
 #else
+  (void)data;  // nothing to move without MPI (a world of one returned above)
   return Work();
 #endif
 }

@@ -57,8 +57,9 @@ Status NormalizeOnDevice(const uint8_t* images, int valid, int total, int64_t pi
   }
   if (int64_t{total} * pixels == 0) return OkStatus();
 #if STOKE_WITH_CUDA
-  // An error left by earlier work (asynchronous, or sticky) is named as such, not as this launch's.
-  if (const cudaError_t pending = cudaPeekAtLastError(); pending != cudaSuccess) {
+  // An error left by earlier work on this thread is named as such, not as this launch's; taking
+  // it clears it (unless sticky), so one stale error fails one batch, not every later one.
+  if (const cudaError_t pending = cudaGetLastError(); pending != cudaSuccess) {
     return Failed(pending, "an earlier CUDA error, pending before the normalise kernel");
   }
   const cudaError_t rc = detail::LaunchNormalize(images, int64_t{valid} * pixels, int64_t{total} * pixels, channels,
@@ -66,7 +67,7 @@ Status NormalizeOnDevice(const uint8_t* images, int valid, int total, int64_t pi
                                                  static_cast<cudaStream_t>(stream));
   return rc == cudaSuccess ? OkStatus() : Failed(rc, "normalise kernel launch");
 #else
-  (void)images, (void)t, (void)dst, (void)stream;
+  (void)images, (void)t, (void)dst, (void)stream, (void)scale, (void)shift;
   return UnavailableError("normalising on a GPU: stoke was built without CUDA");
 #endif
 }

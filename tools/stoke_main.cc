@@ -48,6 +48,7 @@ void OnInterrupt(int sig) {
   std::signal(SIGTERM, SIG_DFL);
 }
 
+#if STOKE_WITH_ONNX
 // A file that Ctrl-C or SIGTERM removes before the process ends (export's temporary file: the
 // output itself is only ever renamed into place whole). Set before the handler is installed.
 char g_remove_on_signal[4096] = {0};
@@ -57,6 +58,7 @@ void RemoveAndDie(int sig) {
   std::signal(sig, SIG_DFL);
   std::raise(sig);
 }
+#endif
 
 #if !STOKE_WITH_MONITOR
 constexpr const char* kNoMonitor =

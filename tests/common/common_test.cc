@@ -203,5 +203,16 @@ TEST(FileUtil, FileLockIsExclusiveNamesItsOwnerAndGoesAwayOnRelease) {
   EXPECT_EQ(missing_dir.status().code(), StatusCode::kNotFound);
 }
 
+// A lock file this process may only read (another user's, left by a killed pack) still locks.
+TEST(FileUtil, FileLockTakesAReadOnlyLeftoverFile) {
+  if (::geteuid() == 0) GTEST_SKIP() << "root may write any file: the read-only case cannot be made";
+  testing::TempDir dir;
+  const auto path = dir / "left.lock";
+  testing::WriteBytes(path, {});
+  std::filesystem::permissions(path, std::filesystem::perms::owner_read);
+  ASSERT_OK_AND_ASSIGN(FileLock held, FileLock::TryAcquire(path, "pack: left"));
+  EXPECT_EQ(FileLock::TryAcquire(path, "pack: left").status().code(), StatusCode::kUnavailable);
+}
+
 }  // namespace
 }  // namespace stoke

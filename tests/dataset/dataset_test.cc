@@ -505,6 +505,11 @@ TEST(Dataset, DamagedPartialDatasetIsNotResumed) {
     EXPECT_NE(r.status().message().find("truncated"), std::string::npos) << r.status().ToString();
     EXPECT_NE(r.status().message().find("--overwrite"), std::string::npos) << r.status().ToString();
   }
+  // An empty data file (a pack stopped before LMDB wrote its first pages) resumes from nothing.
+  fs::create_directories(dir / "e");
+  testing::WriteBytes(dir / "e" / "data.mdb", {});
+  ASSERT_OK_AND_ASSIGN(DatasetWriter fresh, DatasetWriter::OpenForAppend(dir / "e", {}));
+  EXPECT_EQ(fresh.committed_records(), 0);
 }
 
 TEST(Dataset, OtherFormatVersionIsRejectedWithAdvice) {

@@ -59,6 +59,16 @@ check pack_locked 1 "another process .*locked.lmdb.lock" -- \
 check pack_locked_left_nothing 1 "" -- test -e "$work/locked.lmdb.partial" -o -e "$work/locked.lmdb"
 check pack_unlocked 0 "train: 30 records" -- "$stoke" pack "$work/src" "$work/locked.lmdb" -q
 check pack_lock_removed 1 "" -- test -e "$work/locked.lmdb.lock"
+# --resume on a finished output only reads it: it works in a folder this user cannot write (as
+# root, the check runs as nobody in a folder root owns).
+ro=$(mktemp -d /tmp/stoke-cli-ro.XXXXXX)
+cp -r "$work/src" "$work/locked.lmdb" "$ro/"
+chmod -R a+rX "$ro" && chmod a-w "$ro"
+as_reader=()
+if [[ $(id -u) -eq 0 ]]; then as_reader=(setpriv --reuid=65534 --regid=65534 --clear-groups); fi
+check pack_resume_finished_read_only 0 "already complete" -- \
+  "${as_reader[@]}" "$stoke" pack "$ro/src" "$ro/locked.lmdb" -q --resume
+chmod u+w "$ro" && rm -rf "$ro"
 check inspect 0 "records +30" -- "$stoke" inspect "$work/ds.lmdb"
 check inspect_json 0 '"records": 30' -- "$stoke" inspect "$work/ds.lmdb" --json
 check inspect_verify 0 "30 records checked, 0 bad" -- "$stoke" inspect "$work/ds.lmdb" --verify

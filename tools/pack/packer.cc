@@ -583,6 +583,8 @@ class SplitPacker {
     SplitSummary summary{job_.name, job_.output, static_cast<int64_t>(job_.inputs.size())};
     const fs::path partial = PartialPath(job_.output);
     std::error_code ec;
+    // A finished output and nothing to resume: only read (the output may be on a read-only mount).
+    if (o_.resume && !fs::exists(partial, ec) && fs::exists(job_.output, ec)) return AlreadyComplete(summary, total);
     // One pack at a time per output: a second one would remove or append to the partial
     // dataset the first is writing, and each would then publish over the other's.
     fs::path lock_path = job_.output;
