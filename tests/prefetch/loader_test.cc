@@ -619,12 +619,14 @@ TEST(LoaderDevice, CudaWithoutAGpuIsAClearError) {
   EXPECT_FALSE((*host)->stats().pinned);
 }
 
+#if STOKE_WITH_CUDA
 // Batches of SmallOptions(2) over `ds`, copied to GPU 0.
 Result<std::unique_ptr<Loader>> DeviceLoader(const dataset::Dataset& ds) {
   LoaderOptions o = SmallOptions(2);
   o.device = DeviceMode::kCuda;
   return Loader::Create(ds, o);
 }
+#endif
 
 TEST(LoaderDevice, BatchesArriveOnTheGpu) {
   const CudaProbe probe = ProbeCuda();
