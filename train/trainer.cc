@@ -257,8 +257,10 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     auto differs = [&](const char* key, const std::string& path, int64_t records, int64_t first_records) {
       same = InvalidArgumentError(fmt::format(
           "{}: data.{} {} ({} records) differs from rank 0's ({} records): every rank must read a copy of the same "
-          "dataset",
-          config.source, key, path, records, first_records));
+          "dataset{}",
+          config.source, key, path, records, first_records,
+          records == first_records ? " (the same count: other images or labels, or packed by another stoke version)"
+                                   : ""));
     };
     if (mine.train != all[0].train) {
       differs("train", config.data.train, mine.train_records, all[0].train_records);
