@@ -476,11 +476,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     BatchStats total;
     Status local = [&]() -> Status {
       prefetch::LoaderOptions o = ValLoaderOptions(config, rank, world);
-      if (net->stream() != nullptr) {
-        o.device = prefetch::DeviceMode::kCuda;
-        o.device_id = net->options().device;
-        o.consumer_stream = net->stream();
-      }
+      FeedNetwork(*net, o);
       STOKE_ASSIGN_OR_RETURN(auto loader, prefetch::Loader::Create(*val_set, o));
       while (true) {
         STOKE_ASSIGN_OR_RETURN(auto lease, loader->Next());
@@ -548,11 +544,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     // A rank's share of the epoch is 1 / world of it: its own budget may take the whole run's bad
     // records (they may all fall on it); the run's budget is held at the log lines, over every rank.
     lo.skip_budget_samples = steps_per_epoch * config.data.batch_size;
-    if (net->stream() != nullptr) {  // batches copied by the ring to the network's GPU
-      lo.device = prefetch::DeviceMode::kCuda;
-      lo.device_id = net->options().device;
-      lo.consumer_stream = net->stream();
-    }
+    FeedNetwork(*net, lo);  // a device backend: batches copied by the ring to its GPU
     lo.start_epoch = step / steps_per_epoch;
     lo.start_batch = step % steps_per_epoch;
     lo.epochs = config.epochs - lo.start_epoch;
@@ -736,6 +728,13 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
 
 Result<TrainSummary> Train(const TrainConfig& config, const TrainRunOptions& run) {
   return CatchExceptions("train", [&] { return TrainUnguarded(config, run); });
+}
+
+void FeedNetwork(const Network& net, prefetch::LoaderOptions& o) {
+  const bool device = net.stream() != nullptr;
+  o.device = device ? prefetch::DeviceMode::kCuda : prefetch::DeviceMode::kHost;
+  o.device_id = net.options().device;
+  o.consumer_stream = net.stream();
 }
 
 std::string FormatSummary(const TrainSummary& s) {

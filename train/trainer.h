@@ -68,6 +68,10 @@ Result<TrainSummary> Train(const TrainConfig& config, const TrainRunOptions& run
 // one rank of it: batch_size / world samples, the GPU of its local rank, and (compute_threads 0)
 // its share of the machine's cores.
 Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& config, const dist::Communicator* comm = nullptr);
+// Sends a loader's batches where `net` computes: for a device backend, to its GPU through the
+// ring's device copies (a lease dropped without Release(stream) returns its slot on the network's
+// stream); host memory otherwise.
+void FeedNetwork(const Network& net, prefetch::LoaderOptions& o);
 // Whether CreateNetwork would pick the CUDA backend for `config` on this machine.
 bool SelectsCudaBackend(const TrainConfig& config);
 

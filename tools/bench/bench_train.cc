@@ -130,11 +130,7 @@ Result<std::string> RunTrainBench(const BenchOptions& o, const TrainBenchOptions
   } remove_temporary{t.peer && t.model_json.empty() ? peer_model : std::filesystem::path()};
   prefetch::LoaderOptions lo = train::TrainLoaderOptions(c, rank, world);
   lo.epochs = 0;  // endless
-  if (net->stream() != nullptr) {
-    lo.device = prefetch::DeviceMode::kCuda;
-    lo.device_id = net->options().device;
-    lo.consumer_stream = net->stream();
-  }
+  train::FeedNetwork(*net, lo);
   auto loader_or = prefetch::Loader::Create(*db, lo);
   STOKE_RETURN_IF_ERROR(agree(loader_or.status()));
   auto loader = std::move(*loader_or);

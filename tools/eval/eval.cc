@@ -51,9 +51,7 @@ Result<std::unique_ptr<prefetch::Loader>> ValidationLoader(const train::TrainedM
   lo.batch_size = batch;
   lo.threads = threads;
   lo.max_skip_fraction = max_skip_fraction;
-  lo.device = net.stream() != nullptr ? prefetch::DeviceMode::kCuda : prefetch::DeviceMode::kHost;
-  lo.device_id = net.options().device;
-  lo.consumer_stream = net.stream();
+  train::FeedNetwork(net, lo);
   return prefetch::Loader::Create(data, lo);
 }
 
