@@ -192,6 +192,15 @@ TEST(Pack, BadListLinesNameTheLine) {
   auto r = Pack(o);
   EXPECT_NE(r.status().message().find("'a/a_100.jpg' has label 1 here and label 0 on line 1"), std::string::npos)
       << r.status().ToString();
+  // Another spelling of the same file is the same image.
+  const std::vector<std::string> spellings{"./a/a_100.jpg", "a//a_100.jpg", "a/../a/a_100.jpg",
+                                           (dir / "src/a/a_100.jpg").string()};
+  for (const std::string& other : spellings) {
+    std::ofstream(dir / "list.txt") << "a/a_100.jpg 0\n" << other << " 1\n";
+    r = Pack(o);
+    EXPECT_NE(r.status().message().find("has label 1 here and label 0 on line 1"), std::string::npos)
+        << other << ": " << r.status().ToString();
+  }
   std::ofstream(dir / "list.txt") << "a/a_100.jpg 0\na/a_100.jpg 0\n";
   ASSERT_OK_AND_ASSIGN(PackSummary twice, Pack(o));
   EXPECT_EQ(twice.splits[0].records, 2);

@@ -144,13 +144,19 @@ Result<InputSet> ReadListFile(const fs::path& list, const fs::path& root) {
     }
     // The same image under two labels is a mistake in the list, not data: which label is right?
     // (The same image twice under one label is kept: lists repeat images to oversample them.)
-    const auto [at, fresh] = first_seen.try_emplace(path, std::pair{line_no, label});
+    // Spellings of one path ("./a/x.jpg", "a//x.jpg", the root's absolute path + "a/x.jpg") are one
+    // image; the comparison is lexical (a link to an image is another path).
+    fs::path p(path);
+    const fs::path full = p.is_absolute() ? p : root / p;
+    std::error_code abs_ec;
+    const fs::path key = fs::absolute(full, abs_ec);
+    const auto [at, fresh] =
+        first_seen.try_emplace((abs_ec ? full : key).lexically_normal().generic_string(), std::pair{line_no, label});
     if (!fresh && at->second.second != label) {
       return bad(fmt::format("'{}' has label {} here and label {} on line {}", path, label, at->second.second,
                              at->second.first));
     }
-    fs::path p(path);
-    set.inputs.push_back(Input{p.is_absolute() ? p : root / p, path, static_cast<int32_t>(label)});
+    set.inputs.push_back(Input{full, path, static_cast<int32_t>(label)});
     max_label = std::max(max_label, static_cast<int32_t>(label));
   }
   for (int32_t c = 0; c <= max_label; ++c) set.classes.push_back(std::to_string(c));
