@@ -110,7 +110,7 @@ std::string Panel(const std::vector<Series>& series, const std::string& title, d
 
 }  // namespace
 
-Status WritePlot(const std::string& metrics_path, const std::string& svg_path) {
+Result<bool> WritePlot(const std::string& metrics_path, const std::string& svg_path) {
   std::ifstream in(metrics_path);
   if (!in) return IoError(fmt::format("cannot read {}", metrics_path));
   Series train_loss{"train loss", "#1f77b4"}, val_loss{"val loss", "#d62728"};
@@ -136,9 +136,7 @@ Status WritePlot(const std::string& metrics_path, const std::string& svg_path) {
       val_top5.points.emplace_back(step, number("top5"));
     }
   }
-  if (train_loss.points.empty() && val_loss.points.empty()) {
-    return InvalidArgumentError(fmt::format("{} has no training or validation records", metrics_path));
-  }
+  if (train_loss.points.empty() && val_loss.points.empty()) return false;
   const double w = 520, h = 340;
   std::string svg = fmt::format(
       R"(<svg xmlns="http://www.w3.org/2000/svg" width="{:.0f}" height="{:.0f}" font-family="sans-serif">)" "\n"
@@ -147,7 +145,8 @@ Status WritePlot(const std::string& metrics_path, const std::string& svg_path) {
   svg += Panel({train_loss, val_loss}, "loss", 0, 0, w, h, max_step, false);
   svg += Panel({train_top1, val_top1, val_top5}, "accuracy", w, 0, w, h, max_step, true);
   svg += "</svg>\n";
-  return WriteFileAtomic(svg_path, svg);
+  STOKE_RETURN_IF_ERROR(WriteFileAtomic(svg_path, svg));
+  return true;
 }
 
 }  // namespace stoke::train

@@ -712,13 +712,13 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   if (metrics.is_open()) metrics.close();
   if (run.plot && lead) {
     const auto svg = run_dir / "curves.svg";
-    Status s = WritePlot(metrics_path.string(), svg.string());
-    if (s.ok()) {
+    Result<bool> drawn = WritePlot(metrics_path.string(), svg.string());
+    if (!drawn.ok()) {
+      STOKE_LOG(WARN, "no plot: {}", drawn.status().ToString());
+    } else if (*drawn) {
       summary.plot = svg.string();
-    } else if (s.message().find("has no training or validation records") != std::string::npos) {
-      STOKE_LOG(INFO, "no plot: the run stopped before its first log line");  // a short run, no fault
     } else {
-      STOKE_LOG(WARN, "no plot: {}", s.ToString());
+      STOKE_LOG(INFO, "no plot: the run stopped before its first log line");  // a short run, no fault
     }
   }
   return summary;

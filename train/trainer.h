@@ -78,7 +78,8 @@ bool SelectsCudaBackend(const TrainConfig& config);
 // One-paragraph human summary of a run.
 std::string FormatSummary(const TrainSummary& summary);
 
-// Draws the curves of run_dir/metrics.jsonl into an SVG file.
-Status WritePlot(const std::string& metrics_path, const std::string& svg_path);
+// Draws the curves of run_dir/metrics.jsonl into an SVG file. False, with no file written, when
+// the metrics hold no training or validation line yet (a run stopped before its first log line).
+Result<bool> WritePlot(const std::string& metrics_path, const std::string& svg_path);
 
 }  // namespace stoke::train

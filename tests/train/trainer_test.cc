@@ -54,13 +54,21 @@ TEST(Plot, DivergedAndFlatCurvesAreDrawn) {
     const auto metrics = (dir / fmt::format("m{}.jsonl", i)).string(), svg = (dir / fmt::format("m{}.svg", i)).string();
     std::ofstream(metrics) << cases[i] << "\n";
     SCOPED_TRACE(cases[i]);
-    ASSERT_OK(WritePlot(metrics, svg));
+    ASSERT_OK_AND_ASSIGN(const bool drawn, WritePlot(metrics, svg));
+    EXPECT_TRUE(drawn);
     std::ifstream in(svg);
     const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     EXPECT_NE(text.find("<path d=\"M"), std::string::npos) << cases[i];
     EXPECT_EQ(text.find("nan"), std::string::npos) << cases[i];
     EXPECT_EQ(text.find("inf"), std::string::npos) << cases[i];
   }
+  // A run that stopped before its first log line has nothing to draw: no file, and no error.
+  const auto metrics = (dir / "early.jsonl").string(), svg = (dir / "early.svg").string();
+  std::ofstream(metrics) << R"({"type":"start","step":0})" << "\n" << R"({"type":"end","step":0,"stopped":true})" << "\n";
+  ASSERT_OK_AND_ASSIGN(const bool drawn, WritePlot(metrics, svg));
+  EXPECT_FALSE(drawn);
+  EXPECT_FALSE(std::filesystem::exists(svg));
+  EXPECT_EQ(WritePlot((dir / "missing.jsonl").string(), svg).status().code(), StatusCode::kIoError);
 }
 
 TEST(Config, DefaultsAndRoundTrip) {
