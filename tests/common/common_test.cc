@@ -1,6 +1,7 @@
 // Tests for common/: Status/Result, CRC-32C, deterministic random numbers, progress lines.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -204,14 +205,38 @@ TEST(FileUtil, FileLockIsExclusiveNamesItsOwnerAndGoesAwayOnRelease) {
 }
 
 // A lock file this process may only read (another user's, left by a killed pack) still locks.
+// Root may write any file, so as root the check runs in a child that becomes user nobody and finds
+// root's lock file (mode 0644) in a folder it may not write.
 TEST(FileUtil, FileLockTakesAReadOnlyLeftoverFile) {
-  if (::geteuid() == 0) GTEST_SKIP() << "root may write any file: the read-only case cannot be made";
   testing::TempDir dir;
   const auto path = dir / "left.lock";
   testing::WriteBytes(path, {});
-  std::filesystem::permissions(path, std::filesystem::perms::owner_read);
-  ASSERT_OK_AND_ASSIGN(FileLock held, FileLock::TryAcquire(path, "pack: left"));
-  EXPECT_EQ(FileLock::TryAcquire(path, "pack: left").status().code(), StatusCode::kUnavailable);
+  auto check = [&]() -> int {
+    auto held = FileLock::TryAcquire(path, "pack: left");
+    if (!held.ok()) return 10;
+    if (FileLock::TryAcquire(path, "pack: left").status().code() != StatusCode::kUnavailable) return 11;
+    return 0;
+  };
+  if (::geteuid() != 0) {
+    std::filesystem::permissions(path, std::filesystem::perms::owner_read);
+    EXPECT_EQ(check(), 0);
+    return;
+  }
+  namespace fs = std::filesystem;
+  fs::permissions(dir.path(), fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
+                                  fs::perms::others_read | fs::perms::others_exec);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(20);
+    if (::access(path.c_str(), W_OK) == 0) ::_exit(21);  // the case would not be read-only
+    ::_exit(check());
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "10: not taken, 11: not exclusive, 20: setuid, 21: writable";
+  EXPECT_TRUE(fs::exists(path));  // nobody could not remove root's file; the next pack takes it over
 }
 
 }  // namespace
