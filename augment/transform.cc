@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include <fmt/format.h>
 #include <opencv2/core.hpp>
@@ -103,6 +104,25 @@ Status ApplyPlan(const ImageView& src, const RectF& region, const CropPlan& plan
   return OkStatus();
 }
 
+Status ValidateNormalize(const std::array<float, 3>& mean, const std::array<float, 3>& std, double largest) {
+  for (size_t c = 0; c < 3; ++c) {
+    if (!std::isfinite(mean[c])) {
+      return InvalidArgumentError(fmt::format("normalize: mean[{}] = {} (expected a finite number)", c, mean[c]));
+    }
+    if (!std::isfinite(std[c]) || !(std[c] > 0)) {
+      return InvalidArgumentError(fmt::format("normalize: std[{}] = {} (expected a finite number > 0)", c, std[c]));
+    }
+    const double reach = std::max(std::abs(0.0 - mean[c]), std::abs(1.0 - mean[c])) / std[c];
+    if (!(reach <= largest)) {
+      return InvalidArgumentError(fmt::format(
+          "normalize: channel {}: (x - mean {}) / std {} reaches {:.3g}, beyond the output type's largest value "
+          "{:.6g} (a larger std, or a wider output type)",
+          c, mean[c], std[c], reach, largest));
+    }
+  }
+  return OkStatus();
+}
+
 size_t NormalizedBytes(int count, int width, int height, DType dtype) {
   return static_cast<size_t>(count) * width * height * 3 * (dtype == DType::kFloat32 ? 4 : 2);
 }
@@ -116,9 +136,8 @@ Status Normalize(std::span<const uint8_t> src, int count, int width, int height,
         "normalize: {} source and {} destination bytes for {} images of {}x{}x3", src.size(),
         dst.size(), count, width, height));
   }
-  for (float s : o.std) {
-    if (!(s > 0)) return InvalidArgumentError(fmt::format("normalize: std {} must be > 0", s));
-  }
+  STOKE_RETURN_IF_ERROR(ValidateNormalize(
+      o.mean, o.std, o.dtype == DType::kFloat16 ? kFloat16Largest : std::numeric_limits<float>::max()));
   // y = x * scale[c] + shift[c], with scale = 1 / (255 std) and shift = -mean / std.
   float scale[3], shift[3];
   for (int c = 0; c < 3; ++c) {

@@ -47,12 +47,18 @@ struct NormalizeOptions {
   DType dtype = DType::kFloat32;
 };
 
+// Whether (x - mean) / std, x in [0, 1], is a usable normalisation: every mean and std finite,
+// every std > 0, and every output within `largest` (the output type's largest finite value:
+// 65504 for float16, FLT_MAX for float32 and bfloat16). kInvalidArgument naming the channel.
+Status ValidateNormalize(const std::array<float, 3>& mean, const std::array<float, 3>& std, double largest);
+inline constexpr double kFloat16Largest = 65504.0;
+
 // Bytes Normalize() writes for `count` images of width x height.
 size_t NormalizedBytes(int count, int width, int height, DType dtype);
 
 // Converts `count` consecutive HWC uint8 RGB images of width x height into dst as
 // (x / 255 - mean) / std per channel, in the given layout and dtype. kInvalidArgument for
-// mismatched sizes or a std <= 0.
+// mismatched sizes or what ValidateNormalize refuses.
 Status Normalize(std::span<const uint8_t> src, int count, int width, int height,
                  const NormalizeOptions& options, std::span<std::byte> dst);
 

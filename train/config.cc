@@ -13,6 +13,7 @@
 
 #include <fmt/format.h>
 
+#include "augment/transform.h"
 #include "common/file_util.h"
 #include "common/limits.h"
 
@@ -43,6 +44,8 @@ class Section {
     return OkStatus();
   }
 
+  // An error about this mapping as a whole (a rule between its keys).
+  Status ErrorHere(const std::string& what) const { return Error(node_, path_, what); }
   Status Error(const YAML::Node& at, const std::string& path, const std::string& what) const {
     return InvalidArgumentError(fmt::format("{}:{}: {}: {}", source_, Line(at), path, what));
   }
@@ -213,6 +216,17 @@ Status ParseData(Section& top, DataConfig& d) {
   STOKE_RETURN_IF_ERROR(nz.String("layout", &d.layout, {"nchw", "nhwc"}));
   STOKE_RETURN_IF_ERROR(nz.String("dtype", &d.dtype, {"float32", "float16", "bfloat16"}));
   STOKE_RETURN_IF_ERROR(nz.Finish());
+  {
+    const auto f = [](const std::vector<double>& v) {
+      return std::array<float, 3>{static_cast<float>(v[0]), static_cast<float>(v[1]), static_cast<float>(v[2])};
+    };
+    const double largest = d.dtype == "float16" ? augment::kFloat16Largest : std::numeric_limits<float>::max();
+    if (Status v = augment::ValidateNormalize(f(d.mean), f(d.std), largest); !v.ok()) {
+      std::string what = v.message();
+      if (what.starts_with("normalize: ")) what.erase(0, 11);  // the path names it already
+      return nz.ErrorHere(fmt::format("{} (dtype {})", what, d.dtype));
+    }
+  }
   if (d.train.empty()) {
     return s.Error(s.node().IsMap() ? s.node() : top.node(), s.Path("train"),
                    "missing; expected the path of a packed training dataset");

@@ -27,6 +27,8 @@
 
 #include <fmt/format.h>
 
+#include <limits>
+
 #include "augment/transform.h"
 #include "common/status.h"
 #include "dataset/dataset.h"
@@ -243,6 +245,7 @@ struct EpochOptions {
   int ring = 4;
   bool drop_last = false;
   std::string on_error = "skip";
+  double max_skip_fraction = 0.01;  // on_error skip: bad records allowed per epoch, as a fraction of its samples
   int rank = 0, world_size = 1;
   int64_t epoch = 0, start_batch = 0;
   int64_t epochs = 1;  // 0: endless (epochs follow each other without draining the pipeline)
@@ -261,6 +264,7 @@ prefetch::LoaderOptions ToLoaderOptions(const EpochOptions& e) {
   o.threads = e.threads;
   o.ring_size = e.ring;
   o.on_error = Take(prefetch::ParseErrorPolicy(e.on_error));
+  o.max_skip_fraction = e.max_skip_fraction;
   o.sampler.seed = e.seed;
   o.sampler.rank = e.rank;
   o.sampler.world_size = e.world_size;
@@ -282,7 +286,13 @@ prefetch::LoaderOptions ToLoaderOptions(const EpochOptions& e) {
     o.sampler.mode = dataset::ShuffleMode::kSequential;
     o.augment.mode = prefetch::CropMode::kCenter;
     o.augment.crop = e.size;
-    o.augment.resize = e.resize > 0 ? e.resize : (e.size * 256 + 223) / 224;
+    // The default resize keeps ImageNet's 256 / 224; a size whose resize is past int is refused.
+    const int64_t resize = e.resize > 0 ? e.resize : (int64_t{e.size} * 256 + 223) / 224;
+    if (resize > std::numeric_limits<int>::max()) {
+      throw py::value_error(fmt::format("stoke: size {}: its evaluation resize ({} x 256 / 224) is too large", e.size,
+                                        e.size));
+    }
+    o.augment.resize = static_cast<int>(resize);
   }
   o.device = e.device >= 0 ? prefetch::DeviceMode::kCuda : prefetch::DeviceMode::kHost;
   o.device_id = std::max(e.device, 0);
@@ -299,6 +309,9 @@ class EpochLoader {
       if (e.dtype != "float32" && e.dtype != "float16") {
         throw py::value_error(fmt::format("stoke: dtype {}: normalised batches are float32 or float16", e.dtype));
       }
+      const Status valid = augment::ValidateNormalize(
+          e.mean, e.std, e.dtype == "float16" ? augment::kFloat16Largest : std::numeric_limits<float>::max());
+      if (!valid.ok()) throw py::value_error("stoke: " + valid.message());
       normalize_.emplace();
       normalize_->mean = e.mean;
       normalize_->std = e.std;
@@ -560,6 +573,8 @@ py::dict Pack(const std::string& source, const std::string& output, const py::di
   p.overwrite = get("overwrite", false);
   p.store_paths = get("store_paths", true);
   p.report_file = get("report", std::string());
+  p.index_intervals_per_row = get("index_intervals", 8);
+  p.commit_every = get("commit_every", int64_t{2048});
   const std::string encoding = get("encoding", std::string("jpeg"));
   const std::string on_error = get("on_error", std::string("skip"));
   const std::string validate = get("validate", std::string("coefficients"));
@@ -693,13 +708,17 @@ PYBIND11_MODULE(_stoke, m) {
       .def_property_readonly("payload_bytes", [](const PyDataset& d) { return d.ds->manifest().payload_bytes; })
       .def(
           "record",
-          [](const std::shared_ptr<PyDataset>& d, int64_t index) {
+          [](const std::shared_ptr<PyDataset>& d, const py::object& index_object) {
+            // Any integer (numpy's too, through __index__); one beyond int64 is out of range too.
+            const auto index = py::reinterpret_steal<py::int_>(PyNumber_Index(index_object.ptr()));
+            if (!index) throw py::error_already_set();
             const int64_t n = d->ds->size();
-            if (index < -n || index >= n) {
-              throw py::index_error(fmt::format("stoke: record {} out of range: the dataset {} has {} records",
-                                                index, d->ds->path().string(), n));
+            if (index < py::int_(-n) || index >= py::int_(n)) {
+              const std::string text = py::str(static_cast<const py::object&>(index));
+              throw py::index_error(fmt::format("stoke: record {} out of range: the dataset {} has {} records", text,
+                                                d->ds->path().string(), n));
             }
-            const int64_t i = index < 0 ? index + n : index;
+            const int64_t i = index.cast<int64_t>() < 0 ? index.cast<int64_t>() + n : index.cast<int64_t>();
             auto view = Take(d->reader->Get(i));
             std::string source = d->ds->manifest().has_paths ? Take(d->reader->SourcePath(i)) : std::string();
             RecordBytes bytes{d, view.image.data(), view.image.size()};
@@ -736,6 +755,7 @@ PYBIND11_MODULE(_stoke, m) {
       .def_readwrite("ring", &EpochOptions::ring)
       .def_readwrite("drop_last", &EpochOptions::drop_last)
       .def_readwrite("on_error", &EpochOptions::on_error)
+      .def_readwrite("max_skip_fraction", &EpochOptions::max_skip_fraction)
       .def_readwrite("rank", &EpochOptions::rank)
       .def_readwrite("world_size", &EpochOptions::world_size)
       .def_readwrite("epoch", &EpochOptions::epoch)

@@ -10,7 +10,7 @@
 Datasets are made by `stoke pack` (the command line tool).
 """
 import os
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Union
 
 from . import _stoke
 from ._stoke import Dataset, __version__
@@ -33,10 +33,8 @@ def _checked(name: str, value: Any) -> Any:
         try:
             path = os.fspath(value)
         except TypeError:
-            raise bad("a path (str or path-like)") from None
-        if not isinstance(path, str):
-            raise bad("a path (str or path-like)")
-        return path
+            raise bad("a path (str, bytes or path-like)") from None
+        return os.fsdecode(path)
     if name in _FLAGS:
         if not isinstance(value, bool):
             raise bad("True or False")
@@ -49,31 +47,38 @@ def _checked(name: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad("a number in [0, 1)")
         return float(value)
-    # seed, threads, max_side, quality: whole numbers >= 0 (their ranges are checked by stoke)
+    # seed, threads, max_side, quality, index_intervals, commit_every: whole numbers >= 0 (their
+    # ranges are checked by stoke)
     limit = 2**64 if name == "seed" else 2**31
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
         raise bad(f"an int in [0, {limit})")
     return value
 
 
-def pack(source: str, output: str, *, list_file: Optional[str] = None, val_fraction: float = 0.0,
-         val_output: Optional[str] = None, shuffle: bool = False, seed: int = 0, threads: int = 0,
+_Path = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
+
+
+def pack(source: _Path, output: _Path, *, list_file: Optional[_Path] = None, val_fraction: float = 0.0,
+         val_output: Optional[_Path] = None, shuffle: bool = False, seed: int = 0, threads: int = 0,
          max_side: int = 0, quality: int = 0, encoding: str = "jpeg", on_error: str = "skip",
-         validate: str = "coefficients", index: str = "restart", resume: bool = False, overwrite: bool = False,
-         store_paths: bool = True, report: Optional[str] = None,
-         progress: Optional[Callable[[int], Any]] = None) -> Dict[str, Any]:
+         validate: str = "coefficients", index: str = "restart", index_intervals: int = 8,
+         commit_every: int = 2048, resume: bool = False, overwrite: bool = False, store_paths: bool = True,
+         report: Optional[_Path] = None, progress: Optional[Callable[[int], Any]] = None) -> Dict[str, Any]:
     """Packs an image folder tree (one folder per class) or a list file into a dataset, like
-    ``stoke pack``, with the same options. Returns the report: per split (train, val) inputs,
-    records and bytes, and the inputs that were skipped with their reasons (``bad``).
+    ``stoke pack``, with the same options (``store_paths=False`` is ``--no-paths``). Returns the
+    report: per split (train, val) inputs, records and bytes, and the inputs that were skipped with
+    their reasons (``bad``).
 
     ``progress(records)`` is called with the records written so far after each commit (every
-    2,048 records) and once at the end. Ctrl-C stops at the next commit, leaving a
-    partial dataset that ``resume=True`` continues. Errors raise with stoke's message.
+    ``commit_every`` records, or sooner once 32 MB are waiting) and once at the end. Ctrl-C stops
+    at the next commit, leaving a partial dataset that ``resume=True`` continues. Errors raise with
+    stoke's message.
     """
     options = dict(list_file=list_file, val_fraction=val_fraction, val_output=val_output, shuffle=shuffle,
                    seed=seed, threads=threads, max_side=max_side, quality=quality, encoding=encoding,
-                   on_error=on_error, validate=validate, index=index, resume=resume, overwrite=overwrite,
-                   store_paths=store_paths, report=report)
+                   on_error=on_error, validate=validate, index=index, index_intervals=index_intervals,
+                   commit_every=commit_every, resume=resume, overwrite=overwrite, store_paths=store_paths,
+                   report=report)
     for name, value in options.items():
         options[name] = _checked(name, value)
     if progress is not None and not callable(progress):

@@ -12,7 +12,7 @@ class RecordBytes:
     def __len__(self) -> int: ...
 
 class Dataset:
-    def __init__(self, path: Union[str, "os.PathLike[str]"]) -> None: ...
+    def __init__(self, path: Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]) -> None: ...
     def __len__(self) -> int: ...
     @property
     def path(self) -> str: ...
@@ -41,6 +41,7 @@ class EpochOptions:
     ring: int
     drop_last: bool
     on_error: str
+    max_skip_fraction: float
     rank: int
     world_size: int
     epoch: int

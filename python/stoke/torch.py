@@ -44,10 +44,21 @@ def _rank_and_world(rank: Optional[int], world_size: Optional[int]) -> Tuple[int
                 raise ValueError(f"stoke.torch.Loader: the environment variable {name}={text!r} is not an int") \
                     from None
         r, w = from_env("RANK", 0), from_env("WORLD_SIZE", 1)
-        if (w if world_size is None else world_size) > 1 and rank is None and "RANK" not in os.environ:
+        if rank is None and "RANK" not in os.environ and (w if world_size is None else world_size) > 1:
             # Every process would take rank 0's shard: the same samples on every rank.
-            raise ValueError(f"stoke.torch.Loader: WORLD_SIZE={w} is set but RANK is not; set both (as "
-                             "torchrun does), initialise torch.distributed, or pass rank= and world_size=")
+            given = f"world_size={world_size} was passed" if world_size is not None else f"WORLD_SIZE={w} is set"
+            raise ValueError(f"stoke.torch.Loader: {given} but no rank; pass rank=, set RANK (as torchrun "
+                             "does) or initialise torch.distributed")
+    if (rank is None) != (world_size is None):
+        # One from the caller, the other from torch.distributed or the environment: a mix that can
+        # name a rank nobody chose. Say where each came from.
+        source = "torch.distributed" if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            else "the environment"
+        r2, w2 = (r if rank is None else rank), (w if world_size is None else world_size)
+        if not 0 <= r2 < w2:
+            raise ValueError(f"stoke.torch.Loader: rank {r2} ({'passed' if rank is not None else 'from ' + source}) "
+                             f"is not in [0, world_size {w2}) ({'passed' if world_size is not None else 'from ' + source});"
+                             " pass both rank= and world_size=, or neither")
     return (r if rank is None else rank), (w if world_size is None else world_size)
 
 
@@ -116,7 +127,7 @@ def _checked_options(**options: Any) -> Dict[str, Any]:
         elif name == "scale":
             converted = _reals(value, 2)
             ok, expected = converted is not None, "two numbers (min, max)"
-        elif name == "flip":
+        elif name in ("flip", "max_skip_fraction"):
             ok, expected = _is_real(value), "a number in [0, 1]"
             converted = float(value) if ok else value
         elif name == "normalize":
@@ -169,12 +180,15 @@ class _Epoch:
         finally:
             self._busy.release()
 
-    def _next(self) -> Dict[str, Any]:
+    def _check_superseded(self) -> None:
         if self.superseded and self.yielded < len(self._owner):
             raise RuntimeError(
                 f"stoke.torch.Loader: this iterator of epoch {self.epoch} was replaced by a later iter() of the same "
                 f"loader after {self.yielded} of its {len(self._owner)} batches; a loader runs one epoch at a time "
                 "(use two Loaders to iterate twice at once)")
+
+    def _next(self) -> Dict[str, Any]:
+        self._check_superseded()
         if self._native is None or self._native is not self._owner._native:
             raise StopIteration  # the loader was closed
         if self.yielded >= len(self._owner):
@@ -204,8 +218,10 @@ class _Epoch:
             self._drop_pipeline()
             raise
         if got is None:
-            # Closed from another thread while waiting.
+            # Closed from another thread while waiting: by close() (the end), or by a later iter()
+            # (another thread's loop took the pipeline over: an error, not a short epoch).
             self._drop_pipeline()
+            self._check_superseded()
             raise StopIteration
         images, labels, indices, epoch, number, replaced = got
         self.yielded += 1
@@ -245,7 +261,8 @@ class Loader:
     Each iteration yields a dict: ``images`` uint8 ``[B, 3, H, W]`` (channels-last memory: a view
     of the loader's NHWC buffer), ``labels`` int64 ``[B]``, ``indices`` int64 ``[B]`` (the records),
     ``epoch``, ``batch`` (its number within the epoch) and ``replaced`` (samples whose record was
-    bad and was replaced, under ``on_error="skip"``).
+    bad and was replaced, under ``on_error="skip"``, up to ``max_skip_fraction`` of an epoch's
+    samples; past that the iteration raises).
 
     ``iter()`` starts the next epoch (0, 1, ...); ``set_epoch(e)`` chooses it, as with
     ``DistributedSampler``. With several ranks (``rank``/``world_size``, else ``torch.distributed``,
@@ -286,6 +303,7 @@ class Loader:
         ring: int = 4,
         drop_last: bool = False,
         on_error: str = "skip",
+        max_skip_fraction: float = 0.01,
         device: Union[str, "torch.device"] = "cpu",
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
@@ -297,7 +315,8 @@ class Loader:
     ) -> None:
         checked = _checked_options(batch_size=batch_size, size=size, seed=seed, threads=threads, ring=ring,
                                    resize=resize, train=train, drop_last=drop_last, on_error=on_error, rank=rank,
-                                   world_size=world_size, scale=scale, flip=flip, normalize=normalize)
+                                   world_size=world_size, scale=scale, flip=flip, normalize=normalize,
+                                   max_skip_fraction=max_skip_fraction)
         batch_size, size, seed, threads, ring, resize = (checked[k] for k in
                                                          ("batch_size", "size", "seed", "threads", "ring", "resize"))
         train, drop_last, rank, world_size = checked["train"], checked["drop_last"], checked["rank"], checked["world_size"]
@@ -313,6 +332,7 @@ class Loader:
         o.rank, o.world_size = r, w
         o.scale_min, o.scale_max = scale
         o.flip, o.resize = flip, resize
+        o.max_skip_fraction = checked["max_skip_fraction"]
         self._cast = None
         self._dtype = None
         if normalize is not None:
@@ -342,6 +362,7 @@ class Loader:
         # The running pipeline (endless: one epoch flows into the next without draining) and the
         # (epoch, batch) of the next batch it will hand out.
         self._native: Any = None
+        self._bad_before: list = []  # bad_records() of the last pipeline, once it has ended
         self._position: Tuple[int, int] = (-1, -1)
         # Checks every option now (the error names it) and learns the epoch's length.
         with self._on_device():
@@ -396,6 +417,8 @@ class Loader:
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         wanted = (self._next_epoch, self._start_batch)
         previous = self._current()
+        if previous is not None:
+            previous.superseded = True  # before its pipeline may be closed below (a next() may wait on it)
         if self._native is None or self._position != wanted:
             # A new start (first epoch, set_epoch, a break, a resume): stop the old pipeline.
             self._close_native()
@@ -405,16 +428,16 @@ class Loader:
                 self._native = _stoke.EpochLoader(self._dataset, o)
             self._position = wanted
         current = _Epoch(self, self._native, *wanted)
-        if previous is not None:
-            previous.superseded = True
         self._current = weakref.ref(current)
         self._handed = wanted
         self._next_epoch, self._start_batch = wanted[0] + 1, 0
         return current
 
     def bad_records(self) -> list:
-        """(record index, reason) of the records skipped since the pipeline started."""
-        return self._native.bad_records() if self._native is not None else []
+        """(record index, reason) of the bad records the pipeline met since it started (a new one
+        starts at a break, ``set_epoch`` or a resume); after ``close()`` or an error that ended it,
+        those of the pipeline that ended."""
+        return self._native.bad_records() if self._native is not None else list(self._bad_before)
 
     def _identity(self) -> Dict[str, Any]:
         """What a state must match: the dataset (by content, not path) and the batches' order."""
@@ -452,6 +475,7 @@ class Loader:
     def _close_native(self) -> None:
         self._current = _no_epoch
         if self._native is not None:
+            self._bad_before = self._native.bad_records()
             with self._on_device():
                 self._native.close()
             self._native = None

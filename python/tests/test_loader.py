@@ -1,6 +1,7 @@
 """The Python package against the C++ loader: the same batches, exact lengths, disjoint shards,
 exact resume, no threads or memory left behind, and clear errors."""
 import gc
+import math
 import os
 import subprocess
 import sys
@@ -130,13 +131,22 @@ def test_rank_and_world_come_from_the_environment(data, monkeypatch):
         Loader(data["train"], batch_size=8, size=32, rank=2, world_size=2)
 
 
+def test_rank_or_world_size_alone_is_named_as_passed(data, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="world_size=2 was passed but no rank"):
+        Loader(data["train"], batch_size=8, world_size=2)
+    with pytest.raises(ValueError, match=r"rank 3 \(passed\) is not in \[0, world_size 1\) \(from the environment\)"):
+        Loader(data["train"], batch_size=8, rank=3)
+
+
 def test_rank_and_world_from_the_environment_are_checked(data, monkeypatch):
     monkeypatch.setenv("RANK", "abc")
     with pytest.raises(ValueError, match="RANK='abc'"):
         Loader(data["train"], batch_size=8)
     monkeypatch.delenv("RANK")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ValueError, match="WORLD_SIZE=4 is set but RANK is not"):
+    with pytest.raises(ValueError, match="WORLD_SIZE=4 is set but no rank"):
         Loader(data["train"], batch_size=8)
     assert Loader(data["train"], batch_size=8, rank=1).world_size == 4
     assert Loader(data["train"], batch_size=8, world_size=1).world_size == 1  # explicit: one process
@@ -263,6 +273,21 @@ def test_bad_records_are_skipped_and_reported(data):
             pass
 
 
+def test_the_skip_budget_is_an_option_and_its_error_keeps_the_bad_records(data):
+    # One bad record in 120 samples is over a budget of 0.5% (0 records): the error ends the
+    # pipeline, and bad_records() still says which record it was (it returned []).
+    tight = Loader(data["damaged"], batch_size=8, size=32, train=False, max_skip_fraction=0.005)
+    with pytest.raises(ValueError, match="max_skip_fraction"):
+        for _ in tight:
+            pass
+    bad = tight.bad_records()
+    assert len(bad) == 1 and "CRC" in bad[0][1]
+    loose = Loader(data["damaged"], batch_size=8, size=32, train=False, max_skip_fraction=0.5)
+    assert sum(b["replaced"] for b in loose) == 1
+    loose.close()
+    assert len(loose.bad_records()) == 1  # still there after close()
+
+
 def test_an_error_ends_the_pipeline_and_a_resume_starts_a_new_one(data):
     # on_error="fail" stops at the bad record; iterating again from the saved state runs a new
     # pipeline from there (it used to reuse the dead one and yield nothing).
@@ -288,6 +313,31 @@ def test_one_epoch_at_a_time(data):
     loader = Loader(data["train"], batch_size=8, size=32, threads=1)
     with pytest.raises(RuntimeError, match="replaced by a later iter.. of the same loader after 0 of its 15 batches"):
         list(zip(loader, loader))  # a second iter() took over the first one's pipeline
+    # The same from another thread, while the first iterator waits in next(): it raises too (it
+    # ended as if the epoch were over).
+    import threading
+    import time
+    slow = Loader(data["train"], batch_size=40, size=256, train=False, threads=1, ring=2)
+    outcome = []
+
+    def loop():
+        n = 0
+        try:
+            for b in slow:
+                n += 1
+                del b
+                time.sleep(0.2)
+            outcome.append(("ended", n))
+        except RuntimeError as e:
+            outcome.append(("raised", n, str(e)))
+
+    first = threading.Thread(target=loop)
+    first.start()
+    time.sleep(0.1)
+    del next(iter(slow))["images"]
+    first.join()
+    assert outcome[0][0] == "raised" and "replaced by a later iter()" in outcome[0][2], outcome
+    slow.close()
     # Several threads pulling from one iterator: one next() at a time, never more than len() batches.
     import threading
     it = iter(loader)
@@ -422,6 +472,22 @@ def test_bad_options_name_themselves(data):
         ds.record(-121)
     with pytest.raises(IndexError, match="record 120 out of range"):
         ds.record(120)
+    with pytest.raises(IndexError, match="record 18446744073709551616 out of range"):
+        ds.record(2**64)  # beyond int64 is out of range too (it was a TypeError)
+    assert ds.record(np.int64(-1))["index"] == 119
+    # normalize= is checked when the Loader is made (it was at the first next()), non-finite too.
+    for mean, std, dtype, why in [((0.5,) * 3, (0, 1, 1), None, "std.0. = 0"),
+                                  ((math.nan, 0, 0), (1,) * 3, None, "mean.0. = nan"),
+                                  ((0,) * 3, (1, math.inf, 1), None, "std.1. = inf"),
+                                  ((0,) * 3, (1e-40,) * 3, None, "largest value 3.4"),
+                                  ((0,) * 3, (1e-5,) * 3, torch.float16, "largest value 65504")]:
+        with pytest.raises(ValueError, match=why):
+            Loader(data["train"], batch_size=8, normalize=(mean, std), dtype=dtype)
+    # A size whose default evaluation resize overflows is refused by name (it said "after resize 0").
+    with pytest.raises(ValueError, match="size 2147483647: its evaluation resize"):
+        Loader(data["train"], batch_size=8, train=False, size=2**31 - 1)
+    with pytest.raises(ValueError, match="max_skip_fraction"):
+        Loader(data["train"], batch_size=8, max_skip_fraction=2)
 
 
 def test_normalize_gives_floats_of_the_same_pixels(data):
@@ -555,6 +621,10 @@ def test_pack_verify_and_progress(data, tmp_path):
     assert [s["name"] for s in report["splits"]] == ["train", "val"]
     assert sum(s["records"] for s in report["splits"]) == 120 and report["bad"] == []
     assert seen == [120]  # one commit, at the end
+    seen.clear()
+    stoke.pack(images, str(tmp_path / "c.lmdb"), commit_every=50, index_intervals=2, progress=seen.append)
+    assert seen == [50, 100, 120]  # after each commit but the last, then once at the end
+    assert stoke.Dataset(str(tmp_path / "c.lmdb")).verify() == []
     assert stoke.Dataset(str(tmp_path / "p.lmdb")).verify() == []
     bad = stoke.Dataset(data["damaged"]).verify()
     assert len(bad) == 1 and "CRC" in bad[0][2]
@@ -578,6 +648,12 @@ def test_errors_of_pack_and_verify_keep_their_python_types(tmp_path):
             stoke.pack(str(tmp_path), str(tmp_path / "out.lmdb"), **{key: value})
     with pytest.raises(FileNotFoundError, match="nowhere"):
         stoke.pack(tmp_path / "nowhere", tmp_path / "out.lmdb")  # path-like
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        stoke.pack(os.fsencode(tmp_path / "nowhere"), os.fsencode(tmp_path / "out.lmdb"))  # bytes, as documented
+    with pytest.raises(ValueError, match="index-intervals 65"):
+        stoke.pack(str(tmp_path), str(tmp_path / "out.lmdb"), index_intervals=65)
+    with pytest.raises(ValueError, match="commit"):
+        stoke.pack(str(tmp_path), str(tmp_path / "out.lmdb"), commit_every=0)
 
 
 @pytest.fixture(scope="session")

@@ -231,6 +231,30 @@ TEST(Normalize, LayoutsAndTypes) {
             StatusCode::kInvalidArgument);
 }
 
+TEST(Normalize, ValidatesMeanStdAndTheOutputRange) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const double f32 = std::numeric_limits<float>::max();
+  EXPECT_OK(ValidateNormalize({0.485f, 0.456f, 0.406f}, {0.229f, 0.224f, 0.225f}, kFloat16Largest));
+  struct Case {
+    std::array<float, 3> mean, std;
+    double largest;
+    const char* says;
+  };
+  for (const Case& c : {Case{{nan, 0, 0}, {1, 1, 1}, f32, "mean[0] = nan"},
+                        Case{{0, 0, inf}, {1, 1, 1}, f32, "mean[2] = inf"},
+                        Case{{0, 0, 0}, {1, 0, 1}, f32, "std[1] = 0"},
+                        Case{{0, 0, 0}, {1, -1, 1}, f32, "std[1] = -1"},
+                        Case{{0, 0, 0}, {1, 1, inf}, f32, "std[2] = inf"},
+                        Case{{0, 0, 0}, {1e-40f, 1, 1}, f32, "channel 0"},
+                        Case{{0, 0, 0}, {1, 1e-5f, 1}, kFloat16Largest, "channel 1"},
+                        Case{{-1e5f, 0, 0}, {1, 1, 1}, kFloat16Largest, "channel 0"}}) {
+    const Status s = ValidateNormalize(c.mean, c.std, c.largest);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << c.says;
+    EXPECT_NE(s.message().find(c.says), std::string::npos) << s.message();
+  }
+  EXPECT_OK(ValidateNormalize({0, 0, 0}, {1e-5f, 1e-5f, 1e-5f}, f32));  // fits float32, not float16
+}
+
 // ---- Region decode composed with plans ----
 
 // The sample via the cheap path (plan -> region decode at a DCT scale -> ApplyPlan) and via the

@@ -111,6 +111,12 @@ model:
 
 TEST(Config, ErrorsNameFileLineKeyAndExpectation) {
   const std::string base = kMinimal;
+  // Normalised values must fit the chosen dtype (a float16 batch of inf trains nothing).
+  const std::string tiny_std = "data:\n  train: t.lmdb\n  image_size: 32\n  normalize:\n    std: [5.0e-6, 1, 1]\n"
+                               "    dtype: float16\nmodel:\n  preset: lenet\n  classes: 4\n";
+  EXPECT_EQ(ErrorOf(tiny_std),
+            "run.yaml:5: data.normalize: channel 0: (x - mean 0.485) / std 5e-06 reaches 1.03e+05, beyond "
+            "the output type's largest value 65504 (a larger std, or a wider output type) (dtype float16)");
   EXPECT_EQ(ErrorOf(base + "optimizer:\n  momentum: 1.5\n"),
             "run.yaml:8: optimizer.momentum: 1.5 is out of range; expected a number in [0, 1)");
   EXPECT_EQ(ErrorOf(base + "optimizer:\n  lr: fast\n"),

@@ -926,6 +926,10 @@ Status ValidateOptions(const PackOptions& o) {
     return InvalidArgumentError("pack: --val-fraction must be in [0, 1)");
   }
   if (o.commit_every <= 0) return InvalidArgumentError("pack: commit interval must be > 0");
+  if (o.index_intervals_per_row < 1 || o.index_intervals_per_row > 64) {
+    return InvalidArgumentError(
+        fmt::format("pack: --index-intervals {} must be in 1..64", o.index_intervals_per_row));
+  }
   if (o.resume && o.overwrite) {
     return InvalidArgumentError("pack: --resume and --overwrite contradict each other");
   }
