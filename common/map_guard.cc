@@ -47,6 +47,13 @@ void Install() {
 
 }  // namespace
 
+void LeaveGuarded() {
+  Guard& g = t_guard;
+  if (!g.active) return;
+  g.active = 0;
+  siglongjmp(g.env, 1);
+}
+
 bool RunGuarded(void (*fn)(void*), void* arg) {
   std::call_once(g_installed, Install);
   Guard& g = t_guard;

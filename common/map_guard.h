@@ -13,6 +13,11 @@ namespace stoke {
 // outer one.
 bool RunGuarded(void (*fn)(void*), void* arg);
 
+// Leaves the guarded call running on this thread as a fault would (its RunGuarded returns false).
+// Returns, doing nothing, when this thread is not inside one. For a library's failure callback
+// that would otherwise abort the process on damaged data (LMDB's assertion handler).
+void LeaveGuarded();
+
 template <typename F>
 bool RunGuarded(F& fn) {
   return RunGuarded([](void* f) { (*static_cast<F*>(f))(); }, &fn);

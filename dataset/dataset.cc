@@ -67,10 +67,26 @@ const std::byte* MapStart(const void* inside) {
   return nullptr;
 }
 
+// What LMDB's assertion said, when one ended the guarded read on this thread (a damaged page
+// that LMDB checks, e.g. a zeroed leaf page); empty after a fault.
+thread_local char t_mdb_assert[400];
+
+// LMDB aborts the process after this returns; inside a guarded read it does not return.
+void OnMdbAssert(MDB_env*, const char* message) {
+  std::snprintf(t_mdb_assert, sizeof t_mdb_assert, "%s", message);
+  LeaveGuarded();
+  t_mdb_assert[0] = '\0';
+}
+
 Status MapFault(const std::filesystem::path& path, const std::string& what) {
+  std::string why = "a page lies outside the file";
+  if (t_mdb_assert[0] != '\0') {
+    why = fmt::format("LMDB found a damaged page: {}", t_mdb_assert);
+    t_mdb_assert[0] = '\0';
+  }
   return CorruptError(fmt::format(
-      "dataset: {}: {}: the data file is damaged (a page lies outside the file); run stoke inspect "
-      "--verify, and repack it", path.string(), what));
+      "dataset: {}: {}: the data file is damaged ({}); run stoke inspect --verify, and repack it", path.string(),
+      what, why));
 }
 
 }  // namespace
@@ -105,6 +121,7 @@ Result<Dataset> Dataset::Open(const std::filesystem::path& path) {
   int rc = mdb_env_create(&raw);
   if (rc != MDB_SUCCESS) return MdbStatus(rc, where + ": create environment");
   d.env_.reset(raw);
+  mdb_env_set_assert(raw, OnMdbAssert);  // a damaged page inside a guarded read is an error, not abort()
   mdb_env_set_maxdbs(raw, 4);
   rc = mdb_env_open(raw, path.c_str(), flags, 0444);
   if (rc == MDB_INVALID) {
@@ -253,6 +270,11 @@ Result<std::vector<RecordExtent>> Dataset::RecordExtents() const {
   return extents;
 }
 
+void Reader::Renew() {
+  mdb_txn_reset(txn_.get());
+  (void)mdb_txn_renew(txn_.get());  // on failure the next read says MDB_BAD_TXN, naming its record
+}
+
 Result<RecordView> Reader::Get(int64_t index) {
   if (index < 0 || index >= dataset_->size()) {
     return InvalidArgumentError(fmt::format("dataset: {}: record {} out of range [0, {})",
@@ -262,13 +284,17 @@ Result<RecordView> Reader::Get(int64_t index) {
   EncodeKey(static_cast<uint64_t>(index), key);
   MDB_val k = Val(key.data(), key.size()), v;
   GuardedRead read{.txn = txn_.get(), .dbi = dataset_->records_dbi_, .key = &k, .value = &v};
-  if (!RunGuarded(read)) return MapFault(dataset_->path_, fmt::format("record {}", index));
+  if (!RunGuarded(read)) {
+    Renew();
+    return MapFault(dataset_->path_, fmt::format("record {}", index));
+  }
   const int rc = read.rc;
   if (rc == MDB_NOTFOUND) {
     return CorruptError(
         fmt::format("dataset: {}: record {} missing", dataset_->path_.string(), index));
   }
   if (rc != MDB_SUCCESS) {
+    Renew();
     return MdbStatus(rc, fmt::format("dataset: {}: record {}", dataset_->path_.string(), index));
   }
   return Check(v, index);
@@ -282,6 +308,14 @@ Status Reader::Scan(int64_t begin, int64_t end,
                                             end, dataset_->size()));
   }
   if (begin == end) return OkStatus();
+  // Declared before the cursor, so that a renewal after a failed read comes after its close.
+  struct RenewAfterFailure {
+    Reader* reader;
+    bool failed = false;
+    ~RenewAfterFailure() {
+      if (failed) reader->Renew();
+    }
+  } renew{this};
   MDB_cursor* raw = nullptr;
   int rc = mdb_cursor_open(txn_.get(), dataset_->records_dbi_, &raw);
   if (rc != MDB_SUCCESS) return MdbStatus(rc, where + ": open cursor");
@@ -290,11 +324,13 @@ Status Reader::Scan(int64_t begin, int64_t end,
   EncodeKey(static_cast<uint64_t>(begin), key);
   MDB_val k = Val(key.data(), key.size()), v;
   GuardedRead read{.cursor = raw, .op = MDB_SET_KEY, .key = &k, .value = &v};
+  renew.failed = true;  // until the read succeeds
   if (!RunGuarded(read)) return MapFault(dataset_->path_, fmt::format("record {}", begin));
   rc = read.rc;
   for (int64_t index = begin; index < end; ++index) {
     if (rc == MDB_NOTFOUND) return CorruptError(fmt::format("{}: record {} missing", where, index));
     if (rc != MDB_SUCCESS) return MdbStatus(rc, fmt::format("{}: record {}", where, index));
+    renew.failed = false;
     if (k.mv_size != 8 ||
         DecodeKey(std::span<const std::byte, 8>(static_cast<const std::byte*>(k.mv_data), 8)) !=
             static_cast<uint64_t>(index)) {
@@ -304,6 +340,7 @@ Status Reader::Scan(int64_t begin, int64_t end,
     STOKE_RETURN_IF_ERROR(fn(record));
     if (index + 1 < end) {
       read.op = MDB_NEXT;
+      renew.failed = true;
       if (!RunGuarded(read)) return MapFault(dataset_->path_, fmt::format("record {}", index + 1));
       rc = read.rc;
     }
@@ -317,10 +354,14 @@ Result<std::string> Reader::SourcePath(int64_t index) {
   EncodeKey(static_cast<uint64_t>(index), key);
   MDB_val k = Val(key.data(), key.size()), v;
   GuardedRead read{.txn = txn_.get(), .dbi = dataset_->paths_dbi_, .key = &k, .value = &v};
-  if (!RunGuarded(read)) return MapFault(dataset_->path_, fmt::format("path of record {}", index));
+  if (!RunGuarded(read)) {
+    Renew();
+    return MapFault(dataset_->path_, fmt::format("path of record {}", index));
+  }
   const int rc = read.rc;
   if (rc == MDB_NOTFOUND) return std::string();
   if (rc != MDB_SUCCESS) {
+    Renew();
     return MdbStatus(rc, fmt::format("dataset: {}: path of record {}", dataset_->path_.string(),
                                      index));
   }

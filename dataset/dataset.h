@@ -83,6 +83,8 @@ class Dataset {
 
 // Reads records of one Dataset in place. Thread-compatible: one Reader per thread.
 // Every view it returns points into the LMDB map and stays valid until the Reader is destroyed.
+// One damaged record is one error: after LMDB fails a read (a damaged page), the Reader starts a
+// fresh read transaction, so the records after it read as before.
 class Reader {
  public:
   Reader(Reader&&) = default;
@@ -103,6 +105,9 @@ class Reader {
   Reader(const Dataset* dataset, MdbTxn txn, ReaderOptions options)
       : dataset_(dataset), txn_(std::move(txn)), options_(options) {}
   Result<RecordView> Check(const MDB_val& value, int64_t index) const;
+  // After a failed read: LMDB refuses every later read of a transaction that met damage
+  // (MDB_BAD_TXN); a reset and renew gives a fresh one on the same read-only map.
+  void Renew();
 
   const Dataset* dataset_;
   MdbTxn txn_;

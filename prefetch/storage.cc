@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -300,8 +301,10 @@ struct StorageStage::State {
       {
         std::unique_lock lock(mu);
         // Not too far ahead: a bounded number of segments, and their buffers within the budget.
-        // A segment a decoder already waits for is read even over the budget (never more than
-        // one segment over it), so the decoders cannot wait on memory that only they can free.
+        // A segment a decoder already waits for is read even over the budget, so the decoders
+        // cannot wait on memory that only they can free. The excess is therefore bounded by the
+        // segments the samples in flight reach into (the pipeline's 4 x threads chunks of up to 16
+        // samples): at most ceil(64 x threads / segment) + 1 segments over the budget.
         auto room = [&] {
           if (stopped || wanted >= seq) return true;
           if (segments.size() > kMaxSegmentsAhead) return false;
@@ -452,7 +455,15 @@ Result<std::unique_ptr<StorageStage>> StorageStage::Create(const dataset::Datase
   st->mode = so.mode;
   st->plan = plan;
   st->o = o;
-  STOKE_ASSIGN_OR_RETURN(st->extents, ds.RecordExtents());
+  auto extents = ds.RecordExtents();
+  if (!extents.ok() && extents.status().code() == StatusCode::kCorrupt) {
+    // A damaged records table: the map path reads (and reports) each record on its own, under the
+    // loader's bad-record policy, where refusing to start would stop a run over one bad page.
+    return UnavailableError(fmt::format("{} (the records table is damaged: each record is read and checked on "
+                                        "its own instead)",
+                                        extents.status().message()));
+  }
+  STOKE_ASSIGN_OR_RETURN(st->extents, std::move(extents));
 
   // The mean record from the records' own extents (the manifest's payload_bytes is not checked
   // against the data, and an absurd value there made an absurd budget).
@@ -473,9 +484,10 @@ Result<std::unique_ptr<StorageStage>> StorageStage::Create(const dataset::Datase
   // next one (read) and the one after (being read); the other orders read ahead a few segments
   // and at least the batches the ring can be filling plus one.
   const double ring_bytes = 1.15 * mean * static_cast<double>((plan.ring_batches + 1) * plan.batch_size);
+  // (Rounded up: a default a byte short of three windows warned that it held fewer than three.)
   uint64_t budget = o.memory_bytes > 0 ? static_cast<uint64_t>(o.memory_bytes)
-                    : block            ? static_cast<uint64_t>(3 * segment_bytes)
-                                       : static_cast<uint64_t>(std::max(4 * segment_bytes, ring_bytes));
+                    : block            ? static_cast<uint64_t>(std::ceil(3 * segment_bytes))
+                                       : static_cast<uint64_t>(std::ceil(std::max(4 * segment_bytes, ring_bytes)));
   // The default never asks for more than half the memory this process may ever have (the machine's,
   // or its cgroup's limit): a large block x window otherwise got the process killed for memory.
   const uint64_t physical = o.physical_memory_bytes > 0 ? o.physical_memory_bytes : PhysicalMemoryBytes();
@@ -495,10 +507,14 @@ Result<std::unique_ptr<StorageStage>> StorageStage::Create(const dataset::Datase
         budget >> 20, segment, clamped.window_blocks, clamped.block_size, mean / 1024, segment_bytes / (1 << 20)));
   }
   if (block && static_cast<double>(budget) < 3 * segment_bytes) {
+    const std::string which = o.memory_bytes > 0
+                                  ? fmt::format("data.io.memory_mb {}", budget >> 20)
+                                  : fmt::format("the default read-ahead budget, half of the {} MB this process may use,",
+                                                physical >> 20);
     STOKE_LOG(WARN,
-              "loader: data.io.memory_mb {} holds fewer than three block-shuffle windows of {:.0f} MB: reading the "
-              "next window waits for the decoders, so reads will not keep the device busy",
-              budget >> 20, segment_bytes / (1 << 20));
+              "loader: {} holds fewer than three block-shuffle windows of {:.0f} MB: reading the next window waits "
+              "for the decoders, so reads will not keep the device busy",
+              which, segment_bytes / (1 << 20));
   }
   if (!block && o.segment_positions == 0 && static_cast<double>(budget) < 2 * segment_bytes) {
     // A smaller segment still reads ahead; full-shuffle reads are one request per record anyway.

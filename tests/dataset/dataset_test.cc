@@ -485,6 +485,47 @@ TEST(Dataset, DamagedMetaPagesAreCorruptNotACrash) {
 
 // Resuming a partial dataset whose file lost its tail crashed LMDB (SIGBUS) or appended records
 // after the hole and reported success; it is refused, saying the pack must start over.
+// A zeroed leaf page of the records table (a bad disk block): LMDB asserts on it while walking the
+// table (which aborted the process), and a transaction that met it refused every later read
+// (MDB_BAD_TXN: one bad page made every following record "bad"). Now the records on that page are
+// bad, each an error, and every other record reads as before.
+TEST(Dataset, AZeroedLeafPageCostsItsRecordsOnly) {
+  TempDir dir;
+  Written w = WriteDataset(dir / "d", 600);
+  const size_t lost = testing::ZeroRecordsLeafPage(dir / "d" / "data.mdb", 1);
+  ASSERT_GT(lost, 0u) << "expected the records table to span several leaf pages";
+  ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(dir / "d"));
+  auto extents = ds.RecordExtents();  // walks the table: an error, not abort()
+  if (!extents.ok()) {
+    EXPECT_EQ(extents.status().code(), StatusCode::kCorrupt) << extents.status().ToString();
+  }
+  ASSERT_OK_AND_ASSIGN(Reader reader, ds.NewReader());
+  size_t bad = 0;
+  for (int64_t i = 0; i < ds.size(); ++i) {
+    auto r = reader.Get(i);
+    if (!r.ok()) {
+      ++bad;
+      EXPECT_EQ(r.status().message().find("BAD_TXN"), std::string::npos) << r.status().ToString();
+      EXPECT_NE(r.status().message().find("record " + std::to_string(i)), std::string::npos) << r.status().ToString();
+      continue;
+    }
+    EXPECT_TRUE(std::equal(r->payload.begin(), r->payload.end(), w.payloads[static_cast<size_t>(i)].begin(),
+                           w.payloads[static_cast<size_t>(i)].end()))
+        << "record " << i;
+  }
+  EXPECT_EQ(bad, lost);
+  // A scan stops at the first bad record; the same reader then reads on.
+  int64_t scanned = 0;
+  const Status scan = reader.Scan(0, ds.size(), [&](const RecordView&) {
+    ++scanned;
+    return OkStatus();
+  });
+  EXPECT_FALSE(scan.ok());
+  EXPECT_LT(scanned, ds.size());
+  EXPECT_OK(reader.Get(0).status());
+  EXPECT_OK(reader.Get(ds.size() - 1).status());
+}
+
 TEST(Dataset, DamagedPartialDatasetIsNotResumed) {
   TempDir dir;
   {

@@ -116,18 +116,23 @@ TEST(Storage, ReadAheadStaysWithinTheBudget) {
   auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.records = 60}));
   ASSERT_OK(ds.status());
   const int64_t mean = ds->manifest().payload_bytes / ds->size();
-  LoaderOptions o = SmallOptions(2);
-  o.epochs = 3;
-  o.storage = ReadEverything(6);
-  o.storage.memory_bytes = 3 * 6 * mean;  // about three segments
-  StorageStats stats;
-  const auto seen = RunLoader(*ds, o, &stats);
-  EXPECT_EQ(seen.size(), 30u);
-  EXPECT_GT(stats.peak_held_bytes, 0);
-  // A segment a decoder already waits for may go over by itself: never more than one segment
-  // (six records; bounded generously by three times the mean size each).
-  EXPECT_LE(stats.peak_held_bytes, stats.budget_bytes + 6 * 3 * mean);
-  EXPECT_EQ(stats.held_bytes, 0) << "every buffer is freed at the end";
+  for (int threads : {2, 8}) {
+    SCOPED_TRACE(threads);
+    LoaderOptions o = SmallOptions(threads);
+    o.epochs = 3;
+    o.storage = ReadEverything(6);
+    o.storage.memory_bytes = 3 * 6 * mean;  // about three segments
+    StorageStats stats;
+    const auto seen = RunLoader(*ds, o, &stats);
+    EXPECT_EQ(seen.size(), 30u);
+    EXPECT_GT(stats.peak_held_bytes, 0);
+    // Segments decoders already wait for are read over the budget: those that the samples in
+    // flight reach into (4 x threads chunks of one sample here, so ceil(4 x threads / 6) + 1
+    // segments of six records; each bounded generously by three times the mean size).
+    const int64_t over = (4 * threads + 5) / 6 + 1;
+    EXPECT_LE(stats.peak_held_bytes, stats.budget_bytes + over * 6 * 3 * mean);
+    EXPECT_EQ(stats.held_bytes, 0) << "every buffer is freed at the end";
+  }
 }
 
 TEST(Storage, DamagedRecordsReadAheadAreCaughtAndSkipped) {
@@ -166,6 +171,28 @@ TEST(Storage, DamagedRecordsReadAheadAreCaughtAndSkipped) {
   EXPECT_EQ(bad[0].index, damaged);
   EXPECT_NE(bad[0].reason.find("CRC"), std::string::npos) << bad[0].reason;
   EXPECT_GT((*loader)->stats().storage.records_buffered, 20);
+}
+
+// A zeroed leaf page of the records table made the stage's walk of the table abort the process
+// (an LMDB assertion); then refuse to start. Now the stage steps aside (the decoders read each
+// record through the map) and the records on that page are skipped like any bad record.
+TEST(Storage, AZeroedLeafPageLeavesTheRecordsToTheMapPath) {
+  testing::TempDir dir;
+  const auto path = WriteDataset(dir.path() / "d", {.records = 400, .scale = 2});
+  const size_t lost = testing::ZeroRecordsLeafPage(path / "data.mdb", 1);
+  ASSERT_GT(lost, 0u) << "expected the records table to span several leaf pages";
+  auto ds = dataset::Dataset::Open(path);
+  ASSERT_OK(ds.status());
+  LoaderOptions o = SmallOptions(2);
+  o.batch_size = 20;
+  o.epochs = 1;
+  o.max_skip_fraction = 1;
+  o.storage = ReadEverything(16);
+  auto loader = Loader::Create(*ds, o);
+  ASSERT_OK(loader.status());
+  EXPECT_EQ(Drain(**loader).size(), 20u);
+  EXPECT_EQ((*loader)->bad_records().size(), lost);
+  EXPECT_EQ((*loader)->stats().storage.records_buffered, 0) << "the stage stepped aside";
 }
 
 TEST(Storage, ResidentRecordsComeFromTheMapWithoutReads) {

@@ -114,6 +114,28 @@ std::vector<std::byte> ReadBytes(const fs::path& path) {
   return out;
 }
 
+size_t ZeroRecordsLeafPage(const fs::path& data_mdb, size_t nth) {
+  std::vector<std::byte> bytes = ReadBytes(data_mdb);
+  constexpr size_t kPage = 4096;
+  auto u16 = [&](size_t at) { return static_cast<size_t>(bytes[at]) | static_cast<size_t>(bytes[at + 1]) << 8; };
+  // LMDB's page: page number (8 bytes), pad (2), flags (2: 0x02 a leaf), lower, upper; then the
+  // node offsets. A leaf node: value size (4 bytes, as two halves), flags (2), key size (2), key.
+  size_t seen = 0;
+  for (size_t page = 2; (page + 1) * kPage <= bytes.size(); ++page) {
+    const size_t at = page * kPage;
+    if (u16(at + 10) != 0x02 || u16(at + 12) < 18) continue;
+    const size_t nodes = (u16(at + 12) - 16) / 2, node = at + u16(at + 16);
+    if (node + 8 > at + kPage) continue;
+    const size_t value_size = u16(node) | u16(node + 2) << 16;
+    if (u16(node + 6) != 8 || value_size < 64 || seen++ != nth) continue;
+    std::fill(bytes.begin() + static_cast<std::ptrdiff_t>(at), bytes.begin() + static_cast<std::ptrdiff_t>(at + kPage),
+              std::byte{0});
+    WriteBytes(data_mdb, bytes);
+    return nodes;
+  }
+  return 0;
+}
+
 std::vector<fs::path> MakeImageTree(const fs::path& root, const std::vector<std::string>& classes,
                                     int per_class) {
   std::vector<fs::path> paths;

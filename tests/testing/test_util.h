@@ -65,6 +65,11 @@ std::vector<std::byte> WithExifOrientation(const std::vector<std::byte>& jpeg, i
 void WriteBytes(const std::filesystem::path& path, const std::vector<std::byte>& bytes);
 std::vector<std::byte> ReadBytes(const std::filesystem::path& path);
 
+// Zeroes the `nth` leaf page of a dataset's records table in its data.mdb (a bad disk block) and
+// returns how many records it held; 0 when the table has fewer leaf pages. A records leaf is told
+// from the paths table's by its values' size (a record's, not a path's dozen bytes).
+size_t ZeroRecordsLeafPage(const std::filesystem::path& data_mdb, size_t nth);
+
 // Writes root/<class>/<class>_<i>.jpg for each class name, `per_class` images each, with sizes
 // varying by index. Returns the written paths in sorted order.
 std::vector<std::filesystem::path> MakeImageTree(const std::filesystem::path& root,
