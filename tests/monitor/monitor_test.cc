@@ -3,6 +3,7 @@
 // malformed or cut short, and 200 clients at once. Also TensorBoard's record framing.
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -264,6 +265,130 @@ TEST_F(MonitorServer, ABodyEndsTheConnectionAndRangesGetTheWholeFile) {
     EXPECT_EQ(f.status, 200);
     EXPECT_EQ(f.body, "data:\n  train: /nonexistent/train.lmdb\nepochs: 2\n");
   }
+  // HEAD answers as GET does, and neither offers ranges (HEAD said "Accept-Ranges: bytes").
+  const Reply head = Send(port_, "HEAD /runs/0/config.yaml HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  const Reply get = Get(port_, "/runs/0/config.yaml");
+  EXPECT_EQ(head.status, 200);
+  EXPECT_NE(head.head.find("Accept-Ranges: none"), std::string::npos) << head.head;
+  EXPECT_NE(get.head.find("Accept-Ranges: none"), std::string::npos) << get.head;
+}
+
+// The HTTP library leaves its accept loop on an accept() error other than EMFILE and deletes the
+// worker pool; an idle kept-alive connection that then sent a request was handed to the deleted
+// pool (a use after free, found under valgrind). Shutting the listening socket down for reading
+// makes accept() fail with EINVAL: the same path, without fault injection.
+TEST(MonitorRuns, AnAcceptLoopThatEndsLeavesNoConnectionToADeletedPool) {
+  testing::TempDir dir;
+  const auto run = dir.path() / "run";
+  std::filesystem::create_directories(run);
+  WriteText(run / "config.yaml", "epochs: 1\n");
+  ASSERT_OK_AND_ASSIGN(auto monitor, Monitor::Start({.run_dirs = {run.string()}, .port = 0}));
+  // A kept-alive connection, answered once and then idle (parked).
+  const int conn = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(monitor->port()));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(conn, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  timeval tv{10, 0};
+  setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  const std::string request = "GET /runs/0/config.yaml HTTP/1.1\r\nHost: x\r\n\r\n";
+  ASSERT_EQ(::send(conn, request.data(), request.size(), MSG_NOSIGNAL), static_cast<ssize_t>(request.size()));
+  char buf[4096];
+  std::string first;
+  while (first.find("epochs: 1\n") == std::string::npos) {
+    const ssize_t n = ::recv(conn, buf, sizeof buf, 0);
+    ASSERT_GT(n, 0) << first;
+    first.append(buf, static_cast<size_t>(n));
+  }
+  // The server's listening socket: the one bound to its port that accepts connections.
+  int listening = -1;
+  for (int fd = 3; fd < 4096 && listening < 0; ++fd) {
+    sockaddr_in bound{};
+    socklen_t len = sizeof bound;
+    int accepts = 0;
+    socklen_t accepts_len = sizeof accepts;
+    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len) == 0 && bound.sin_family == AF_INET &&
+        ntohs(bound.sin_port) == monitor->port() &&
+        ::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &accepts, &accepts_len) == 0 && accepts == 1) {
+      listening = fd;
+    }
+  }
+  ASSERT_GE(listening, 0);
+  ASSERT_EQ(::shutdown(listening, SHUT_RD), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the accept loop ends
+  // The idle connection was closed with the pool, not handed to it.
+  ::send(conn, request.data(), request.size(), MSG_NOSIGNAL);
+  std::string rest;
+  ssize_t last = 0;
+  while ((last = ::recv(conn, buf, sizeof buf, 0)) > 0) rest.append(buf, static_cast<size_t>(last));
+  EXPECT_EQ(rest, "");
+  EXPECT_EQ(last, 0) << "closed at once, not left to time out (the request went to the deleted pool)";
+  ::close(conn);
+  monitor->Stop();  // and stopping afterwards neither hangs nor crashes
+}
+
+// Idle connections hold at most a quarter of the process's descriptors: 1,200 of them ended a
+// training run ("Too many open files") under the usual limit of 1,024, since the monitor shares
+// the trainer's process.
+TEST(MonitorRuns, IdleConnectionsLeaveTheTrainerItsDescriptors) {
+  rlimit old{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &old), 0);
+  if (old.rlim_max != RLIM_INFINITY && old.rlim_max < 512) GTEST_SKIP() << "the hard limit is below 512";
+  rlimit low = old;
+  low.rlim_cur = 512;  // a quarter: 128 idle connections
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  struct Restore {
+    rlimit limit;
+    ~Restore() { ::setrlimit(RLIMIT_NOFILE, &limit); }
+  } restore{old};
+  testing::TempDir dir;
+  const auto run = dir.path() / "run";
+  std::filesystem::create_directories(run);
+  ASSERT_OK_AND_ASSIGN(auto monitor, Monitor::Start({.run_dirs = {run.string()}, .port = 0}));
+  std::vector<int> clients;
+  for (int i = 0; i < 200; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(monitor->port()));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    clients.push_back(fd);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));  // accepted and parked (5 s before idle ones close)
+  int closed = 0;
+  for (int fd : clients) {
+    char c;
+    if (::recv(fd, &c, 1, MSG_DONTWAIT) == 0) ++closed;
+    ::close(fd);
+  }
+  EXPECT_GE(closed, 200 - 128 - 4) << "idle connections beyond a quarter of 512 descriptors are closed";
+  EXPECT_EQ(Get(monitor->port(), "/api/runs").status, 200);
+}
+
+// config.yaml and metrics.jsonl of a run are read for the run list and the metrics API: a link
+// out of the run's folder is not followed there either (it served /proc/self/environ).
+TEST(MonitorRuns, LinksOutOfARunAreNotFollowedByTheApi) {
+  testing::TempDir dir;
+  const auto run = dir.path() / "run";
+  std::filesystem::create_directories(run);
+  WriteText(dir.path() / "outside.yaml", "secret: outside-the-run\n");
+  WriteText(dir.path() / "outside.jsonl", R"({"type":"start","step":0,"secret":"from outside"})" "\n");
+  std::filesystem::create_symlink(dir.path() / "outside.yaml", run / "config.yaml");
+  std::filesystem::create_symlink(dir.path() / "outside.jsonl", run / "metrics.jsonl");
+  ASSERT_OK_AND_ASSIGN(auto monitor, Monitor::Start({.run_dirs = {run.string()}, .port = 0}));
+  const Reply runs = Get(monitor->port(), "/api/runs");
+  ASSERT_EQ(runs.status, 200);
+  EXPECT_EQ(runs.body.find("outside"), std::string::npos) << runs.body;
+  const auto j = nlohmann::json::parse(runs.body);
+  EXPECT_FALSE(j["runs"][0].contains("config"));
+  EXPECT_EQ(j["runs"][0]["has_metrics"], false);
+  EXPECT_TRUE(j["runs"][0]["files"].empty());
+  const Reply metrics = Get(monitor->port(), "/api/runs/0/metrics?from=0");
+  EXPECT_EQ(metrics.body.find("outside"), std::string::npos) << metrics.body;
+  EXPECT_EQ(nlohmann::json::parse(metrics.body)["exists"], false);
 }
 
 TEST(MetricsChunk, ALineNestedBeyondReasonIsMalformedNotACrash) {

@@ -6,6 +6,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/epoll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -45,7 +46,15 @@ constexpr int kListenBacklog = 512;
 constexpr int kKeepAliveRequests = 100;
 constexpr int kReadTimeoutMs = 5000, kWriteTimeoutMs = 5000, kKeepAliveTimeoutMs = 5000;
 constexpr int kRequestDeadlineMs = 10000;
-constexpr size_t kMaxParked = 4096;  // idle connections waiting for their next request
+constexpr size_t kMaxParked = 4096;  // idle connections waiting for their next request, at most
+
+// Idle connections may hold at most a quarter of the descriptors this process may open: the
+// monitor shares the trainer's process, whose datasets, checkpoints and logs need the rest.
+size_t MaxParked() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return kMaxParked;
+  return std::clamp<size_t>(static_cast<size_t>(limit.rlim_cur / 4), 16, kMaxParked);
+}
 
 bool WaitFor(int fd, short events, int timeout_ms) {
   pollfd p{fd, events, 0};
@@ -61,7 +70,9 @@ bool WaitFor(int fd, short events, int timeout_ms) {
 // kernel's backlog instead of growing memory here.
 class BoundedPool : public httplib::TaskQueue {
  public:
-  BoundedPool(int threads, int max_queued) : max_queued_(static_cast<size_t>(max_queued)) {
+  // `before_shutdown` runs first in shutdown(): whoever hands this pool work stops doing so.
+  BoundedPool(int threads, int max_queued, std::function<void()> before_shutdown)
+      : max_queued_(static_cast<size_t>(max_queued)), before_shutdown_(std::move(before_shutdown)) {
     for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { Work(); });
   }
   void enqueue(std::function<void()> fn) override {
@@ -71,6 +82,7 @@ class BoundedPool : public httplib::TaskQueue {
     ready_.notify_one();
   }
   void shutdown() override {
+    if (before_shutdown_) before_shutdown_();
     {
       std::lock_guard lock(mu_);
       stopping_ = true;
@@ -96,6 +108,7 @@ class BoundedPool : public httplib::TaskQueue {
     }
   }
   const size_t max_queued_;
+  const std::function<void()> before_shutdown_;
   std::mutex mu_;
   std::condition_variable ready_, not_full_;
   std::deque<std::function<void()>> jobs_;  // guarded by mu_
@@ -188,14 +201,15 @@ class BoundedStream : public httplib::Stream {
 // than kMaxParked wait.
 class Parking {
  public:
-  explicit Parking(std::function<void(int)> dispatch) : dispatch_(std::move(dispatch)), epoll_(::epoll_create1(EPOLL_CLOEXEC)) {
+  explicit Parking(std::function<void(int)> dispatch)
+      : dispatch_(std::move(dispatch)), epoll_(::epoll_create1(EPOLL_CLOEXEC)), max_parked_(MaxParked()) {
     thread_ = std::thread([this] { Loop(); });
   }
   ~Parking() { Stop(); }
   void Park(int fd, int timeout_ms) {
     std::lock_guard lock(mu_);
     if (stopping_) return Close(fd);
-    if (deadlines_.size() >= kMaxParked) {
+    if (deadlines_.size() >= max_parked_) {
       auto oldest = std::min_element(deadlines_.begin(), deadlines_.end(),
                                      [](const auto& a, const auto& b) { return a.second < b.second; });
       ::epoll_ctl(epoll_, EPOLL_CTL_DEL, oldest->first, nullptr);
@@ -255,6 +269,7 @@ class Parking {
   }
   std::function<void(int)> dispatch_;
   const int epoll_;
+  const size_t max_parked_;
   std::mutex mu_;
   std::map<int, std::chrono::steady_clock::time_point> deadlines_;  // parked fd -> when to close it; guarded by mu_
   bool stopping_ = false;                                            // guarded by mu_
@@ -273,8 +288,14 @@ class BoundedServer : public httplib::Server {
  public:
   BoundedServer() {
     set_logger([](const httplib::Request&, const httplib::Response& res) { t_last_status = res.status; });
+    // cpp-httplib shuts the pool down and deletes it when its accept loop ends: on stop(), and
+    // also on an accept() error other than EMFILE. Parking hands idle connections to the pool, so
+    // it stops first and forgets the pool before the pool goes.
     new_task_queue = [this] {
-      auto* pool = new BoundedPool(threads_, max_queued_);
+      auto* pool = new BoundedPool(threads_, max_queued_, [this] {
+        parking_.Stop();
+        pool_.store(nullptr);
+      });
       pool_.store(pool);
       return pool;
     };
@@ -379,14 +400,17 @@ nlohmann::json DatasetSummary(const std::string& path) {
 nlohmann::json RunInfo(size_t id, const Run& run) {
   nlohmann::json j = {{"id", id}, {"name", run.name}, {"dir", run.dir.string()}};
   std::error_code ec;
-  const auto metrics = run.dir / "metrics.jsonl";
-  j["has_metrics"] = std::filesystem::is_regular_file(metrics, ec);
-  if (j["has_metrics"]) {
-    const auto age = std::filesystem::file_time_type::clock::now() - std::filesystem::last_write_time(metrics, ec);
+  // Through ResolveRunFile, as every file the page shows: a link out of the run's folder (to
+  // /proc/self/environ, say) is not followed.
+  const auto metrics = ResolveRunFile(run.dir, "metrics.jsonl");
+  j["has_metrics"] = metrics.ok();
+  if (metrics.ok()) {
+    const auto age = std::filesystem::file_time_type::clock::now() - std::filesystem::last_write_time(*metrics, ec);
     j["metrics_age_s"] = ec ? -1.0 : std::chrono::duration<double>(age).count();
   }
-  const auto config = run.dir / "config.yaml";
-  if (std::filesystem::is_regular_file(config, ec)) {
+  const auto resolved_config = ResolveRunFile(run.dir, "config.yaml");
+  if (resolved_config.ok()) {
+    const std::filesystem::path& config = *resolved_config;
     bool truncated = false;
     const std::string text = ReadPrefix(config, kMaxConfigBytes, &truncated);
     j["config"] = nlohmann::json(text + (truncated ? "\n... (cut at 1 MiB)\n" : ""));
@@ -406,7 +430,7 @@ nlohmann::json RunInfo(size_t id, const Run& run) {
   }
   std::vector<std::string> files;
   for (const char* name : {"curves.svg", "config.yaml", "metrics.jsonl"}) {
-    if (std::filesystem::is_regular_file(run.dir / name, ec)) files.emplace_back(name);
+    if (ResolveRunFile(run.dir, name).ok()) files.emplace_back(name);
   }
   j["files"] = files;
   return j;
@@ -550,7 +574,7 @@ std::string ReadMetricsChunk(const std::filesystem::path& path, int64_t from, si
                         {"records", nlohmann::json::array()}, {"malformed", 0}, {"partial", 0}};
   // One descriptor for the size, the identity and the bytes: a file replaced meanwhile (a resume
   // rewrites it) cannot give one file's size and another's lines.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
   struct stat st{};
   if (fd < 0 || ::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     if (fd >= 0) ::close(fd);
@@ -623,6 +647,7 @@ struct Monitor::State {
   int listen_fd = -1;
   std::atomic<int64_t> requests{0}, not_found{0}, refused{0};
   std::once_flag stopped;
+  std::atomic<bool> stopping{false};  // Stop() began: the listener's end is expected
 
   void NotFound(httplib::Response& res) {
     not_found++;
@@ -684,7 +709,9 @@ struct Monitor::State {
           return res.set_content("400 from: expected a byte offset\n", "text/plain; charset=utf-8");
         }
       }
-      return res.set_content(ReadMetricsChunk(runs[id].dir / "metrics.jsonl", from, kMaxMetricsChunk),
+      // A metrics file that resolves out of the run's folder reads as absent (an empty path).
+      const auto metrics = ResolveRunFile(runs[id].dir, "metrics.jsonl");
+      return res.set_content(ReadMetricsChunk(metrics.ok() ? *metrics : std::filesystem::path(), from, kMaxMetricsChunk),
                              "application/json");
     }
     if (path.starts_with(kFiles)) {
@@ -759,6 +786,8 @@ Result<std::unique_ptr<Monitor>> Monitor::Start(MonitorOptions options) {
     // Every answer is whole: byte ranges are not served (the HTTP library's answers to some of
     // them are malformed), and a client asking for one gets the whole file with 200, as HTTP allows.
     const_cast<httplib::Request&>(req).ranges.clear();  // the server's own Request, not a constant
+    // Said as such: the library would advertise "bytes" on answers to HEAD (not on GET's).
+    res.set_header("Accept-Ranges", "none");
     try {
       s->Serve(req, res);
     } catch (const std::exception& e) {
@@ -778,7 +807,14 @@ Result<std::unique_ptr<Monitor>> Monitor::Start(MonitorOptions options) {
   if (o.port != 0) s->port = o.port;
   // cpp-httplib listens with a backlog of 5; a page, its scripts and a few hundred clients need more.
   if (s->listen_fd >= 0) ::listen(s->listen_fd, kListenBacklog);
-  state->listener = std::thread([s] { s->server.listen_after_bind(); });
+  state->listener = std::thread([s] {
+    s->server.listen_after_bind();
+    if (!s->stopping.load()) {
+      // cpp-httplib leaves its accept loop on any accept() error but EMFILE (ENFILE, ENOMEM, ...).
+      STOKE_LOG(WARN, "monitor: {}:{} stopped accepting connections (an accept() error other than 'too many open "
+                "files' ends cpp-httplib's loop); the run goes on without its page", s->options.host, s->port);
+    }
+  });
   // stop() only reaches a server that has started listening: wait for that before returning.
   for (int i = 0; i < 5000 && !state->server.is_running(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   return std::unique_ptr<Monitor>(new Monitor(std::move(state)));
@@ -787,6 +823,7 @@ Result<std::unique_ptr<Monitor>> Monitor::Start(MonitorOptions options) {
 void Monitor::Stop() {
   if (!state_) return;
   std::call_once(state_->stopped, [&] {
+    state_->stopping.store(true);
     state_->server.StopParking();
     state_->server.stop();
     if (state_->listener.joinable()) state_->listener.join();
