@@ -73,13 +73,10 @@ std::string Bytes(size_t n) {
   return fmt::format("{} B", n);
 }
 
-// Whether srun's task environment carries PMIx or PMI-2 (what MPI_Init connects through).
-bool SrunGavePmi() {
-  for (const char* name : {"PMIX_RANK", "PMI_FD", "PMI_RANK"}) {
-    if (std::getenv(name) != nullptr) return true;
-  }
-  return false;
-}
+// Whether srun's task environment carries PMIx, what MPI_Init connects through: the Open MPI stoke
+// is built with (Debian's) has PMIx clients only, no PMI-1/2 (srun --mpi=pmi2 gives PMI_FD).
+bool SrunGavePmix() { return std::getenv("PMIX_RANK") != nullptr; }
+bool SrunGavePmi2() { return std::getenv("PMI_FD") != nullptr || std::getenv("PMI_RANK") != nullptr; }
 
 }  // namespace
 
@@ -271,12 +268,14 @@ Result<std::unique_ptr<Communicator>> Communicator::Create(CommunicatorOptions o
   // srun starts tasks with a process-management interface only when asked (--mpi=pmix, or
   // MpiDefault in slurm.conf). Without one, MPI_Init cannot find the other tasks and aborts the
   // process with a message about PMI: say what to do instead.
-  if (launch.launcher == "srun" && !SrunGavePmi()) {
+  if (launch.launcher == "srun" && !SrunGavePmix()) {
     if (launch.size == 1) return c;  // one task: a world of one, MPI not needed
     return UnavailableError(fmt::format(
-        "dist: started by srun as rank {} of {}, but srun gave the tasks no process-management interface, so "
-        "MPI cannot connect them; launch with `srun --mpi=pmix ...` (or set MpiDefault=pmix in slurm.conf)",
-        launch.rank, launch.size));
+        "dist: started by srun as rank {} of {}, but srun gave the tasks {}, so MPI cannot connect them; launch "
+        "with `srun --mpi=pmix ...` (or set MpiDefault=pmix in slurm.conf)",
+        launch.rank, launch.size,
+        SrunGavePmi2() ? "PMI-2 (--mpi=pmi2 or MpiDefault=pmi2), which this build's Open MPI cannot use (it speaks PMIx)"
+                       : "no process-management interface"));
   }
 #if !STOKE_WITH_MPI
   if (launch.size == 1) return c;  // srun of one task: nothing to talk to

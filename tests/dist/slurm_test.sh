@@ -186,6 +186,10 @@ same_figures srun_trains_what_mpirun_trains srun mpirun
 
 config nopmi 1
 check srun_without_pmi_says_what_to_add 1 "srun --mpi=pmix" -- timeout 60 srun -I60 -n 2 "$stoke" train --config "$work/nopmi.yaml" -q
+# PMI-2 is an interface, but not one this Open MPI speaks: stoke's message, not MPI_Init's abort.
+if srun --mpi=list 2>&1 | grep -q pmi2; then
+  check srun_pmi2_says_pmix 1 "PMI-2 .--mpi=pmi2.*speaks PMIx" -- timeout 60 srun -I60 -n 2 --mpi=pmi2 "$stoke" train --config "$work/nopmi.yaml" -q
+fi
 config single 1
 check srun_one_task_trains 0 "backend cpu: steps 0 -> 8" -- timeout 300 srun -I60 -n 1 "$stoke" train --config "$work/single.yaml"
 check srun_one_task_is_a_world_of_one 0 '"world":1' -- head -1 "$work/single/metrics.jsonl"
