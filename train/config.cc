@@ -1,5 +1,6 @@
 #include "train/config.h"
 
+#include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -21,6 +22,21 @@ namespace stoke::train {
 namespace {
 
 int Line(const YAML::Node& node) { return node.Mark().line >= 0 ? node.Mark().line + 1 : 0; }
+
+// Where each YAML document starts, and nothing else.
+class DocumentStarts : public YAML::EventHandler {
+ public:
+  std::vector<YAML::Mark> marks;
+  void OnDocumentStart(const YAML::Mark& mark) override { marks.push_back(mark); }
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t, const std::string&) override {}
+  void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {}
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {}
+  void OnMapEnd() override {}
+};
 
 // One mapping of the config: reads keys with type and range checks and remembers which keys it
 // read, so Finish() can name the unknown ones.
@@ -447,13 +463,24 @@ Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::str
   YAML::Node root;
   try {
     // One document: a second one after `---` (an appended override, say) was silently ignored.
-    std::vector<YAML::Node> documents = YAML::LoadAll(yaml);
-    if (documents.size() > 1) {
+    // Counted here, two at most: YAML::LoadAll loops for ever, allocating, on a stray ',' (yaml-cpp
+    // 0.7 starts a new empty document at the same token again and again).
+    std::istringstream in(yaml);
+    YAML::Parser parser(in);
+    DocumentStarts starts;
+    while (starts.marks.size() < 2 && parser.HandleNextDocument(starts)) {
+    }
+    if (starts.marks.size() == 2) {
+      const YAML::Mark& second = starts.marks[1];
+      if (second.pos == starts.marks[0].pos && second.pos >= 0 && static_cast<size_t>(second.pos) < yaml.size()) {
+        return InvalidArgumentError(fmt::format("{}:{}: not valid YAML: unexpected '{}'", source, second.line + 1,
+                                                yaml[static_cast<size_t>(second.pos)]));
+      }
       return InvalidArgumentError(fmt::format("{}:{}: a second YAML document; a config is one document (merge it "
                                               "into the first)",
-                                              source, documents[1].Mark().line + 1));
+                                              source, second.line + 1));
     }
-    if (!documents.empty()) root = documents[0];
+    root = YAML::Load(yaml);
   } catch (const YAML::ParserException& e) {
     return InvalidArgumentError(fmt::format("{}:{}: not valid YAML: {}", source, e.mark.line + 1, e.msg));
   }

@@ -184,9 +184,14 @@ TEST(Config, ErrorsNameFileLineKeyAndExpectation) {
   EXPECT_EQ(ErrorOf(base + "epochs: 0x10\n"),
             "run.yaml:7: epochs: '0x10' is not an integer; expected an integer in [1, 16777216]");
   // One document: an override appended after `---` was ignored, even when it was not valid YAML.
+  // The error names the line of the `---`.
   EXPECT_EQ(ErrorOf(base + "---\nepochs: 50\n"),
-            "run.yaml:8: a second YAML document; a config is one document (merge it into the first)");
+            "run.yaml:7: a second YAML document; a config is one document (merge it into the first)");
   EXPECT_NE(ErrorOf(base + "---\noptimizer: {lr: 0.5\n").find("not valid YAML"), std::string::npos);
+  // A stray ',' where a document could start: yaml-cpp's LoadAll looped for ever on it, allocating
+  // (found by fuzz_config: a minute and 2 GB, then the fuzzer's timeout).
+  EXPECT_EQ(ErrorOf(","), "run.yaml:1: not valid YAML: unexpected ','");
+  EXPECT_NE(ErrorOf(base + "  val: v.lmdb\n !mom,-,,,,,,entum\nepochs: 2\n").find("run.yaml:"), std::string::npos);
   // Config strings go into checkpoints as JSON: bytes that are not UTF-8 are refused by line
   // (the run failed at its first checkpoint).
   EXPECT_EQ(ErrorOf(base + "run_dir: /tmp/runs/bad\xff\n"),
