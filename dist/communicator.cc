@@ -73,10 +73,17 @@ std::string Bytes(size_t n) {
   return fmt::format("{} B", n);
 }
 
-// Whether srun's task environment carries PMIx, what MPI_Init connects through: the Open MPI stoke
-// is built with (Debian's) has PMIx clients only, no PMI-1/2 (srun --mpi=pmi2 gives PMI_FD).
+// Whether srun's task environment carries PMIx or PMI-2 (srun --mpi=pmi2 gives PMI_FD).
 bool SrunGavePmix() { return std::getenv("PMIX_RANK") != nullptr; }
 bool SrunGavePmi2() { return std::getenv("PMI_FD") != nullptr || std::getenv("PMI_RANK") != nullptr; }
+// Open MPI as Debian builds it has PMIx clients only: MPI_Init under PMI-2 aborts the process. Other
+// MPIs (MPICH, Intel MPI) connect through PMI-2.
+#if defined(OPEN_MPI)
+constexpr bool kMpiNeedsPmix = true;
+#else
+constexpr bool kMpiNeedsPmix = false;
+#endif
+bool SrunGaveUsablePmi() { return SrunGavePmix() || (!kMpiNeedsPmix && SrunGavePmi2()); }
 
 }  // namespace
 
@@ -268,7 +275,7 @@ Result<std::unique_ptr<Communicator>> Communicator::Create(CommunicatorOptions o
   // srun starts tasks with a process-management interface only when asked (--mpi=pmix, or
   // MpiDefault in slurm.conf). Without one, MPI_Init cannot find the other tasks and aborts the
   // process with a message about PMI: say what to do instead.
-  if (launch.launcher == "srun" && !SrunGavePmix()) {
+  if (launch.launcher == "srun" && !SrunGaveUsablePmi()) {
     if (launch.size == 1) return c;  // one task: a world of one, MPI not needed
     return UnavailableError(fmt::format(
         "dist: started by srun as rank {} of {}, but srun gave the tasks {}, so MPI cannot connect them; launch "

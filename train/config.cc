@@ -472,9 +472,18 @@ Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::str
     }
     if (starts.marks.size() == 2) {
       const YAML::Mark& second = starts.marks[1];
-      if (second.pos == starts.marks[0].pos && second.pos >= 0 && static_cast<size_t>(second.pos) < yaml.size()) {
-        return InvalidArgumentError(fmt::format("{}:{}: not valid YAML: unexpected '{}'", source, second.line + 1,
-                                                yaml[static_cast<size_t>(second.pos)]));
+      const size_t at = second.pos >= 0 ? std::min(static_cast<size_t>(second.pos), yaml.size()) : 0;
+      // A document begins with "---" or follows an end marker ("..." on a line of its own);
+      // anything else is a token yaml-cpp could not place (a stray ',') and skipped past.
+      const bool marked = yaml.compare(at, 3, "---") == 0;
+      bool ended = false;
+      std::istringstream lines(yaml.substr(0, at));
+      for (std::string line; std::getline(lines, line);) {
+        if (line.starts_with("...") && line.find_first_not_of(" \t", 3) == std::string::npos) ended = true;
+      }
+      if (!marked && !ended && at < yaml.size()) {
+        return InvalidArgumentError(
+            fmt::format("{}:{}: not valid YAML: unexpected '{}'", source, second.line + 1, yaml[at]));
       }
       return InvalidArgumentError(fmt::format("{}:{}: a second YAML document; a config is one document (merge it "
                                               "into the first)",

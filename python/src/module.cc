@@ -116,19 +116,36 @@ class GilAcquired {
 
 // A stoke error as a Python exception carrying stoke's message: ValueError for bad arguments and
 // data, FileNotFoundError for a missing path, OSError for I/O, RuntimeError for the rest.
+// stoke's messages and paths name files as the file system spells them, which need not be UTF-8.
+// A path becomes a str the way os.fsdecode makes one (os.fsencode gives the bytes back); a message
+// shows such bytes as \xNN escapes (it can be printed).
+py::str PathText(const std::string& s) {
+  PyObject* o = PyUnicode_DecodeFSDefaultAndSize(s.data(), static_cast<Py_ssize_t>(s.size()));
+  if (o == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(o);
+}
+py::str MessageText(const std::string& s) {
+  PyObject* o = PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), "backslashreplace");
+  if (o == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(o);
+}
+[[noreturn]] void RaiseText(PyObject* type, const std::string& text) {
+  py::str message = MessageText(text);
+  PyErr_SetObject(type, message.ptr());
+  throw py::error_already_set();
+}
+
 [[noreturn]] void Raise(const Status& s) {
   switch (s.code()) {
     case StatusCode::kInvalidArgument:
     case StatusCode::kCorrupt:
-      throw py::value_error(s.ToString());
+      RaiseText(PyExc_ValueError, s.ToString());
     case StatusCode::kNotFound:
-      PyErr_SetString(PyExc_FileNotFoundError, s.ToString().c_str());
-      throw py::error_already_set();
+      RaiseText(PyExc_FileNotFoundError, s.ToString());
     case StatusCode::kIoError:
-      PyErr_SetString(PyExc_OSError, s.ToString().c_str());
-      throw py::error_already_set();
+      RaiseText(PyExc_OSError, s.ToString());
     default:
-      throw std::runtime_error(s.ToString());
+      RaiseText(PyExc_RuntimeError, s.ToString());
   }
 }
 template <typename T>
@@ -153,16 +170,16 @@ struct RecordBytes {
   size_t size = 0;
 };
 
-// `path`: a str, bytes or any path-like object (pathlib.Path, os.DirEntry).
+// `path`: a str, bytes or any path-like object (pathlib.Path, os.DirEntry), in any encoding the
+// file system takes (os.fsencode gives its bytes).
 std::shared_ptr<PyDataset> OpenDataset(const py::object& path_like) {
   py::module_ os = py::module_::import("os");
   py::object fs = os.attr("fspath")(path_like);  // a TypeError naming the type for anything else
-  if (py::isinstance<py::bytes>(fs)) fs = os.attr("fsdecode")(fs);
-  if (!py::isinstance<py::str>(fs)) {
+  if (!py::isinstance<py::str>(fs) && !py::isinstance<py::bytes>(fs)) {
     throw py::type_error(fmt::format("stoke.Dataset: path {}: expected a str or path-like object naming a dataset",
                                      py::repr(path_like).cast<std::string>()));
   }
-  const std::string path = fs.cast<std::string>();
+  const std::string path = os.attr("fsencode")(fs).cast<std::string>();
   auto d = std::make_shared<PyDataset>();
   d->ds = std::make_unique<dataset::Dataset>(Take(dataset::Dataset::Open(path)));
   d->reader = std::make_unique<dataset::Reader>(Take(d->ds->NewReader()));
@@ -453,8 +470,12 @@ class EpochLoader {
       new std::shared_ptr<prefetch::Loader>(std::move(loader));
       return;
     }
+    {
+      GilReleased unlocked;
+      loader->Stop();
+    }
+    closed_bad_ = BadRecordsOf(*loader);  // still listed after close()
     GilReleased unlocked;
-    loader->Stop();
     loader.reset();
   }
 
@@ -469,14 +490,22 @@ class EpochLoader {
     d["consumer_wait_s"] = s.consumer_wait_s;
     return d;
   }
-  std::vector<std::pair<int64_t, std::string>> BadRecords() const {
-    std::vector<std::pair<int64_t, std::string>> out;
-    if (!loader_) return out;
-    for (const auto& r : loader_->bad_records()) out.emplace_back(r.index, r.reason);
+  py::list BadRecords() const {
+    py::list out;
+    for (const auto& [index, reason] : loader_ ? BadRecordsOf(*loader_) : closed_bad_) {
+      out.append(py::make_tuple(index, MessageText(reason)));
+    }
     return out;
   }
 
  private:
+  static std::vector<std::pair<int64_t, std::string>> BadRecordsOf(const prefetch::Loader& loader) {
+    std::vector<std::pair<int64_t, std::string>> out;
+    for (const auto& r : loader.bad_records()) out.emplace_back(r.index, r.reason);
+    return out;
+  }
+  std::vector<std::pair<int64_t, std::string>> closed_bad_;  // the pipeline's, once closed
+
   // A next()'s reference to the loader: when it is the last one (close() ran meanwhile), the
   // loader's threads are joined with the GIL released.
   struct Held {
@@ -627,7 +656,7 @@ py::dict Pack(const std::string& source, const std::string& output, const py::di
   for (const auto& sp : summary.splits) {
     py::dict d;
     d["name"] = sp.name;
-    d["output"] = sp.output.string();
+    d["output"] = PathText(sp.output.string());
     d["inputs"] = sp.inputs;
     d["records"] = sp.records;
     d["payload_bytes"] = sp.payload_bytes;
@@ -635,7 +664,7 @@ py::dict Pack(const std::string& source, const std::string& output, const py::di
     splits.append(d);
   }
   py::list bad;
-  for (const auto& b : summary.bad) bad.append(py::make_tuple(b.path, b.reason));
+  for (const auto& b : summary.bad) bad.append(py::make_tuple(PathText(b.path), MessageText(b.reason)));
   r["splits"] = splits;
   r["inputs"] = summary.inputs;
   r["classes"] = summary.classes;
@@ -657,7 +686,7 @@ py::list Verify(const std::string& path, int threads) {
   inspect::InspectReport report =
       Take(RunInterruptibly<inspect::InspectReport>(stop, [&] { return inspect::Inspect(path, o); }));
   py::list bad;
-  for (const auto& b : report.bad) bad.append(py::make_tuple(b.index, b.source_path, b.reason));
+  for (const auto& b : report.bad) bad.append(py::make_tuple(b.index, PathText(b.source_path), MessageText(b.reason)));
   // A manifest whose totals disagree with the records is listed under index -1.
   for (const auto& p : report.manifest_problems) bad.append(py::make_tuple(-1, std::string("manifest"), p));
   return bad;
@@ -701,7 +730,7 @@ PYBIND11_MODULE(_stoke, m) {
       .def(py::init(&OpenDataset), py::arg("path"),
            "Opens a dataset made by `stoke pack` (its directory or its data file).")
       .def("__len__", [](const PyDataset& d) { return d.ds->size(); })
-      .def_property_readonly("path", [](const PyDataset& d) { return d.ds->path().string(); })
+      .def_property_readonly("path", [](const PyDataset& d) { return PathText(d.ds->path().string()); })
       .def_property_readonly("classes", [](const PyDataset& d) { return d.ds->manifest().classes; })
       .def_property_readonly("class_counts", [](const PyDataset& d) { return d.ds->manifest().class_counts; })
       .def_property_readonly("format_version", [](const PyDataset& d) { return d.ds->manifest().format_version; })
@@ -715,8 +744,8 @@ PYBIND11_MODULE(_stoke, m) {
             const int64_t n = d->ds->size();
             if (index < py::int_(-n) || index >= py::int_(n)) {
               const std::string text = py::str(static_cast<const py::object&>(index));
-              throw py::index_error(fmt::format("stoke: record {} out of range: the dataset {} has {} records", text,
-                                                d->ds->path().string(), n));
+              RaiseText(PyExc_IndexError, fmt::format("stoke: record {} out of range: the dataset {} has {} records",
+                                                      text, d->ds->path().string(), n));
             }
             const int64_t i = index.cast<int64_t>() < 0 ? index.cast<int64_t>() + n : index.cast<int64_t>();
             auto view = Take(d->reader->Get(i));
@@ -727,7 +756,7 @@ PYBIND11_MODULE(_stoke, m) {
             r["label"] = view.header.label;
             r["width"] = view.header.width;
             r["height"] = view.header.height;
-            r["source"] = source;
+            r["source"] = PathText(source);
             r["bytes"] = py::memoryview(py::cast(std::move(bytes)));
             return r;
           },

@@ -24,7 +24,7 @@ _WORDS = {"encoding", "on_error", "validate", "index"}
 
 
 def _checked(name: str, value: Any) -> Any:
-    """A pack option of the right type (paths as str), else a ValueError naming it."""
+    """A pack option of the right type (paths as the file system's bytes), else a ValueError naming it."""
     def bad(expected: str) -> ValueError:
         return ValueError(f"stoke.pack: {name}={value!r}: expected {expected}")
     if name in _PATHS:
@@ -34,7 +34,7 @@ def _checked(name: str, value: Any) -> Any:
             path = os.fspath(value)
         except TypeError:
             raise bad("a path (str, bytes or path-like)") from None
-        return os.fsdecode(path)
+        return os.fsencode(path)  # the file system's bytes, in whatever encoding they are
     if name in _FLAGS:
         if not isinstance(value, bool):
             raise bad("True or False")

@@ -474,12 +474,14 @@ class Loader:
 
     def _close_native(self) -> None:
         self._current = _no_epoch
-        if self._native is not None:
-            self._bad_before = self._native.bad_records()
-            with self._on_device():
-                self._native.close()
-            self._native = None
+        # Taken first: a next() woken on another thread by this close() calls here too, and must
+        # find nothing to close (it read an empty list from the closing pipeline).
+        native, self._native = self._native, None
+        if native is not None:
             self._position = (-1, -1)
+            with self._on_device():
+                native.close()
+            self._bad_before = native.bad_records()  # the native side keeps them once closed
 
     def close(self) -> None:
         """Stops the pipeline and joins its threads. Tensors already handed out stay valid."""

@@ -317,8 +317,11 @@ def test_one_epoch_at_a_time(data):
     # ended as if the epoch were over).
     import threading
     import time
-    slow = Loader(data["train"], batch_size=40, size=256, train=False, threads=1, ring=2)
+    # The first thread takes batches as fast as they come (each is slow to make: one decoding thread,
+    # large crops), so once it has one it is waiting in next() for the next.
+    slow = Loader(data["train"], batch_size=10, size=1024, train=False, threads=1, ring=2)
     outcome = []
+    got_one = threading.Event()
 
     def loop():
         n = 0
@@ -326,14 +329,15 @@ def test_one_epoch_at_a_time(data):
             for b in slow:
                 n += 1
                 del b
-                time.sleep(0.2)
+                got_one.set()
             outcome.append(("ended", n))
         except RuntimeError as e:
             outcome.append(("raised", n, str(e)))
 
     first = threading.Thread(target=loop)
     first.start()
-    time.sleep(0.1)
+    assert got_one.wait(60)
+    time.sleep(0.02)
     del next(iter(slow))["images"]
     first.join()
     assert outcome[0][0] == "raised" and "replaced by a later iter()" in outcome[0][2], outcome
@@ -625,6 +629,14 @@ def test_pack_verify_and_progress(data, tmp_path):
     stoke.pack(images, str(tmp_path / "c.lmdb"), commit_every=50, index_intervals=2, progress=seen.append)
     assert seen == [50, 100, 120]  # after each commit but the last, then once at the end
     assert stoke.Dataset(str(tmp_path / "c.lmdb")).verify() == []
+    # A source folder and an output whose names are not UTF-8: packed, opened, read and iterated.
+    odd_images, odd_out = os.fsencode(tmp_path) + b"/images\xff", os.fsencode(tmp_path) + b"/out\xfe.lmdb"
+    os.symlink(images, odd_images)
+    report = stoke.pack(odd_images, odd_out)
+    assert os.fsencode(report["splits"][0]["output"]) == odd_out
+    odd = stoke.Dataset(odd_out)
+    assert os.fsencode(odd.path) == odd_out and len(odd) == 120
+    assert sum(1 for _ in Loader(odd_out, batch_size=40, size=32)) == 3
     assert stoke.Dataset(str(tmp_path / "p.lmdb")).verify() == []
     bad = stoke.Dataset(data["damaged"]).verify()
     assert len(bad) == 1 and "CRC" in bad[0][2]
@@ -650,6 +662,9 @@ def test_errors_of_pack_and_verify_keep_their_python_types(tmp_path):
         stoke.pack(tmp_path / "nowhere", tmp_path / "out.lmdb")  # path-like
     with pytest.raises(FileNotFoundError, match="nowhere"):
         stoke.pack(os.fsencode(tmp_path / "nowhere"), os.fsencode(tmp_path / "out.lmdb"))  # bytes, as documented
+    # Names that are not UTF-8 (they were a TypeError of the argument conversion).
+    with pytest.raises(FileNotFoundError, match=r"nowhere\\xff"):
+        stoke.pack(os.fsencode(tmp_path) + b"/nowhere\xff", os.fsencode(tmp_path) + b"/out\xff.lmdb")
     with pytest.raises(ValueError, match="index-intervals 65"):
         stoke.pack(str(tmp_path), str(tmp_path / "out.lmdb"), index_intervals=65)
     with pytest.raises(ValueError, match="commit"):

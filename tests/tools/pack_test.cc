@@ -192,15 +192,26 @@ TEST(Pack, BadListLinesNameTheLine) {
   auto r = Pack(o);
   EXPECT_NE(r.status().message().find("'a/a_100.jpg' has label 1 here and label 0 on line 1"), std::string::npos)
       << r.status().ToString();
-  // Another spelling of the same file is the same image.
+  // Another spelling of the same file is the same image, and so is a link to it.
+  std::filesystem::create_symlink("a/a_100.jpg", dir / "src" / "alias.jpg");
   const std::vector<std::string> spellings{"./a/a_100.jpg", "a//a_100.jpg", "a/../a/a_100.jpg",
-                                           (dir / "src/a/a_100.jpg").string()};
+                                           (dir / "src/a/a_100.jpg").string(), "alias.jpg"};
   for (const std::string& other : spellings) {
     std::ofstream(dir / "list.txt") << "a/a_100.jpg 0\n" << other << " 1\n";
     r = Pack(o);
     EXPECT_NE(r.status().message().find("has label 1 here and label 0 on line 1"), std::string::npos)
         << other << ": " << r.status().ToString();
   }
+  // "link/../x" is the parent of the link's target, not "x": two files, two labels are fine.
+  std::filesystem::create_directories(dir / "src" / "deep" / "sub");
+  std::filesystem::copy_file(dir / "src/a/a_100.jpg", dir / "src/deep/a_100.jpg");
+  std::filesystem::create_symlink("deep/sub", dir / "src" / "link");
+  std::ofstream(dir / "list.txt") << "a_100.jpg 0\nlink/../a_100.jpg 1\n";
+  std::filesystem::copy_file(dir / "src/a/a_100.jpg", dir / "src/a_100.jpg");
+  auto o2 = o;
+  o2.output = dir / "out2";
+  ASSERT_OK_AND_ASSIGN(PackSummary linked, Pack(o2));
+  EXPECT_EQ(linked.splits[0].records, 2);
   std::ofstream(dir / "list.txt") << "a/a_100.jpg 0\na/a_100.jpg 0\n";
   ASSERT_OK_AND_ASSIGN(PackSummary twice, Pack(o));
   EXPECT_EQ(twice.splits[0].records, 2);

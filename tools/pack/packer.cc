@@ -144,14 +144,16 @@ Result<InputSet> ReadListFile(const fs::path& list, const fs::path& root) {
     }
     // The same image under two labels is a mistake in the list, not data: which label is right?
     // (The same image twice under one label is kept: lists repeat images to oversample them.)
-    // Spellings of one path ("./a/x.jpg", "a//x.jpg", the root's absolute path + "a/x.jpg") are one
-    // image; the comparison is lexical (a link to an image is another path).
+    // Spellings of one file ("./a/x.jpg", "a//x.jpg", the root's absolute path + "a/x.jpg", a link
+    // to it) are one image: compared as the path with links resolved ("link/../x.jpg" is where the
+    // link's target is, not "x.jpg"). A path that does not resolve is compared as written, made
+    // absolute; packing reports it.
     fs::path p(path);
     const fs::path full = p.is_absolute() ? p : root / p;
-    std::error_code abs_ec;
-    const fs::path key = fs::absolute(full, abs_ec);
-    const auto [at, fresh] =
-        first_seen.try_emplace((abs_ec ? full : key).lexically_normal().generic_string(), std::pair{line_no, label});
+    std::error_code key_ec;
+    fs::path key = fs::weakly_canonical(full, key_ec);
+    if (key_ec) key = fs::absolute(full, key_ec).lexically_normal();
+    const auto [at, fresh] = first_seen.try_emplace(key.generic_string(), std::pair{line_no, label});
     if (!fresh && at->second.second != label) {
       return bad(fmt::format("'{}' has label {} here and label {} on line {}", path, label, at->second.second,
                              at->second.first));
