@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 
 #include <fmt/format.h>
 #include <opencv2/core.hpp>
@@ -136,8 +135,7 @@ Status Normalize(std::span<const uint8_t> src, int count, int width, int height,
         "normalize: {} source and {} destination bytes for {} images of {}x{}x3", src.size(),
         dst.size(), count, width, height));
   }
-  STOKE_RETURN_IF_ERROR(ValidateNormalize(
-      o.mean, o.std, o.dtype == DType::kFloat16 ? kFloat16Largest : std::numeric_limits<float>::max()));
+  STOKE_RETURN_IF_ERROR(ValidateNormalize(o.mean, o.std, NormalizeLimit(o.dtype == DType::kFloat16)));
   // y = x * scale[c] + shift[c], with scale = 1 / (255 std) and shift = -mean / std.
   float scale[3], shift[3];
   for (int c = 0; c < 3; ++c) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <array>
+#include <limits>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -52,6 +53,10 @@ struct NormalizeOptions {
 // 65504 for float16, FLT_MAX for float32 and bfloat16). kInvalidArgument naming the channel.
 Status ValidateNormalize(const std::array<float, 3>& mean, const std::array<float, 3>& std, double largest);
 inline constexpr double kFloat16Largest = 65504.0;
+// The `largest` ValidateNormalize takes for float16 output, or for float32 / bfloat16.
+inline double NormalizeLimit(bool float16) {
+  return float16 ? kFloat16Largest : std::numeric_limits<float>::max();
+}
 
 // Bytes Normalize() writes for `count` images of width x height.
 size_t NormalizedBytes(int count, int width, int height, DType dtype);

@@ -2,8 +2,6 @@
 
 #include <fmt/format.h>
 
-#include <limits>
-
 #include "augment/transform.h"
 
 #if STOKE_WITH_CUDA
@@ -51,8 +49,7 @@ Status NormalizeOnDevice(const uint8_t* images, int valid, int total, int64_t pi
   if (channels != 3 && channels != 4 && channels != 8) {
     return InvalidArgumentError(fmt::format("normalise on device: {} channels out; expected 3, 4 or 8", channels));
   }
-  STOKE_RETURN_IF_ERROR(augment::ValidateNormalize(
-      mean, std, t == DeviceDType::kFloat16 ? augment::kFloat16Largest : std::numeric_limits<float>::max()));
+  STOKE_RETURN_IF_ERROR(augment::ValidateNormalize(mean, std, augment::NormalizeLimit(t == DeviceDType::kFloat16)));
   float scale[3], shift[3];
   for (int c = 0; c < 3; ++c) {
     scale[c] = 1.f / (255.f * std[static_cast<size_t>(c)]);

@@ -236,8 +236,8 @@ Status ParseData(Section& top, DataConfig& d) {
     const auto f = [](const std::vector<double>& v) {
       return std::array<float, 3>{static_cast<float>(v[0]), static_cast<float>(v[1]), static_cast<float>(v[2])};
     };
-    const double largest = d.dtype == "float16" ? augment::kFloat16Largest : std::numeric_limits<float>::max();
-    if (Status v = augment::ValidateNormalize(f(d.mean), f(d.std), largest); !v.ok()) {
+    if (Status v = augment::ValidateNormalize(f(d.mean), f(d.std), augment::NormalizeLimit(d.dtype == "float16"));
+        !v.ok()) {
       std::string what = v.message();
       if (what.starts_with("normalize: ")) what.erase(0, 11);  // the path names it already
       return nz.ErrorHere(fmt::format("{} (dtype {})", what, d.dtype));

@@ -326,8 +326,7 @@ class EpochLoader {
       if (e.dtype != "float32" && e.dtype != "float16") {
         throw py::value_error(fmt::format("stoke: dtype {}: normalised batches are float32 or float16", e.dtype));
       }
-      const Status valid = augment::ValidateNormalize(
-          e.mean, e.std, e.dtype == "float16" ? augment::kFloat16Largest : std::numeric_limits<float>::max());
+      const Status valid = augment::ValidateNormalize(e.mean, e.std, augment::NormalizeLimit(e.dtype == "float16"));
       if (!valid.ok()) throw py::value_error("stoke: " + valid.message());
       normalize_.emplace();
       normalize_->mean = e.mean;
@@ -747,7 +746,8 @@ PYBIND11_MODULE(_stoke, m) {
               RaiseText(PyExc_IndexError, fmt::format("stoke: record {} out of range: the dataset {} has {} records",
                                                       text, d->ds->path().string(), n));
             }
-            const int64_t i = index.cast<int64_t>() < 0 ? index.cast<int64_t>() + n : index.cast<int64_t>();
+            const int64_t asked = index.cast<int64_t>();
+            const int64_t i = asked < 0 ? asked + n : asked;
             auto view = Take(d->reader->Get(i));
             std::string source = d->ds->manifest().has_paths ? Take(d->reader->SourcePath(i)) : std::string();
             RecordBytes bytes{d, view.image.data(), view.image.size()};

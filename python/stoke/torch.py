@@ -49,17 +49,16 @@ def _rank_and_world(rank: Optional[int], world_size: Optional[int]) -> Tuple[int
             given = f"world_size={world_size} was passed" if world_size is not None else f"WORLD_SIZE={w} is set"
             raise ValueError(f"stoke.torch.Loader: {given} but no rank; pass rank=, set RANK (as torchrun "
                              "does) or initialise torch.distributed")
-    if (rank is None) != (world_size is None):
+    chosen_rank, chosen_world = (r if rank is None else rank), (w if world_size is None else world_size)
+    if (rank is None) != (world_size is None) and not 0 <= chosen_rank < chosen_world:
         # One from the caller, the other from torch.distributed or the environment: a mix that can
         # name a rank nobody chose. Say where each came from.
-        source = "torch.distributed" if torch.distributed.is_available() and torch.distributed.is_initialized() \
-            else "the environment"
-        r2, w2 = (r if rank is None else rank), (w if world_size is None else world_size)
-        if not 0 <= r2 < w2:
-            raise ValueError(f"stoke.torch.Loader: rank {r2} ({'passed' if rank is not None else 'from ' + source}) "
-                             f"is not in [0, world_size {w2}) ({'passed' if world_size is not None else 'from ' + source});"
-                             " pass both rank= and world_size=, or neither")
-    return (r if rank is None else rank), (w if world_size is None else world_size)
+        source = "from torch.distributed" if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            else "from the environment"
+        raise ValueError(f"stoke.torch.Loader: rank {chosen_rank} ({'passed' if rank is not None else source}) "
+                         f"is not in [0, world_size {chosen_world}) ({'passed' if world_size is not None else source});"
+                         " pass both rank= and world_size=, or neither")
+    return chosen_rank, chosen_world
 
 
 def _device_index(device: Union[str, "torch.device"]) -> int:
