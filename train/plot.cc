@@ -123,17 +123,23 @@ Result<bool> WritePlot(const std::string& metrics_path, const std::string& svg_p
         !j["step"].is_number()) {
       continue;
     }
-    auto number = [&](const char* key) { return j.contains(key) && j[key].is_number() ? j[key].get<double>() : 0.0; };
     const auto step = j["step"].get<double>();
     max_step = std::max(max_step, step);
+    // A value that is missing (an interval of skipped steps has no loss) or not finite (written as
+    // null) is no point: drawn at 0 it would read as a perfect loss.
+    auto add = [&](Series& series, const char* key) {
+      if (j.contains(key) && j[key].is_number() && std::isfinite(j[key].get<double>())) {
+        series.points.emplace_back(step, j[key].get<double>());
+      }
+    };
     const std::string type = j["type"].get<std::string>();
-    if (type == "train" && j.contains("loss")) {  // an interval of skipped steps has no loss
-      train_loss.points.emplace_back(step, number("loss"));
-      train_top1.points.emplace_back(step, number("top1"));
+    if (type == "train") {
+      add(train_loss, "loss");
+      add(train_top1, "top1");
     } else if (type == "val") {
-      val_loss.points.emplace_back(step, number("loss"));
-      val_top1.points.emplace_back(step, number("top1"));
-      val_top5.points.emplace_back(step, number("top5"));
+      add(val_loss, "loss");
+      add(val_top1, "top1");
+      add(val_top5, "top5");
     }
   }
   if (train_loss.points.empty() && val_loss.points.empty()) return false;

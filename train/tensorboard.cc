@@ -3,7 +3,9 @@
 #include <unistd.h>
 
 #include <array>
+#include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -79,7 +81,8 @@ MetricsScalars ScalarsOfMetrics(const nlohmann::json& j, double fallback_time) {
     for (const char* field : map.fields) {
       if (field == nullptr) continue;
       auto v = j.find(field);
-      if (v == j.end() || !v->is_number()) continue;
+      // Not finite: metrics.jsonl holds null, which a rebuild skips; the live file skips it too.
+      if (v == j.end() || !v->is_number() || !std::isfinite(v->get<double>())) continue;
       out.scalars.push_back({std::string(map.prefix) + field, static_cast<float>(v->get<double>())});
     }
   }
@@ -117,7 +120,7 @@ Result<std::unique_ptr<EventWriter>> EventWriter::Create(const std::filesystem::
   std::unique_ptr<EventWriter> w(new EventWriter());
   w->path_ = dir / fmt::format("events.out.tfevents.{}.{}.{}", static_cast<int64_t>(wall_time), host, getpid());
   w->out_.open(w->path_, std::ios::binary | std::ios::trunc);
-  if (!w->out_) return IoError(fmt::format("tensorboard: cannot create {}", w->path_.string()));
+  if (!w->out_) return IoError(fmt::format("tensorboard: cannot create {}: {}", w->path_.string(), std::strerror(errno)));
   Event version;
   version.set_wall_time(wall_time);
   version.set_file_version("brain.Event:2");

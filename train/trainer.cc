@@ -110,17 +110,39 @@ Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c, const dist:
 
 namespace {
 
+// What a resumed run keeps of its metrics.jsonl.
+struct KeptMetrics {
+  int64_t torn = 0;                // lines that were not whole JSON objects (a crash or a full disk cut them)
+  bool val_at_step = false;        // the checkpoint's step was evaluated already (before it was saved)
+  std::vector<int64_t> bad_records;  // records already reported as bad_record lines
+};
+
 // Keeps the metrics of steps up to `step` (a resumed run rewrites what followed its checkpoint).
-Status TrimMetrics(const std::filesystem::path& path, int64_t step) {
+// A line that is not a whole JSON object is dropped: readers of one object per line fail on it.
+Result<KeptMetrics> TrimMetrics(const std::filesystem::path& path, int64_t step) {
+  KeptMetrics out;
   std::ifstream in(path);
-  if (!in) return OkStatus();
+  if (!in) return out;
   std::string line, kept;
   while (std::getline(in, line)) {
     auto j = nlohmann::json::parse(line, nullptr, false);
     auto line_step = j.is_object() ? JsonInt(j, "step", 0, INT64_MAX, "metrics") : Result<int64_t>(-1);
-    if (!line_step.ok() || *line_step <= step) kept += line + "\n";
+    if (!line_step.ok() || *line_step < 0) {
+      out.torn++;
+      continue;
+    }
+    if (*line_step > step) continue;
+    const auto type = j.find("type");
+    const std::string kind = type != j.end() && type->is_string() ? type->get<std::string>() : std::string();
+    if (kind == "val" && *line_step == step) out.val_at_step = true;
+    if (kind == "bad_record") {
+      auto index = JsonInt(j, "index", 0, INT64_MAX, "metrics");
+      if (index.ok()) out.bad_records.push_back(*index);
+    }
+    kept += line + "\n";
   }
-  return WriteFileAtomic(path, kept);
+  STOKE_RETURN_IF_ERROR(WriteFileAtomic(path, kept));
+  return out;
 }
 
 class Progress {
@@ -285,6 +307,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   BatchStats interval, epoch_stats;
   std::ofstream metrics;
   std::unique_ptr<EventWriter> events;
+  KeptMetrics kept_metrics;  // rank 0's, of a resumed run
   Status start = [&]() -> Status {
     if (!lead) return OkStatus();
     std::error_code ec;
@@ -369,11 +392,25 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
       if (!set_aside.empty()) {
         STOKE_LOG(WARN, "resuming at step {}: this run_dir's later checkpoints moved to {}", step, set_aside.string());
       }
-      STOKE_RETURN_IF_ERROR(TrimMetrics(metrics_path, step));
+      STOKE_ASSIGN_OR_RETURN(kept_metrics, TrimMetrics(metrics_path, step));
+      if (kept_metrics.torn > 0) {
+        STOKE_LOG(WARN, "{}: dropped {} line(s) that were not whole (cut by a crash or a full disk)",
+                  metrics_path.string(), kept_metrics.torn);
+      }
       STOKE_LOG(INFO, "resuming from {} at step {} (epoch {}, batch {})", path.string(), step,
                 step / steps_per_epoch, step % steps_per_epoch);
     }
-    STOKE_RETURN_IF_ERROR(WriteFileAtomic(run_dir / "config.yaml", config_yaml));
+    // The run's own copy names its datasets and folder absolutely: `--config RUN_DIR/config.yaml`
+    // then resumes from any working directory.
+    TrainConfig resolved = config;
+    for (std::string* path : {&resolved.data.train, &resolved.data.val, &resolved.run_dir}) {
+      std::error_code ec;
+      if (!path->empty()) {
+        const auto absolute = std::filesystem::absolute(*path, ec);
+        if (!ec) *path = absolute.lexically_normal().string();
+      }
+    }
+    STOKE_RETURN_IF_ERROR(WriteFileAtomic(run_dir / "config.yaml", ConfigToYaml(resolved)));
     metrics.open(metrics_path, std::ios::app);
     if (!metrics) return IoError(fmt::format("cannot append to {}", metrics_path.string()));
     // The TensorBoard files replay the metrics kept (none on a fresh start), then follow them.
@@ -398,6 +435,19 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     }
   }
   summary.start_step = step;
+  // What rank 0 kept of a resumed run's metrics, for every rank: whether the checkpoint's step was
+  // evaluated already (evaluation is collective) and which records were reported bad (each is
+  // reported once a run, and every rank holds the run's count against max_skip_fraction).
+  if (world > 1) {
+    nlohmann::json facts;
+    if (lead) facts = {{"val", kept_metrics.val_at_step}, {"bad", kept_metrics.bad_records}};
+    auto all = comm->AllGatherStrings(lead ? facts.dump() : std::string());
+    STOKE_RETURN_IF_ERROR(must(all.status()));
+    const auto got = nlohmann::json::parse((*all)[0], nullptr, false);
+    if (!got.is_object()) return must(InternalError("rank 0 sent no resume facts"));
+    kept_metrics.val_at_step = got["val"].get<bool>();
+    kept_metrics.bad_records = got["bad"].get<std::vector<int64_t>>();
+  }
 
   // A metrics line that cannot be written (disk full) ends the run rather than losing data. Only
   // rank 0 writes; its failure reaches the other ranks at the next step's agreement.
@@ -430,7 +480,8 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   // same log lines), so that rank 0 records every rank's, and every rank holds them against
   // max_skip_fraction of the global epoch as one rank would (each loader's own budget is of the
   // global epoch too: LoaderOptions::skip_budget_samples below).
-  std::set<int64_t> bad_seen;    // distinct bad records met by any rank
+  // distinct bad records met by any rank (a resumed run's reported ones included)
+  std::set<int64_t> bad_seen(kept_metrics.bad_records.begin(), kept_metrics.bad_records.end());
   std::set<int64_t> bad_shared;  // this rank's, already gathered
   const int64_t global_max_bad = static_cast<int64_t>(
       std::floor(config.data.max_skip_fraction * static_cast<double>(steps_per_epoch) * config.data.batch_size));
@@ -469,6 +520,9 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
 
   const double peak_lr = ScaledLr(config);
   Progress progress(run.progress && lead);
+  if (!run.resume.empty() && step == summary.total_steps) {
+    progress.Message(fmt::format("the run finished at step {} already: nothing to train (raise epochs to go on)", step));
+  }
 
   // Validation is sharded: each rank evaluates its exact share, the sums are added up.
   auto evaluate = [&]() -> Result<BatchStats> {
@@ -502,7 +556,9 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     STOKE_RETURN_IF_ERROR(must(SumStats(*comm, total)));
     return total;
   };
-  int64_t eval_step = -1;
+  // The step whose parameters were evaluated last: a run resumed from its final checkpoint has its
+  // evaluation in the metrics already.
+  int64_t eval_step = kept_metrics.val_at_step ? step : -1;
   auto run_eval = [&]() -> Status {
     if (!val_set) return OkStatus();
     eval_step = step;
@@ -516,7 +572,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
                                  summary.val.count));
     return OkStatus();
   };
-  int64_t saved_step = -1;
+  int64_t saved_step = run.resume.empty() ? -1 : step;  // a resumed run's checkpoint is on disk
   // Every rank averages its running statistics; rank 0 writes; every rank learns whether it did.
   auto save = [&]() -> Status {
     STOKE_RETURN_IF_ERROR(must(net->AverageRunningStats()));
@@ -698,7 +754,11 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
       // Keep what was learnt: the state after the last good step (every rank reached the same one).
       if (saved_step != step && step > summary.start_step) {
         Status s = save();
-        if (s.ok()) progress.Message(fmt::format("saved {} before stopping on the error", summary.checkpoint));
+        if (s.ok()) {
+          progress.Message(fmt::format("saved {} before stopping on the error", summary.checkpoint));
+        } else {
+          STOKE_LOG(WARN, "step {}: could not save a checkpoint before stopping on the error: {}", step, s.ToString());
+        }
       }
       return failure;
     }

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cmath>
 #include <fstream>
 #include <map>
 #include <thread>
@@ -495,6 +496,11 @@ TEST(TensorBoard, MetricsLinesBecomeScalars) {
   EXPECT_TRUE(ScalarsOfMetricsLine(R"({"type":"start","step":0})", 1).scalars.empty());
   EXPECT_TRUE(ScalarsOfMetricsLine("{broken", 1).scalars.empty());
   EXPECT_TRUE(ScalarsOfMetricsLine(R"({"type":"train","loss":1})", 1).scalars.empty());  // no step
+  // Not finite: left out, as metrics.jsonl (which writes it as null) is read back on a resume.
+  const nlohmann::json diverged = {{"type", "val"}, {"step", 4}, {"loss", std::nan("")}, {"top1", 0.25}};
+  const MetricsScalars d = ScalarsOfMetrics(diverged, 1);
+  ASSERT_EQ(d.scalars.size(), 1u);
+  EXPECT_EQ(d.scalars[0].tag, "val/top1");
 }
 
 TEST(TensorBoard, WritesAndReadsBackAndFindsDamage) {

@@ -71,6 +71,26 @@ TEST(Plot, DivergedAndFlatCurvesAreDrawn) {
   EXPECT_EQ(WritePlot((dir / "missing.jsonl").string(), svg).status().code(), StatusCode::kIoError);
 }
 
+// A value written as null (not finite when it was measured) is no point of its curve: drawn at 0 it
+// would read as a perfect loss. The plot is the one drawn without that line.
+TEST(Plot, ValuesThatAreNullAreNotDrawnAsZero) {
+  testing::TempDir dir;
+  const std::string train = "{\"type\":\"train\",\"step\":1,\"loss\":2.5,\"top1\":0.25}\n"
+                            "{\"type\":\"train\",\"step\":2,\"loss\":2.0,\"top1\":0.5}\n";
+  const std::string null_val = R"({"type":"val","step":2,"loss":null,"top1":null,"top5":null})"
+                               "\n";
+  std::ofstream(dir / "with.jsonl") << train << null_val;
+  std::ofstream(dir / "without.jsonl") << train;
+  ASSERT_OK_AND_ASSIGN(const bool with, WritePlot((dir / "with.jsonl").string(), (dir / "with.svg").string()));
+  ASSERT_OK_AND_ASSIGN(const bool without, WritePlot((dir / "without.jsonl").string(), (dir / "without.svg").string()));
+  ASSERT_TRUE(with && without);
+  auto text = [&](const char* name) {
+    std::ifstream in(dir / name);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  EXPECT_EQ(text("with.svg"), text("without.svg"));
+}
+
 TEST(Config, DefaultsAndRoundTrip) {
   ASSERT_OK_AND_ASSIGN(TrainConfig c, ParseConfig(kMinimal, "run.yaml"));
   EXPECT_EQ(c.data.batch_size, 128);
@@ -670,6 +690,115 @@ log_every_steps: 1
   }
   std::sort(indices.begin(), indices.end());
   EXPECT_EQ(indices, (std::vector<int64_t>{5, 17})) << "each once, though both epochs met them";
+}
+
+// A run's config.yaml names its datasets and folder absolutely: given as --config, it resumes the
+// run from any working directory.
+TEST_F(TrainLoop, TheRunsConfigResumesFromAnotherDirectory) {
+  TrainConfig c = Config("relative", 2);
+  const auto cwd = std::filesystem::current_path();
+  std::filesystem::current_path(dir_->path());
+  c.data.train = "train.lmdb";
+  c.data.val = "./train_val.lmdb";
+  c.run_dir = "relative";
+  TrainRunOptions quiet;
+  quiet.progress = false;
+  quiet.plot = false;
+  quiet.max_steps = 5;
+  auto first = Train(c, quiet);
+  std::filesystem::current_path(cwd);
+  ASSERT_OK(first.status());
+  const auto saved = dir_->path() / "relative" / "config.yaml";
+  ASSERT_OK_AND_ASSIGN(TrainConfig again, LoadConfig(saved.string()));
+  EXPECT_EQ(again.data.train, (dir_->path() / "train.lmdb").string());
+  EXPECT_EQ(again.data.val, (dir_->path() / "train_val.lmdb").string());
+  EXPECT_EQ(again.run_dir, (dir_->path() / "relative").string());
+  quiet.max_steps = 0;
+  quiet.resume = "latest";
+  ASSERT_OK_AND_ASSIGN(TrainSummary s, Train(again, quiet));
+  EXPECT_EQ(s.start_step, 5);
+  EXPECT_EQ(s.steps, 16);
+}
+
+TEST_F(TrainLoop, AResumeReportsEachBadRecordOnceAndDropsACutLine) {
+  const auto data = dir_->path() / "with_bad_resumed.lmdb";
+  prefetch::WriteDataset(data, {.records = 64, .bad = {5, 17}});
+  const auto run_dir = dir_->path() / "bad_resumed";
+  const std::string yaml = fmt::format(R"(data:
+  train: {0}
+  batch_size: 16
+  threads: 2
+  image_size: 16
+  max_skip_fraction: 0.1
+model:
+  classes: 4
+  layers:
+    - {{type: conv, out: 4, kernel: 3}}
+    - {{type: global_avgpool}}
+    - {{type: linear, out: 4}}
+epochs: 3
+backend: cpu
+compute_threads: 2
+run_dir: {1}
+log_every_steps: 1
+)",
+                                       data.string(), run_dir.string());
+  ASSERT_OK_AND_ASSIGN(TrainConfig c, ParseConfig(yaml, "bad_resumed.yaml"));
+  TrainRunOptions run;
+  run.progress = false;
+  run.plot = false;
+  run.max_steps = 6;  // into the second epoch: both bad records reported in the first
+  ASSERT_OK(Train(c, run).status());
+  {
+    // A crash (or a full disk) cut the last line written after the checkpoint short.
+    std::ofstream out(run_dir / "metrics.jsonl", std::ios::app);
+    out << R"({"data_wait":0.1,"epoch":1.75,"images_per_s":10,"lr":0.1,"step":7,"ti)";
+  }
+  run.max_steps = 0;
+  run.resume = "latest";
+  ASSERT_OK_AND_ASSIGN(TrainSummary s, Train(c, run));
+  EXPECT_EQ(s.start_step, 6);
+  EXPECT_EQ(s.steps, 12);
+  EXPECT_EQ(s.bad_records, 2);
+  std::ifstream in(run_dir / "metrics.jsonl");
+  std::string line;
+  std::vector<int64_t> indices;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    ASSERT_TRUE(j.is_object()) << "every line is whole: " << line;
+    if (j["type"] == "bad_record") indices.push_back(j["index"]);
+  }
+  std::sort(indices.begin(), indices.end());
+  EXPECT_EQ(indices, (std::vector<int64_t>{5, 17})) << "each once, though the resumed epochs met them again";
+}
+
+TEST_F(TrainLoop, ResumingAFinishedRunEvaluatesNothingTwice) {
+  TrainRunOptions quiet;
+  quiet.progress = false;
+  quiet.plot = false;
+  ASSERT_OK_AND_ASSIGN(TrainSummary done, Train(Config("finished", 1), quiet));
+  const auto run_dir = dir_->path() / "finished";
+  const auto checkpoints = ListCheckpoints(run_dir);
+  TrainRunOptions again = quiet;
+  again.resume = "latest";
+  ASSERT_OK_AND_ASSIGN(TrainSummary s, Train(Config("finished", 1), again));
+  EXPECT_EQ(s.start_step, done.steps);
+  EXPECT_EQ(s.steps, done.steps);
+  EXPECT_EQ(ListCheckpoints(run_dir), checkpoints) << "nothing trained, nothing saved";
+  int vals_at_end = 0;
+  for (const auto& [type, step, loss, top1] : LossLines(run_dir / "metrics.jsonl")) {
+    if (type == "val" && step == done.steps) vals_at_end++;
+  }
+  EXPECT_EQ(vals_at_end, 1) << "the final evaluation is in the metrics once";
+  if (EventWriter::Available()) {
+    std::vector<std::filesystem::path> files;
+    for (const auto& e : std::filesystem::directory_iterator(run_dir / "tensorboard")) files.push_back(e.path());
+    ASSERT_EQ(files.size(), 1u);
+    ASSERT_OK_AND_ASSIGN(auto events, ReadScalarEvents(files[0]));
+    EXPECT_EQ(std::count_if(events.begin(), events.end(),
+                            [&](const ScalarEvent& e) { return e.tag == "val/loss" && e.step == done.steps; }),
+              1);
+  }
 }
 
 TEST_F(TrainLoop, DamagedCheckpointIsRefusedAndThePreviousOneStillWorks) {
