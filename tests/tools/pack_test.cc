@@ -22,6 +22,7 @@
 #include <nlohmann/json.hpp>
 #include <opencv2/core.hpp>
 #include <opencv2/imgcodecs.hpp>
+#include <turbojpeg.h>
 
 #include "dataset/dataset.h"
 #include "dataset/writer.h"
@@ -675,6 +676,42 @@ TEST(Pack, MaxSideAndQualityAndRaw) {
   EXPECT_EQ(s.reencoded, 2);
   auto q = ReadAll(dir / "q");
   EXPECT_LT(q[0].payload.size(), testing::ReadBytes(dir / "src" / "c" / "big.jpg").size());
+}
+
+// A JPEG cut losslessly to 1x1 keeps its first block's other 63 pixels as hidden padding. Decoded
+// at a reduced DCT scale, its one pixel would be that block's average: the stored pixel is the one
+// a full decode gives.
+TEST(Pack, AScaledDecodeStoresNoHiddenPaddingPixels) {
+  TempDir dir;
+  const std::vector<std::byte> big = testing::EncodeJpeg(testing::MakeImage(16, 16, 3, 7), 100);
+  tjhandle tj = tjInitTransform();
+  ASSERT_NE(tj, nullptr);
+  tjtransform crop{};
+  crop.r = {0, 0, 1, 1};
+  crop.op = TJXOP_NONE;
+  crop.options = TJXOPT_CROP;
+  unsigned char* cut = nullptr;
+  unsigned long cut_size = 0;
+  ASSERT_EQ(tjTransform(tj, reinterpret_cast<const unsigned char*>(big.data()), big.size(), 1, &cut, &cut_size, &crop, 0),
+            0) << tjGetErrorStr2(tj);
+  const std::vector<std::byte> one(reinterpret_cast<std::byte*>(cut), reinterpret_cast<std::byte*>(cut) + cut_size);
+  tjFree(cut);
+  tjDestroy(tj);
+  testing::WriteBytes(dir / "src" / "c" / "one.jpg", one);
+  decode::JpegDecoder decoder;
+  Image full;
+  ASSERT_OK(decoder.Decode(one, &full));
+  ASSERT_EQ(full.width, 1);
+  auto o = Options(dir / "src", dir / "raw");
+  o.encoding = dataset::PayloadEncoding::kRaw;
+  ASSERT_OK(Pack(o).status());
+  auto recs = ReadAll(dir / "raw");
+  ASSERT_EQ(recs.size(), 1u);
+  ASSERT_EQ(recs[0].payload.size(), 3u);
+  std::vector<int> stored, want;
+  for (std::byte b : recs[0].payload) stored.push_back(std::to_integer<int>(b));
+  for (uint8_t v : full.pixels) want.push_back(v);
+  EXPECT_EQ(stored, want);
 }
 
 TEST(Pack, MaxSideKeepsTheAspectRatioWhateverTheDctScale) {

@@ -248,10 +248,12 @@ cv::Size FitSize(int w, int h, int max_side) {
           std::max(1, static_cast<int>(std::lround(h * s)))};
 }
 
-// Largest DCT scale 1/d whose output still covers `target` (both axes).
+// Largest DCT scale 1/d whose whole pixels still cover `target` (both axes). A scaled decode's last
+// column and row are partial when w or h is not a multiple of d: they average the JPEG's hidden
+// padding into the edge, so they are not counted here and are cut off after decoding.
 int ScaleFor(int w, int h, cv::Size target) {
   for (int d : {8, 4, 2}) {
-    if ((w + d - 1) / d >= target.width && (h + d - 1) / d >= target.height) return d;
+    if (w / d >= target.width && h / d >= target.height) return d;
   }
   return 1;
 }
@@ -344,7 +346,9 @@ void ProcessJpeg(std::vector<std::byte>& bytes, const PackOptions& o, Worker& w,
     return;
   }
   // The pixels are needed: decode at the smallest DCT scale that still covers the target.
-  Status s = w.decoder.Decode(bytes, &w.image, ScaleFor(info.width, info.height, target), &info);
+  const int d = ScaleFor(info.width, info.height, target);
+  const int whole_w = info.width / d, whole_h = info.height / d;
+  Status s = w.decoder.Decode(bytes, &w.image, d, &info);
   if (!s.ok()) {
     out.reason = "JPEG: " + s.message();
     return;
@@ -353,6 +357,8 @@ void ProcessJpeg(std::vector<std::byte>& bytes, const PackOptions& o, Worker& w,
   out.reoriented = info.orientation != 1;
   cv::Mat src(w.image.height, w.image.width, w.image.channels == 1 ? CV_8UC1 : CV_8UC3,
               w.image.pixels.data());
+  // Only the whole pixels of a scaled decode (ScaleFor).
+  src = src(cv::Rect(0, 0, std::min(whole_w, src.cols), std::min(whole_h, src.rows)));
   Finish(src, info.orientation, o, o.quality > 0 ? o.quality : o.reencode_quality, w, out, upright_target);
 }
 
