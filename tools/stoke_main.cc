@@ -66,6 +66,22 @@ constexpr const char* kNoMonitor =
     "libcpp-httplib-dev libjs-chart.js, then rebuild)";
 #endif
 
+// CLI11's PositiveNumber and NonNegativeNumber say "Value 0 not in range 0.000000 to 1.797...e+308"
+// when refusing 0 or -1: these say what is expected.
+CLI::Validator NumberAtLeast(double least, bool inclusive) {
+  const std::string want = fmt::format("{} {}", inclusive ? ">=" : ">", least);
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(text.c_str(), &end);
+        if (end == text.c_str() || *end != '\0') return fmt::format("expected a number {}, not '{}'", want, text);
+        return (inclusive ? v >= least : v > least) ? std::string() : fmt::format("must be {}, not {}", want, text);
+      },
+      "NUMBER " + want, "");
+}
+const CLI::Validator kPositive = NumberAtLeast(0, false);
+const CLI::Validator kNonNegative = NumberAtLeast(0, true);
+
 int Fail(const stoke::Status& s) {
   std::fprintf(stderr, "stoke: %s\n", s.ToString().c_str());
   return 1;
@@ -96,10 +112,10 @@ int Run(int argc, char** argv) {
   pack_cmd->add_option("--list", pack.list_file, "List file of 'relative/path label' lines")
       ->check(CLI::ExistingFile);
   pack_cmd->add_option("--threads", pack.threads, "Worker threads (0 = all cores)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kNonNegative);
   pack_cmd->add_option("--max-side", pack.max_side,
                        "Shrink images whose longer side exceeds N pixels (0 = keep)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kNonNegative);
   pack_cmd->add_option("--quality", pack.quality, "Re-encode every image at JPEG quality Q")
       ->check(CLI::Range(1, 100));
   pack_cmd->add_option("--encoding", encoding, "Payload: jpeg (compact) or raw (decoded pixels)")
@@ -132,7 +148,7 @@ int Run(int argc, char** argv) {
   pack_cmd->add_flag("--overwrite", pack.overwrite, "Replace existing outputs");
   pack_cmd->add_flag("--no-paths", no_paths, "Do not store source paths");
   pack_cmd->add_option("--commit-every", pack.commit_every, "Records per transaction")
-      ->check(CLI::PositiveNumber);
+      ->check(kPositive);
   pack_cmd->add_flag("-q,--quiet", quiet, "No progress line");
 
   // ---- inspect
@@ -144,11 +160,11 @@ int Run(int argc, char** argv) {
   inspect_cmd->add_option("DB", inspect_path, "Dataset directory")->required();
   inspect_cmd->add_flag("--verify", inspect.verify, "Check every CRC and decode every record");
   inspect_cmd->add_option("--threads", inspect.threads, "Verify threads (0 = all cores)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kNonNegative);
   inspect_cmd->add_flag("--json", as_json, "Machine-readable output");
   auto* extract_opt = inspect_cmd->add_option("--extract", extract_index,
                                               "Write the payload of record INDEX to --output")
-                          ->check(CLI::NonNegativeNumber);
+                          ->check(kNonNegative);
   inspect_cmd->add_option("--output", extract_output, "File for --extract")->needs(extract_opt);
   extract_opt->needs(inspect_cmd->get_option("--output"));
 
@@ -162,10 +178,10 @@ int Run(int argc, char** argv) {
     cmd->add_option("--threads", bench.threads, "Threads for the N-thread runs (0 = all cores)")
         ->check(CLI::Range(0, 4096));
     cmd->add_option("--repeats", bench.repeats, "Timed runs per figure (median reported)")
-        ->check(CLI::PositiveNumber);
+        ->check(kPositive);
     cmd->add_option("--seconds", bench.seconds,
                     "Duration of each timed run (default: pack 1, read 0.5, decode 0.5, pipeline 2)")
-        ->check(CLI::PositiveNumber);
+        ->check(kPositive);
     cmd->add_option("--work-dir", bench.work_dir, "Scratch directory for packed datasets");
     cmd->add_option("--json", bench.json_out, "Also write the results as JSON here");
   };
@@ -182,7 +198,7 @@ int Run(int argc, char** argv) {
   auto* bench_pipeline = bench_cmd->add_subcommand(
       "pipeline", "The loader end to end on N threads, beside TurboJPEG full decode");
   bench_pipeline->add_option("DB", bench_db, "Packed dataset (default: pack --data first)");
-  bench_pipeline->add_option("--batch", pipeline.batch, "Samples per batch")->check(CLI::PositiveNumber);
+  bench_pipeline->add_option("--batch", pipeline.batch, "Samples per batch")->check(kPositive);
   bench_pipeline->add_option("--epochs", pipeline.epochs,
                              "Epochs per loader run, the first untimed (default: runs sized by --seconds); "
                              "storage runs (--shuffle): epochs per run, all timed (default 1)")
@@ -195,11 +211,11 @@ int Run(int argc, char** argv) {
                              "Storage run: read-ahead budget in MB (0: no read-ahead; default: sized from the order)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   bench_pipeline->add_option("--block-size", pipeline.block_size, "Storage run, block shuffle: records per block")
-      ->check(CLI::PositiveNumber);
+      ->check(kPositive);
   bench_pipeline->add_option("--window-blocks", pipeline.window_blocks, "Storage run, block shuffle: blocks per window")
-      ->check(CLI::PositiveNumber);
+      ->check(kPositive);
   bench_pipeline->add_option("--io-threads", pipeline.io_threads, "Storage run: reads in flight")
-      ->check(CLI::PositiveNumber);
+      ->check(kPositive);
   bench_pipeline->add_flag("--cold", pipeline.cold, "Storage run: evict the dataset from the page cache before each run");
   add_common(bench_pipeline);
 
@@ -209,10 +225,10 @@ int Run(int argc, char** argv) {
       "train", "Training throughput of a config's model: compute alone and fed by the loader");
   bench_train->add_option("--config", train_bench_config, "Run config (YAML)")->required();
   bench_train->add_option("--steps", train_bench.steps, "Timed steps per run (default: as many as fit in --seconds)")
-      ->check(CLI::PositiveNumber);
+      ->check(kPositive);
   bench_train->add_option("--seconds", bench.seconds, "Duration of each timed run when --steps is not given (default 2)")
-      ->check(CLI::PositiveNumber);
-  bench_train->add_option("--warmup", train_bench.warmup, "Untimed steps before each run")->check(CLI::NonNegativeNumber);
+      ->check(kPositive);
+  bench_train->add_option("--warmup", train_bench.warmup, "Untimed steps before each run")->check(kNonNegative);
   std::string model_json;
   bench_train->add_option("--model-json", model_json, "Write the resolved model as JSON (for the PyTorch peer)");
   bench_train->add_flag("--peer", train_bench.peer,
@@ -222,11 +238,11 @@ int Run(int argc, char** argv) {
   bench_train->add_option("--peer-script", peer_script, "The peer (default: bench/peers/torch_train.py of the source tree)");
   bench_train->add_option("--threads", bench.threads, "Compute and loader threads (0 or unset: the config's)")
       ->check(CLI::Range(0, 4096));
-  bench_train->add_option("--repeats", bench.repeats, "Timed runs (median reported)")->check(CLI::PositiveNumber);
+  bench_train->add_option("--repeats", bench.repeats, "Timed runs (median reported)")->check(kPositive);
   bench_train->add_option("--timeline", train_bench.timeline,
                           "After the runs, time N more end-to-end steps and their batches' copies on the GPU's clock "
                           "(CUDA backend): which step each copy overlapped, and the device's idle time between steps")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kNonNegative);
   bench_train->add_option("--json", bench.json_out, "Also write the results as JSON here");
 
   // ---- synth
@@ -235,9 +251,9 @@ int Run(int argc, char** argv) {
   auto* synth_cmd = app.add_subcommand(
       "synth", "Write a labelled folder tree of synthetic JPEGs (the built-in example)");
   synth_cmd->add_option("OUT_DIR", synth_dir, "Folder to create")->required();
-  synth_cmd->add_option("--classes", synth.classes, "Number of classes")->check(CLI::PositiveNumber);
+  synth_cmd->add_option("--classes", synth.classes, "Number of classes")->check(kPositive);
   synth_cmd->add_option("--per-class", synth.per_class, "Images per class")
-      ->check(CLI::PositiveNumber);
+      ->check(kPositive);
   synth_cmd->add_option("--seed", synth.seed, "Seed");
   std::string synth_style = "stripes";
   synth_cmd->add_option("--style", synth_style, "stripes (colour + stripe angle per class) or shapes (a shape per class)")
@@ -254,7 +270,7 @@ int Run(int argc, char** argv) {
       ->expected(0, 1)
       ->default_str("latest");
   train_cmd->add_option("--max-steps", train_run.max_steps, "Stop (with a checkpoint) after this many steps")
-      ->check(CLI::PositiveNumber);
+      ->check(kPositive);
   train_cmd->add_flag("-q,--quiet", train_quiet, "No progress line");
   std::string train_monitor;
   train_cmd->add_option("--monitor", train_monitor,
@@ -280,9 +296,9 @@ int Run(int argc, char** argv) {
   auto* demo_cmd = app.add_subcommand(
       "demo", "Generate a labelled image set, pack it, train a small CNN on it and report accuracy");
   demo_cmd->add_option("--dir", demo_dir, "Working folder: new, empty, or an earlier demo's (its outputs are replaced)")->default_str(demo_dir);
-  demo_cmd->add_option("--epochs", demo.epochs, "Training epochs")->check(CLI::PositiveNumber);
+  demo_cmd->add_option("--epochs", demo.epochs, "Training epochs")->check(kPositive);
   demo_cmd->add_option("--per-class", demo.per_class, "Images per class")->check(CLI::Range(20, 100000));
-  demo_cmd->add_option("--threads", demo.threads, "Threads (0 = all cores)")->check(CLI::NonNegativeNumber);
+  demo_cmd->add_option("--threads", demo.threads, "Threads (0 = all cores)")->check(kNonNegative);
 
   // ---- export, eval, predict: a trained model, from its run directory or a checkpoint file
   stoke::train::TrainedModelSource trained;
@@ -315,8 +331,8 @@ int Run(int argc, char** argv) {
   auto* eval_cmd = app.add_subcommand("eval", "Top-1, top-5, loss and per-class confusion of a trained model on a dataset");
   add_model(eval_cmd);
   eval_cmd->add_option("--data", eval.data, "Packed dataset to evaluate on")->required();
-  eval_cmd->add_option("--batch", eval.batch, "Samples per batch (default: the config's, at most 64 on the CPU)")->check(CLI::PositiveNumber);
-  eval_cmd->add_option("--threads", eval.threads, "Threads (0 = all cores)")->check(CLI::NonNegativeNumber);
+  eval_cmd->add_option("--batch", eval.batch, "Samples per batch (default: the config's, at most 64 on the CPU)")->check(kPositive);
+  eval_cmd->add_option("--threads", eval.threads, "Threads (0 = all cores)")->check(kNonNegative);
   eval_cmd->add_option("--backend", eval.backend, "Backend")->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   eval_cmd->add_option("--classes", eval_max_classes, "Classes listed, least accurate first (0 = all)");
   eval_cmd->add_flag("--json", eval_json, "Machine-readable output");
@@ -326,9 +342,9 @@ int Run(int argc, char** argv) {
   auto* predict_cmd = app.add_subcommand("predict", "Top classes of image files, through the validation crop");
   add_model(predict_cmd);
   predict_cmd->add_option("IMAGES", predict.inputs, "Image files or folders")->required();
-  predict_cmd->add_option("-k,--top", predict.top_k, "Classes per image")->check(CLI::PositiveNumber);
-  predict_cmd->add_option("--batch", predict.batch, "Images per batch")->check(CLI::PositiveNumber);
-  predict_cmd->add_option("--threads", predict.threads, "Threads (0 = all cores)")->check(CLI::NonNegativeNumber);
+  predict_cmd->add_option("-k,--top", predict.top_k, "Classes per image")->check(kPositive);
+  predict_cmd->add_option("--batch", predict.batch, "Images per batch")->check(kPositive);
+  predict_cmd->add_option("--threads", predict.threads, "Threads (0 = all cores)")->check(kNonNegative);
   predict_cmd->add_option("--backend", predict.backend, "Backend")->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   predict_cmd->add_flag("--json", predict_json, "Machine-readable output");
 
@@ -579,8 +595,9 @@ int Run(int argc, char** argv) {
     auto result = stoke::bench::BenchTrain(bench, train_bench);
     // Under a launcher the ranks agree on errors; rank 0 reports them.
     if (!result.ok()) return stoke::dist::DetectLaunch().rank == 0 ? Fail(result.status()) : 1;
-    std::cout << *result;
-    return 0;
+    std::cout << result->text;
+    // Asked for a ratio and got none: the figures are printed, the run did not do its job.
+    return result->peer_failed ? 1 : 0;
   }
   if (bench_pack->parsed() || bench_read->parsed() || bench_decode->parsed() ||
       bench_pipeline->parsed()) {

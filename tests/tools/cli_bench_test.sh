@@ -33,6 +33,20 @@ check bench_storage_flags_need_shuffle 1 "need --shuffle" -- "$stoke" bench pipe
 check bench_memory_mb_bounded 105 "--memory-mb: Value 17592186044416 not in range" -- \
   "$stoke" bench pipeline "$work/ds.lmdb" --shuffle full --memory-mb 17592186044416
 check bench_threads_not_negative 105 "--threads" -- "$stoke" bench read --data "$work/src" --threads -3
+check bench_batch_zero 105 "--batch: must be > 0, not 0" -- "$stoke" bench pipeline "$work/ds.lmdb" --batch 0
+# The scratch folder of a bench that was killed (its process gone) is removed by the next bench; a
+# bench of a given dataset makes none of its own.
+mkdir -p "$work/tmp"
+sleep 0 &
+dead=$!
+wait "$dead"
+mkdir -p "$work/tmp/stoke-bench-$dead/bench_pipeline.lmdb" "$work/tmp/stoke-bench-x"
+scratch_left() {
+  TMPDIR=$work/tmp "$stoke" bench pipeline "$work/ds.lmdb" --batch 4 --seconds 0.05 --repeats 1 --threads 2 \
+    >/dev/null 2>&1 || echo "bench failed"
+  ls "$work/tmp" | tr "\n" " "
+}
+check bench_removes_orphan_scratch 0 "^stoke-bench-x $" -- scratch_left
 cat >"$work/train.yaml" <<YAML
 data: {train: $work/ds.lmdb, batch_size: 4, threads: 2, image_size: 16}
 model:

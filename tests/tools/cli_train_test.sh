@@ -73,8 +73,10 @@ if ! "$stoke" monitor /no/such/run --port 0 2>&1 | grep -q "not in this build"; 
     "$stoke" train --config "$work/run2.yaml" --monitor abc -q
   check tensorboard_events 0 "events.out.tfevents" -- ls "$work/run2/tensorboard"
 fi
-check bench_train_peer_fails 0 "PyTorch peer: FAILED, no ratio .*/bin/false" -- \
+check bench_train_peer_fails 1 "PyTorch peer: FAILED, no ratio .*exit 1\): /bin/false" -- \
   "$stoke" bench train --config "$cfg" --steps 2 --warmup 1 --repeats 1 --peer --python /bin/false
+check bench_train_peer_missing 1 "the PyTorch peer did not start \(No such file or directory\)" -- \
+  "$stoke" bench train --config "$cfg" --steps 2 --warmup 1 --repeats 1 --peer --python "$work/no such/py'thon"
 check bench_train 0 "compute only .* img/s" -- \
   "$stoke" bench train --config "$cfg" --steps 2 --warmup 1 --repeats 1
 finish

@@ -2,11 +2,14 @@
 #include "tools/bench/bench_stats.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cerrno>
 #include <ctime>
 #include <fstream>
 #include <functional>
@@ -71,15 +74,40 @@ struct Scratch {
   }
 };
 
-Result<std::unique_ptr<Scratch>> MakeScratch(const BenchOptions& o) {
+// Scratch folders of benches that were killed (Ctrl-C, SIGTERM: no destructor ran) hold packed
+// copies of their images, 100 MB and more each: removed when their process is gone.
+void RemoveOrphanScratch(const fs::path& tmp) {
+  std::error_code ec;
+  for (auto it = fs::directory_iterator(tmp, ec); !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    constexpr std::string_view kPrefix = "stoke-bench-";
+    if (name.rfind(kPrefix, 0) != 0 || name.size() == kPrefix.size()) continue;
+    const std::string digits = name.substr(kPrefix.size());
+    if (digits.find_first_not_of("0123456789") != std::string::npos || digits.size() > 9) continue;
+    const auto pid = static_cast<pid_t>(std::stol(digits));
+    std::error_code owner_ec;
+    // Only a folder of ours whose process no longer exists (a live one, or another user's, stays).
+    if (pid == ::getpid() || ::kill(pid, 0) == 0 || errno != ESRCH) continue;
+    struct stat st{};
+    if (::lstat(it->path().c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::getuid()) continue;
+    fs::remove_all(it->path(), owner_ec);
+  }
+}
+
+// `needed`: false when the bench reads a given dataset and writes nothing of its own; the folder is
+// then not made.
+Result<std::unique_ptr<Scratch>> MakeScratch(const BenchOptions& o, bool needed = true) {
   auto s = std::make_unique<Scratch>();
   std::error_code ec;
   if (!o.work_dir.empty()) {
     s->dir = o.work_dir;
   } else {
-    s->dir = fs::temp_directory_path() / fmt::format("stoke-bench-{}", ::getpid());
-    s->owned = true;
+    const fs::path tmp = fs::temp_directory_path();
+    RemoveOrphanScratch(tmp);
+    s->dir = tmp / fmt::format("stoke-bench-{}", ::getpid());
+    s->owned = needed;
   }
+  if (!needed) return s;
   fs::create_directories(s->dir, ec);
   if (ec) return IoError(fmt::format("bench: {}: {}", s->dir.string(), ec.message()));
   return s;
@@ -444,7 +472,7 @@ Result<std::string> BenchRead(const BenchOptions& o) {
 
 Result<std::string> BenchDecode(const BenchOptions& o, const fs::path& dataset_path) {
   if (o.repeats < 1) return InvalidArgumentError("bench: --repeats must be >= 1");
-  STOKE_ASSIGN_OR_RETURN(auto scratch, MakeScratch(o));
+  STOKE_ASSIGN_OR_RETURN(auto scratch, MakeScratch(o, dataset_path.empty()));
   STOKE_ASSIGN_OR_RETURN(const fs::path db, DatasetOrPack(o, dataset_path, scratch->dir / "bench_decode.lmdb"));
   STOKE_ASSIGN_OR_RETURN(dataset::Dataset ds, dataset::Dataset::Open(db));
   STOKE_ASSIGN_OR_RETURN(auto reader, ds.NewReader({.verify_crc = false}));
@@ -811,7 +839,7 @@ Result<std::string> BenchPipeline(const BenchOptions& o, const fs::path& dataset
   if (o.repeats < 1) return InvalidArgumentError("bench: --repeats must be >= 1");
   if (!p.shuffle.empty()) {
     if (p.batch < 1) return InvalidArgumentError("bench pipeline: --batch must be >= 1");
-    STOKE_ASSIGN_OR_RETURN(auto scratch, MakeScratch(o));
+    STOKE_ASSIGN_OR_RETURN(auto scratch, MakeScratch(o, dataset_path.empty()));
     STOKE_ASSIGN_OR_RETURN(const fs::path db, DatasetOrPack(o, dataset_path, scratch->dir / "bench_storage.lmdb"));
     return BenchStorage(o, db, p);
   }
@@ -826,7 +854,7 @@ Result<std::string> BenchPipeline(const BenchOptions& o, const fs::path& dataset
   if (p.batch < 1) return InvalidArgumentError("bench pipeline: --batch must be >= 1");
   const int n = o.threads > 0 ? o.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const double seconds = SecondsOr(o, 2.0);
-  STOKE_ASSIGN_OR_RETURN(auto scratch, MakeScratch(o));
+  STOKE_ASSIGN_OR_RETURN(auto scratch, MakeScratch(o, dataset_path.empty()));
   BenchProgress progress("bench pipeline", (n > 1 ? 3 : 2) * o.repeats);
   if (dataset_path.empty()) progress.Note("packing the images");
   STOKE_ASSIGN_OR_RETURN(const fs::path db, DatasetOrPack(o, dataset_path, scratch->dir / "bench_pipeline.lmdb"));

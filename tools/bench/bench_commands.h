@@ -84,6 +84,10 @@ struct TrainBenchOptions {
 // normalise + forward + backward + SGD) and end to end (fed by the loader from the config's
 // dataset), as steps/s, images/s and the fraction of step time spent waiting for data; with
 // `peer`, PyTorch's CPU training step beside it and the ratio.
-Result<std::string> BenchTrain(const BenchOptions& options, const TrainBenchOptions& train);
+struct TrainBenchReport {
+  std::string text;          // the figures, as printed
+  bool peer_failed = false;  // the peer was asked for and gave no ratio (text says why)
+};
+Result<TrainBenchReport> BenchTrain(const BenchOptions& options, const TrainBenchOptions& train);
 
 }  // namespace stoke::bench

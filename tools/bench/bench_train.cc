@@ -8,7 +8,12 @@
 #include <thread>
 #include <vector>
 
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
 #include <unistd.h>
+#include <cerrno>
+#include <cstring>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -61,21 +66,49 @@ struct PeerRun {
   int64_t params = 0;
 };
 
-// Runs the PyTorch peer once and reads the JSON line it prints.
+// Runs the PyTorch peer once (no shell: any path works) and reads the JSON line it prints.
 Result<PeerRun> RunPeer(const TrainBenchOptions& t, const std::filesystem::path& model, int threads,
                         bool channels_last) {
-  const std::string cmd = fmt::format("'{}' '{}' '{}' --threads {} --steps {} --warmup {} --repeats 1{} 2>&1", t.python,
-                                      t.peer_script.string(), model.string(), threads, t.steps, t.warmup,
-                                      channels_last ? " --channels-last" : "");
-  std::FILE* pipe = popen(cmd.c_str(), "r");
-  if (!pipe) return IoError(fmt::format("bench train: cannot run {}", cmd));
+  std::vector<std::string> args = {t.python, t.peer_script.string(), model.string(), "--threads", std::to_string(threads),
+                                   "--steps", std::to_string(t.steps), "--warmup", std::to_string(t.warmup),
+                                   "--repeats", "1"};
+  if (channels_last) args.push_back("--channels-last");
+  const std::string shown = fmt::format("{}", fmt::join(args, " "));
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) return IoError(fmt::format("bench train: pipe: {}", std::strerror(errno)));
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], STDERR_FILENO);
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  const int spawned = posix_spawnp(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(fds[1]);
+  if (spawned != 0) {
+    ::close(fds[0]);
+    return UnavailableError(fmt::format("bench train: the PyTorch peer did not start ({}): {}", std::strerror(spawned),
+                                        shown));
+  }
   std::string out;
   char buf[4096];
-  while (size_t n = std::fread(buf, 1, sizeof(buf), pipe)) out.append(buf, n);
-  const int rc = pclose(pipe);
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) != 0;) {
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fds[0]);
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  const std::string how = WIFEXITED(status)     ? fmt::format("exit {}", WEXITSTATUS(status))
+                          : WIFSIGNALED(status) ? fmt::format("signal {}", WTERMSIG(status))
+                                                : std::string("status unknown");
   const size_t brace = out.rfind("{\"img_s\"");
-  if (rc != 0 || brace == std::string::npos) {
-    return UnavailableError(fmt::format("bench train: the PyTorch peer failed (exit {}): {}\n{}", rc, cmd,
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || brace == std::string::npos) {
+    return UnavailableError(fmt::format("bench train: the PyTorch peer failed ({}): {}\n{}", how, shown,
                                         out.substr(0, 2000)));
   }
   auto j = nlohmann::json::parse(out.substr(brace), nullptr, false);
@@ -84,7 +117,7 @@ Result<PeerRun> RunPeer(const TrainBenchOptions& t, const std::filesystem::path&
 }
 
 // The bench itself, on one rank of `comm`'s world. `agree` decides a status with every rank.
-Result<std::string> RunTrainBench(const BenchOptions& o, const TrainBenchOptions& t, train::TrainConfig& c,
+Result<TrainBenchReport> RunTrainBench(const BenchOptions& o, const TrainBenchOptions& t, train::TrainConfig& c,
                                   const std::unique_ptr<dist::Communicator>& comm,
                                   const std::function<Status(const Status&)>& agree) {
   const int world = comm->size(), rank = comm->rank();
@@ -251,7 +284,7 @@ Result<std::string> RunTrainBench(const BenchOptions& o, const TrainBenchOptions
   }
 #endif
   loader->Stop();
-  if (rank != 0) return std::string();  // rank 0 reports
+  if (rank != 0) return TrainBenchReport{};  // rank 0 reports
   const double compute = Median(compute_rates), end_to_end = Median(e2e_rates), wait = Median(waits);
   const std::string model = c.model.preset.empty() ? fmt::format("{}-layer list", c.model.layers.size()) : c.model.preset;
   std::string out = fmt::format(
@@ -337,12 +370,12 @@ Result<std::string> RunTrainBench(const BenchOptions& o, const TrainBenchOptions
     }
     STOKE_RETURN_IF_ERROR(WriteFileAtomic(o.json_out, j.dump(2) + "\n"));
   }
-  return out;
+  return TrainBenchReport{std::move(out), t.peer && !peer_error.empty()};
 }
 
 }  // namespace
 
-Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t) {
+Result<TrainBenchReport> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t) {
   STOKE_ASSIGN_OR_RETURN(train::TrainConfig c, train::LoadConfig(t.config.string()));
   if (o.threads > 0) c.compute_threads = o.threads, c.data.threads = o.threads;
   // Under mpirun or srun: one rank of a data-parallel step (the same as `stoke train` takes).
@@ -355,7 +388,7 @@ Result<std::string> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t
     if (!decided.ok()) agreed_failure = true;
     return decided;
   };
-  Result<std::string> out = RunTrainBench(o, t, c, comm, agree);
+  Result<TrainBenchReport> out = RunTrainBench(o, t, c, comm, agree);
   // A failure on this rank alone (its loader, its step, a collective that timed out) leaves the
   // other ranks waiting in a collective, and this one in MPI_Finalize: every rank ends now, told
   // why. Failures the ranks agreed on end every rank already.
