@@ -1,6 +1,7 @@
 #include "prefetch/loader.h"
 
 #include <algorithm>
+#include <limits>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -93,6 +94,10 @@ struct Chunk {
   int end = 0;
   bool last = false;  // the batch's final chunk
   Status error;
+  // Bad records met at this chunk's own sample positions (index, reason), in sample order: held
+  // against the skip budget by the in-order output stage, so that where a run over budget stops
+  // follows the sampler's order, not the threads' timing.
+  std::vector<std::pair<int64_t, std::string>> own_bad;
 };
 
 struct Ready {
@@ -239,10 +244,9 @@ struct LoaderState {
     return OkStatus();
   }
 
-  // Records a bad record once (logging it the first time); an error when the policy says stop or
-  // when this rank's own bad records (`own`: the record at a sample's own position) exceed the
-  // budget.
-  Status NoteBad(Worker& w, int64_t index, const Status& s, bool own) {
+  // Records a bad record once (logging it the first time); an error when the policy says stop.
+  // `own` (the record at a sample's own position) receives it for the skip budget (CountOwnBad).
+  Status NoteBad(Worker& w, int64_t index, const Status& s, std::vector<std::pair<int64_t, std::string>>* own) {
     std::string where = fmt::format("record {}", index);
     if (auto path = w.reader->SourcePath(index); path.ok() && !path->empty()) {
       where += fmt::format(" ({})", *path);
@@ -252,7 +256,15 @@ struct LoaderState {
       return Status(s.code(), reason + " (on_error fail)");
     }
     if (bad.emplace(index, reason).second) STOKE_LOG(WARN, "skipping {}", reason);
-    if (own && own_bad.insert(index).second) {
+    if (own != nullptr) own->emplace_back(index, std::move(reason));
+    return OkStatus();
+  }
+
+  // This rank's own bad records (each once), in sampler order: an error once they exceed the
+  // budget. Called by the serial, in-order output stage only.
+  Status CountOwnBad(const Chunk& c) {
+    for (const auto& [index, reason] : c.own_bad) {
+      if (!own_bad.insert(index).second) continue;
       const int64_t n = bad_count.fetch_add(1) + 1;
       if (n > max_bad) {
         return CorruptError(fmt::format(
@@ -268,7 +280,8 @@ struct LoaderState {
   // keyed by the attempt number so a stand-in differs from that record's own sample. Walking the
   // global order rather than this rank's shard gives a bad record the same stand-in at any world
   // size.
-  Status FillSample(Worker& w, Slot& slot, int s) {
+  Status FillSample(Worker& w, Chunk& c, int s) {
+    Slot& slot = *c.slot;
     const auto& order = *slot.order;
     const int64_t n = static_cast<int64_t>(order.size());
     const int64_t pos = slot.batch.number * o.batch_size + s;
@@ -284,6 +297,9 @@ struct LoaderState {
     } released{storage.get(), slot.batch.epoch, pos};
     for (int64_t k = 0; k < n; ++k) {
       const int64_t index = order[static_cast<size_t>((global_pos + k) % n)];
+      // A stand-in is never a record known to be bad: read again, it would fail again (a run of m
+      // bad records cost m^2/2 reads).
+      if (k > 0 && bad.count(index) != 0) continue;
       const uint64_t seed = k == 0 ? o.sampler.seed : MixSeed(o.sampler.seed, static_cast<uint64_t>(k));
       std::span<const std::byte> value;
       if (k == 0 && storage) {
@@ -302,7 +318,7 @@ struct LoaderState {
         return OkStatus();
       }
       if (st.code() == StatusCode::kInternal) return st;  // not the record's fault
-      STOKE_RETURN_IF_ERROR(NoteBad(w, index, st, /*own=*/k == 0));
+      STOKE_RETURN_IF_ERROR(NoteBad(w, index, st, k == 0 ? &c.own_bad : nullptr));
     }
     return CorruptError(fmt::format("{}: no readable record in the epoch", dataset->path().string()));
   }
@@ -373,7 +389,7 @@ struct LoaderState {
       w.reader.emplace(std::move(*reader));
     }
     for (int s = c->begin; s < c->end; ++s) {
-      Status st = FillSample(w, *c->slot, s);
+      Status st = FillSample(w, *c, s);
       if (!st.ok()) {
         c->error = std::move(st);
         return;
@@ -386,6 +402,7 @@ struct LoaderState {
     if (output_failed) return;
     Slot* slot = c->slot;
     Status st = c->error;
+    if (Status counted = CountOwnBad(*c); st.ok()) st = std::move(counted);
     if (st.ok() && c->last) {
       slot->batch.replaced = slot->replaced.load(std::memory_order_relaxed);
       const size_t bytes = labels_offset + static_cast<size_t>(slot->batch.size) * sizeof(int32_t);
@@ -527,6 +544,10 @@ Status ValidateOptions(const LoaderOptions& o) {
   if (o.start_epoch < 0 || o.start_batch < 0 || o.epochs < 0) {
     return InvalidArgumentError("loader: start_epoch, start_batch and epochs must be >= 0");
   }
+  if (o.epochs > std::numeric_limits<int64_t>::max() - o.start_epoch) {
+    return InvalidArgumentError(fmt::format("loader: start_epoch {} + epochs {} is past the last epoch that can be "
+                                            "counted", o.start_epoch, o.epochs));
+  }
   if (o.augment.mode == CropMode::kRandomResized) {
     STOKE_RETURN_IF_ERROR(augment::ValidateOptions(o.augment.random));
   } else if (o.augment.crop <= 0 || o.augment.resize < o.augment.crop) {
@@ -657,6 +678,10 @@ void Loader::Stop() { state_->RequestStop(); }
 Result<BatchLease> Loader::Next() {
   detail::LoaderState& st = *state_;
   if (st.finished) return BatchLease();
+  if (st.stop.load()) {  // Stop(): no more batches, not even those already made
+    st.finished = true;
+    return BatchLease();
+  }
   if (st.leased.load() >= st.o.ring_size) {
     // Waiting would never end: every buffer is with the consumer.
     return InvalidArgumentError(fmt::format(
@@ -678,6 +703,10 @@ Result<BatchLease> Loader::Next() {
   if (r.kind == detail::Ready::kError) {
     st.finished = true;
     return r.error;
+  }
+  if (st.stop.load()) {  // stopped while this one waited: it is not handed out
+    st.finished = true;
+    return BatchLease();
   }
   detail::Slot* slot = st.slots[static_cast<size_t>(r.slot)].get();
   STOKE_TSAN_ACQUIRE(slot);
