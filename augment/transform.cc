@@ -80,7 +80,18 @@ Status ApplyPlan(const ImageView& src, const RectF& region, const CropPlan& plan
       const int y0 = std::clamp(static_cast<int>(std::lround(region.y)), 0, in.rows - 1);
       const int x1 = std::clamp(static_cast<int>(std::lround(region.x + region.width)), x0 + 1, in.cols);
       const int y1 = std::clamp(static_cast<int>(std::lround(region.y + region.height)), y0 + 1, in.rows);
-      cv::resize(in(cv::Rect(x0, y0, x1 - x0, y1 - y0)), out, out.size(), 0, 0, cv::INTER_AREA);
+      const cv::Mat roi = in(cv::Rect(x0, y0, x1 - x0, y1 - y0));
+      if (sx >= 1 && sy >= 1) {
+        cv::resize(roi, out, out.size(), 0, 0, cv::INTER_AREA);
+      } else {
+        // One axis shrinks, the other grows: OpenCV's INTER_AREA averages only when both shrink
+        // (otherwise it samples, and the shrinking axis aliases). Average along that axis first,
+        // then interpolate along the other.
+        thread_local cv::Mat shrunk;
+        const cv::Size between(sx >= 1 ? out.cols : roi.cols, sy >= 1 ? out.rows : roi.rows);
+        cv::resize(roi, shrunk, between, 0, 0, cv::INTER_AREA);
+        cv::resize(shrunk, out, out.size(), 0, 0, cv::INTER_LINEAR);
+      }
       if (plan.flip) cv::flip(out, out, 1);
     } else {
       // Output pixel centre (u + 0.5) maps to source edge coordinate region.x + (u + 0.5) * sx,

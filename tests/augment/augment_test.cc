@@ -192,6 +192,22 @@ TEST(ApplyPlan, ShrinksAndJitters) {
   }
 }
 
+// A crop 3x wider than the output but half its height (a wide aspect-ratio range): the width is
+// averaged, not sampled. Columns of period 3 (one lit, two dark) average to 85 everywhere.
+TEST(ApplyPlan, ShrinkingOneAxisWhileGrowingTheOtherAverages) {
+  Image src;
+  src.Reshape(96, 8, 3);
+  for (int y = 0; y < 8; ++y) {
+    for (int x = 0; x < 96; ++x) {
+      for (int c = 0; c < 3; ++c) src.row(y)[x * 3 + c] = x % 3 == 1 ? 255 : 0;
+    }
+  }
+  CropPlan p{.region = {0, 0, 96, 8}, .out_width = 32, .out_height = 16};
+  std::vector<uint8_t> out(32 * 16 * 3);
+  ASSERT_OK(ApplyPlan(View(src), p.region, p, out));
+  for (size_t i = 0; i < out.size(); ++i) ASSERT_NEAR(out[i], 85, 1) << "at " << i / 3 % 32 << ", " << i / 96;
+}
+
 TEST(ApplyPlan, RejectsBadArguments) {
   Image src = testing::MakeImage(10, 10, 3);
   CropPlan p{.region = {0, 0, 10, 10}, .out_width = 4, .out_height = 4};
