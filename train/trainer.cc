@@ -115,6 +115,7 @@ struct KeptMetrics {
   int64_t torn = 0;                // lines that were not whole JSON objects (a crash or a full disk cut them)
   bool val_at_step = false;        // the checkpoint's step was evaluated already (before it was saved)
   std::vector<int64_t> bad_records;  // records already reported as bad_record lines
+  bool checkpoint_here = false;    // the checkpoint resumed from is one of run_dir's own (set by the caller)
 };
 
 // Keeps the metrics of steps up to `step` (a resumed run rewrites what followed its checkpoint).
@@ -393,6 +394,10 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
         STOKE_LOG(WARN, "resuming at step {}: this run_dir's later checkpoints moved to {}", step, set_aside.string());
       }
       STOKE_ASSIGN_OR_RETURN(kept_metrics, TrimMetrics(metrics_path, step));
+      // Resumed from another run's checkpoint (or a set-aside one), this run_dir has none yet.
+      std::error_code here_ec, there_ec;
+      kept_metrics.checkpoint_here = std::filesystem::weakly_canonical(path, here_ec).parent_path() ==
+                                     std::filesystem::weakly_canonical(run_dir / "checkpoints", there_ec);
       if (kept_metrics.torn > 0) {
         STOKE_LOG(WARN, "{}: dropped {} line(s) that were not whole (cut by a crash or a full disk)",
                   metrics_path.string(), kept_metrics.torn);
@@ -440,13 +445,17 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   // reported once a run, and every rank holds the run's count against max_skip_fraction).
   if (world > 1) {
     nlohmann::json facts;
-    if (lead) facts = {{"val", kept_metrics.val_at_step}, {"bad", kept_metrics.bad_records}};
+    if (lead) {
+      facts = {{"val", kept_metrics.val_at_step}, {"bad", kept_metrics.bad_records},
+               {"here", kept_metrics.checkpoint_here}};
+    }
     auto all = comm->AllGatherStrings(lead ? facts.dump() : std::string());
     STOKE_RETURN_IF_ERROR(must(all.status()));
     const auto got = nlohmann::json::parse((*all)[0], nullptr, false);
     if (!got.is_object()) return must(InternalError("rank 0 sent no resume facts"));
     kept_metrics.val_at_step = got["val"].get<bool>();
     kept_metrics.bad_records = got["bad"].get<std::vector<int64_t>>();
+    kept_metrics.checkpoint_here = got["here"].get<bool>();
   }
 
   // A metrics line that cannot be written (disk full) ends the run rather than losing data. Only
@@ -572,7 +581,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
                                  summary.val.count));
     return OkStatus();
   };
-  int64_t saved_step = run.resume.empty() ? -1 : step;  // a resumed run's checkpoint is on disk
+  int64_t saved_step = kept_metrics.checkpoint_here ? step : -1;  // that step's checkpoint is in run_dir already
   // Every rank averages its running statistics; rank 0 writes; every rank learns whether it did.
   auto save = [&]() -> Status {
     STOKE_RETURN_IF_ERROR(must(net->AverageRunningStats()));

@@ -35,18 +35,28 @@ check bench_memory_mb_bounded 105 "--memory-mb: Value 17592186044416 not in rang
 check bench_threads_not_negative 105 "--threads" -- "$stoke" bench read --data "$work/src" --threads -3
 check bench_batch_zero 105 "--batch: must be > 0, not 0" -- "$stoke" bench pipeline "$work/ds.lmdb" --batch 0
 # The scratch folder of a bench that was killed (its process gone) is removed by the next bench; a
-# bench of a given dataset makes none of its own.
+# bench of a given dataset makes none of its own. A live process's folder stays (this shell's), as
+# does one whose lock is held (a bench in another PID namespace, whose PID may be dead here).
 mkdir -p "$work/tmp"
 sleep 0 &
 dead=$!
 wait "$dead"
-mkdir -p "$work/tmp/stoke-bench-$dead/bench_pipeline.lmdb" "$work/tmp/stoke-bench-x"
+locked=$((dead + 1000000))
+mkdir -p "$work/tmp/stoke-bench-$dead/bench_pipeline.lmdb" "$work/tmp/stoke-bench-x" "$work/tmp/stoke-bench-$$" \
+  "$work/tmp/stoke-bench-$locked"
+touch "$work/tmp/stoke-bench-$locked/.lock"
+exec {held}<"$work/tmp/stoke-bench-$locked/.lock"
+flock -x "$held"
 scratch_left() {
   TMPDIR=$work/tmp "$stoke" bench pipeline "$work/ds.lmdb" --batch 4 --seconds 0.05 --repeats 1 --threads 2 \
-    >/dev/null 2>&1 || echo "bench failed"
-  ls "$work/tmp" | tr "\n" " "
+    >/dev/null 2>&1 || printf "bench failed "
+  local label
+  for label in dead:$dead x:x self:$$ locked:$locked; do
+    [[ -d $work/tmp/stoke-bench-${label#*:} ]] && printf "%s kept " "${label%%:*}" || printf "%s gone " "${label%%:*}"
+  done
 }
-check bench_removes_orphan_scratch 0 "^stoke-bench-x $" -- scratch_left
+check bench_removes_orphan_scratch 0 "^dead gone x kept self kept locked kept $" -- scratch_left
+exec {held}<&-
 cat >"$work/train.yaml" <<YAML
 data: {train: $work/ds.lmdb, batch_size: 4, threads: 2, image_size: 16}
 model:

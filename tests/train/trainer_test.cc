@@ -785,6 +785,11 @@ TEST_F(TrainLoop, ResumingAFinishedRunEvaluatesNothingTwice) {
   EXPECT_EQ(s.start_step, done.steps);
   EXPECT_EQ(s.steps, done.steps);
   EXPECT_EQ(ListCheckpoints(run_dir), checkpoints) << "nothing trained, nothing saved";
+  // Into another run_dir, the same checkpoint is saved there: that run can be resumed in turn.
+  TrainRunOptions copy = quiet;
+  copy.resume = checkpoints.back().string();
+  ASSERT_OK(Train(Config("finished_copy", 1), copy).status());
+  EXPECT_EQ(ListCheckpoints(dir_->path() / "finished_copy").size(), 1u);
   int vals_at_end = 0;
   for (const auto& [type, step, loss, top1] : LossLines(run_dir / "metrics.jsonl")) {
     if (type == "val" && step == done.steps) vals_at_end++;

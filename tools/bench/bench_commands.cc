@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -10,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cerrno>
+#include <cstring>
 #include <ctime>
 #include <fstream>
 #include <functional>
@@ -65,32 +67,47 @@ std::string Today() {
   return buf;
 }
 
+// A bench's own scratch folder (packed copies of its images) holds `.lock` under flock(2) while the
+// bench runs: a folder whose lock can be taken belongs to no running bench, whatever its PID says
+// (another PID namespace or container sharing the folder sees other PIDs).
+constexpr const char* kScratchLock = ".lock";
+
 struct Scratch {
   fs::path dir;
   bool owned = false;
+  int lock_fd = -1;
   ~Scratch() {
     std::error_code ec;
     if (owned) fs::remove_all(dir, ec);
+    if (lock_fd >= 0) ::close(lock_fd);
   }
 };
 
-// Scratch folders of benches that were killed (Ctrl-C, SIGTERM: no destructor ran) hold packed
-// copies of their images, 100 MB and more each: removed when their process is gone.
+// Scratch folders of benches that were killed (Ctrl-C, SIGTERM: no destructor ran), 100 MB and more
+// each, are removed by the next bench: only folders named as a bench names them, owned by this user,
+// whose lock is free (or, a folder without a lock, whose process is gone from this PID namespace).
 void RemoveOrphanScratch(const fs::path& tmp) {
   std::error_code ec;
   for (auto it = fs::directory_iterator(tmp, ec); !ec && it != fs::directory_iterator(); it.increment(ec)) {
     const std::string name = it->path().filename().string();
     constexpr std::string_view kPrefix = "stoke-bench-";
-    if (name.rfind(kPrefix, 0) != 0 || name.size() == kPrefix.size()) continue;
+    if (name.rfind(kPrefix, 0) != 0) continue;
     const std::string digits = name.substr(kPrefix.size());
-    if (digits.find_first_not_of("0123456789") != std::string::npos || digits.size() > 9) continue;
+    if (digits.empty() || digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) continue;
     const auto pid = static_cast<pid_t>(std::stol(digits));
-    std::error_code owner_ec;
-    // Only a folder of ours whose process no longer exists (a live one, or another user's, stays).
-    if (pid == ::getpid() || ::kill(pid, 0) == 0 || errno != ESRCH) continue;
+    if (std::to_string(pid) != digits || pid == ::getpid()) continue;
     struct stat st{};
     if (::lstat(it->path().c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::getuid()) continue;
-    fs::remove_all(it->path(), owner_ec);
+    const int fd = ::open((it->path() / kScratchLock).c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    bool orphan = false;
+    if (fd >= 0) {
+      orphan = ::flock(fd, LOCK_EX | LOCK_NB) == 0;
+    } else if (errno == ENOENT) {
+      orphan = ::kill(pid, 0) != 0 && errno == ESRCH;
+    }
+    std::error_code remove_ec;
+    if (orphan) fs::remove_all(it->path(), remove_ec);
+    if (fd >= 0) ::close(fd);
   }
 }
 
@@ -110,6 +127,12 @@ Result<std::unique_ptr<Scratch>> MakeScratch(const BenchOptions& o, bool needed 
   if (!needed) return s;
   fs::create_directories(s->dir, ec);
   if (ec) return IoError(fmt::format("bench: {}: {}", s->dir.string(), ec.message()));
+  if (s->owned) {
+    s->lock_fd = ::open((s->dir / kScratchLock).c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (s->lock_fd < 0 || ::flock(s->lock_fd, LOCK_EX | LOCK_NB) != 0) {
+      return IoError(fmt::format("bench: cannot lock {}: {}", (s->dir / kScratchLock).string(), std::strerror(errno)));
+    }
+  }
   return s;
 }
 

@@ -108,8 +108,9 @@ Result<PeerRun> RunPeer(const TrainBenchOptions& t, const std::filesystem::path&
                                                 : std::string("status unknown");
   const size_t brace = out.rfind("{\"img_s\"");
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || brace == std::string::npos) {
+    // Its last words (a traceback ends there).
     return UnavailableError(fmt::format("bench train: the PyTorch peer failed ({}): {}\n{}", how, shown,
-                                        out.substr(0, 2000)));
+                                        out.size() > 2000 ? "..." + out.substr(out.size() - 2000) : out));
   }
   auto j = nlohmann::json::parse(out.substr(brace), nullptr, false);
   if (j.is_discarded()) return InternalError(fmt::format("bench train: unreadable peer output: {}", out));
