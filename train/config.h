@@ -30,7 +30,7 @@ struct DataConfig {
   int window_blocks = 8;    // blocks per window; > 0
   // The storage stage: records read ahead in sampler order (prefetch/storage.h).
   bool io_read_ahead = true;  // false: decoders fault records in through the map
-  int io_memory_mb = 0;       // read-ahead budget; 0: two windows / segments
+  int io_memory_mb = 0;       // read-ahead budget; 0: prefetch/storage.h's default (three block windows, or segments)
   int io_threads = 0;         // reads in flight; 0: 32 for full shuffle, 4 otherwise
   std::string on_error = "skip";  // skip | fail
   double max_skip_fraction = 0.01;
