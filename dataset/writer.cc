@@ -28,7 +28,10 @@ Result<DatasetWriter> DatasetWriter::OpenEnv(const std::filesystem::path& dir,
   rc = mdb_env_set_maxdbs(raw, 4);
   if (rc == MDB_SUCCESS) rc = mdb_env_set_mapsize(raw, options.initial_map_bytes);
   if (rc != MDB_SUCCESS) return MdbStatus(rc, dir.string() + ": configure environment");
-  rc = mdb_env_open(raw, dir.c_str(), MDB_NOTLS, 0644);
+  // MDB_NOLOCK: one writer is held by the packer's own lock file (readers never open a dataset
+  // being written), and LMDB's lock.mdb is written through a map, where a disk with a page or so
+  // left raised SIGBUS instead of an error.
+  rc = mdb_env_open(raw, dir.c_str(), MDB_NOTLS | MDB_NOLOCK, 0644);
   if (rc != MDB_SUCCESS) return MdbStatus(rc, dir.string() + ": open for writing");
   MDB_envinfo info;
   mdb_env_info(raw, &info);

@@ -178,13 +178,26 @@ TEST(Pack, ListFileWithCaffeConvention) {
 TEST(Pack, BadListLinesNameTheLine) {
   TempDir dir;
   testing::MakeImageTree(dir / "src", {"a"}, 1);
-  for (std::string bad : {"a/a_100.jpg\n", "a/a_100.jpg x\n", "a/a_100.jpg -1\n", "a/a_100.jpg 1\n"}) {
+  // A NUL after the label, a lone carriage return (old Mac line ends: the rest of the file would be
+  // one line) are refused; a UTF-8 byte order mark before the first line is not part of its path.
+  for (std::string bad : std::vector<std::string>{"a/a_100.jpg\n", "a/a_100.jpg x\n", "a/a_100.jpg -1\n", "a/a_100.jpg 1\n",
+                          std::string("a/a_100.jpg 0\0junk\n", 19), std::string("a/a_100.jpg 0\ra/a_100.jpg 0\n")}) {
     std::ofstream(dir / "list.txt") << "a/a_100.jpg 0\n" << bad;
     auto o = Options(dir / "src", dir / "out");
     o.list_file = dir / "list.txt";
     auto r = Pack(o);
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
     EXPECT_NE(r.status().message().find("list.txt:2"), std::string::npos) << r.status().ToString();
+  }
+  {
+    std::ofstream(dir / "list.txt") << "\xEF\xBB\xBF" "a/a_100.jpg 0\n";
+    auto o = Options(dir / "src", dir / "bom");
+    o.list_file = dir / "list.txt";
+    ASSERT_OK_AND_ASSIGN(PackSummary s, Pack(o));
+    EXPECT_EQ(s.splits[0].records, 1) << "the first path read without the mark";
+    o = Options(dir / "no_such_root", dir / "rootless");
+    o.list_file = dir / "list.txt";
+    EXPECT_EQ(Pack(o).status().code(), StatusCode::kNotFound) << "a root that does not exist";
   }
   // The conflict names both lines; the same image twice under one label is allowed (oversampling).
   std::ofstream(dir / "list.txt") << "a/a_100.jpg 0\na/a_100.jpg 1\n";
@@ -751,6 +764,26 @@ TEST(Pack, OutputsThatWouldDestroyOrSwallowTheSourceAreRefused) {
   val.val_fraction = 0.5;
   val.val_output = dir / "o.lmdb/";
   refused(val, "is the training output");
+  // The validation output holding the training one: publishing it deleted the training dataset.
+  auto nested = Options(src, dir / "vv" / "train.lmdb");
+  nested.val_fraction = 0.5;
+  nested.val_output = dir / "vv";
+  refused(nested, "is inside the other output");
+  // --overwrite replaces datasets only: a folder of the user's files, or the working directory, stays.
+  testing::WriteBytes(dir / "docs" / "thesis.txt", {std::byte{'x'}});
+  refused(Options(src, dir / "docs"), "is not a dataset (it holds thesis.txt)");
+  EXPECT_TRUE(fs::exists(dir / "docs" / "thesis.txt"));
+  const fs::path cwd = fs::current_path();
+  fs::create_directories(dir / "work");
+  fs::current_path(dir / "work");
+  testing::WriteBytes(dir / "work" / "keep.txt", {std::byte{'x'}});
+  auto here = Options(src, ".");
+  here.overwrite = true;
+  auto r_here = Pack(here);
+  fs::current_path(cwd);
+  ASSERT_FALSE(r_here.ok());
+  EXPECT_NE(r_here.status().message().find("holds the working directory"), std::string::npos) << r_here.status().message();
+  EXPECT_TRUE(fs::exists(dir / "work" / "keep.txt"));
   EXPECT_EQ(fs::directory_iterator(src / "cat") != fs::directory_iterator(), true) << "the images are still there";
   // A link loop, a dangling link, a FIFO and a link to a folder in the tree are inputs that cannot
   // be read: each is reported as skipped (not an internal error, not a hang, not left out silently).

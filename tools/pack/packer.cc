@@ -70,7 +70,13 @@ Result<InputSet> ListFolderTree(const fs::path& root) {
   std::vector<fs::path> class_dirs;
   for (const auto& e : fs::directory_iterator(root, ec)) {
     std::error_code entry_ec;  // a symlink loop or a dangling link is no class folder, not a failure
-    if (e.is_directory(entry_ec) && e.path().filename().string()[0] != '.') class_dirs.push_back(e.path());
+    if (e.path().filename().string()[0] == '.') continue;
+    if (e.is_directory(entry_ec)) {
+      class_dirs.push_back(e.path());
+    } else if (e.is_symlink(entry_ec)) {
+      // Dropped, it would shift the labels of every class after it: said, not silent.
+      STOKE_LOG(WARN, "pack: {}: a link to no readable folder (dangling or a loop) is not a class", e.path().string());
+    }
   }
   if (ec) return IoError(fmt::format("pack: {}: {}", root.string(), ec.message()));
   std::sort(class_dirs.begin(), class_dirs.end());
@@ -121,8 +127,18 @@ Result<InputSet> ReadListFile(const fs::path& list, const fs::path& root) {
   int32_t max_label = -1;
   std::unordered_map<std::string, std::pair<int, long>> first_seen;  // path -> line, label
   std::string line;
+  if (!fs::is_directory(root)) {
+    return NotFoundError(fmt::format("pack: {}: not a directory (the root that {}'s paths are relative to)",
+                                     root.string(), list.string()));
+  }
   for (int line_no = 1; std::getline(in, line); ++line_no) {
+    if (line_no == 1 && line.rfind("\xEF\xBB\xBF", 0) == 0) line.erase(0, 3);  // a UTF-8 byte order mark
     if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.find('\r') != std::string::npos || line.find('\0') != std::string::npos) {
+      return InvalidArgumentError(fmt::format(
+          "pack: {}:{}: a carriage return or NUL byte inside the line (expected one 'relative/path label' per "
+          "line, ending in \\n or \\r\\n)", list.string(), line_no));
+    }
     const auto first = line.find_first_not_of(" \t");
     if (first == std::string::npos || line[first] == '#') continue;
     // The label is the last field, so paths may contain spaces (as in Caffe's convert_imageset).
@@ -485,6 +501,52 @@ std::string NowIso8601() {
   return buf;
 }
 
+// Whether `inner` is `outer` or lies below it, component by component, after resolving both as far
+// as they exist.
+bool Within(const fs::path& inner, const fs::path& outer) {
+  std::error_code ec;
+  const fs::path a = fs::weakly_canonical(fs::absolute(inner, ec), ec);
+  const fs::path b = fs::weakly_canonical(fs::absolute(outer, ec), ec);
+  auto ai = a.begin();
+  for (auto bi = b.begin(); bi != b.end(); ++bi) {
+    if (bi->empty()) continue;  // a trailing separator
+    if (ai == a.end() || *ai != *bi) return false;
+    ++ai;
+  }
+  return true;
+}
+
+// What --overwrite may replace: a folder holding only LMDB's files (a dataset, finished or not), or
+// nothing. Anything else at the output is the user's, not a dataset's.
+Status ReplaceableOutput(const fs::path& path) {
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(path, ec))) return OkStatus();
+  std::error_code cwd_ec;
+  if (Within(fs::current_path(cwd_ec), path)) {
+    return InvalidArgumentError(fmt::format(
+        "pack: --overwrite would replace {}, which holds the working directory; choose another output",
+        path.string()));
+  }
+  std::vector<std::string> others;
+  if (fs::is_directory(fs::symlink_status(path, ec))) {
+    for (const auto& e : fs::directory_iterator(path, ec)) {
+      const std::string name = e.path().filename().string();
+      if (name != "data.mdb" && name != "lock.mdb") others.push_back(name);
+    }
+  } else {
+    others.push_back("(not a folder)");
+  }
+  if (ec) return IoError(fmt::format("pack: {}: {}", path.string(), ec.message()));
+  if (!others.empty()) {
+    std::sort(others.begin(), others.end());
+    if (others.size() > 3) others.resize(3), others.push_back("...");
+    return InvalidArgumentError(fmt::format(
+        "pack: {} is not a dataset (it holds {}); --overwrite replaces only datasets: move it away or choose "
+        "another output", path.string(), fmt::join(others, ", ")));
+  }
+  return OkStatus();
+}
+
 // ---- One split: a resumable job ---------------------------------------------------------------
 
 struct SplitJob {
@@ -621,6 +683,7 @@ class SplitPacker {
         return InvalidArgumentError(fmt::format(
             "pack: {}: already exists (pass --overwrite to replace it)", job_.output.string()));
       }
+      STOKE_RETURN_IF_ERROR(ReplaceableOutput(job_.output));
     }
     std::optional<dataset::DatasetWriter> writer;
     dataset::WriterOptions wo{.commit_every_records = o_.commit_every,
@@ -661,6 +724,7 @@ class SplitPacker {
                           "--overwrite to start over)",
                           partial.string()));
         }
+        STOKE_RETURN_IF_ERROR(ReplaceableOutput(partial));
         fs::remove_all(partial, ec);
         if (ec) return IoError(fmt::format("pack: {}: {}", partial.string(), ec.message()));
       }
@@ -693,6 +757,7 @@ class SplitPacker {
  private:
   // Replaces the output (if any) with the finished partial dataset.
   Status Publish(const fs::path& partial) const {
+    STOKE_RETURN_IF_ERROR(ReplaceableOutput(job_.output));
     std::error_code ec;
     if (fs::exists(job_.output, ec)) fs::remove_all(job_.output, ec);
     if (!ec) fs::rename(partial, job_.output, ec);
@@ -980,20 +1045,6 @@ fs::path DefaultValOutput(const fs::path& output) {
 
 namespace {
 
-// Whether `inner` is `outer` or lies below it, component by component, after resolving both as far
-// as they exist.
-bool Within(const fs::path& inner, const fs::path& outer) {
-  std::error_code ec;
-  const fs::path a = fs::weakly_canonical(fs::absolute(inner, ec), ec);
-  const fs::path b = fs::weakly_canonical(fs::absolute(outer, ec), ec);
-  auto ai = a.begin();
-  for (auto bi = b.begin(); bi != b.end(); ++bi, ++ai) {
-    if (bi->empty()) continue;  // a trailing separator
-    if (ai == a.end() || *ai != *bi) return false;
-  }
-  return true;
-}
-
 // Outputs that would destroy or swallow the inputs are refused before any work: an output that
 // holds the source (replacing it deletes the images), the validation output on the training
 // output, and (a folder tree) an output inside the source, which the next pack would list as a
@@ -1004,6 +1055,22 @@ Status CheckOutputsAgainstSource(const PackOptions& o) {
   if (outputs.size() == 2 && Within(outputs[0], outputs[1]) && Within(outputs[1], outputs[0])) {
     return InvalidArgumentError(fmt::format("pack: --val-output {} is the training output; give another path",
                                             o.val_output.string()));
+  }
+  if (outputs.size() == 2) {
+    // One inside the other: publishing the outer one would delete the inner.
+    for (int i = 0; i < 2; ++i) {
+      const fs::path& inner = outputs[static_cast<size_t>(i)];
+      const fs::path& outer = outputs[static_cast<size_t>(1 - i)];
+      for (const fs::path& p : {inner, fs::path(inner.string() + ".partial")}) {
+        for (const fs::path& q : {outer, fs::path(outer.string() + ".partial")}) {
+          if (Within(p, q)) {
+            return InvalidArgumentError(fmt::format(
+                "pack: the output {} is inside the other output {}: writing that one would delete it; give the "
+                "training and validation outputs separate folders", p.string(), q.string()));
+          }
+        }
+      }
+    }
   }
   for (const fs::path& out : outputs) {
     for (const fs::path& p : {out, fs::path(out.string() + ".partial")}) {
@@ -1070,6 +1137,12 @@ Result<PackSummary> Pack(const PackOptions& options) {
       }
       for (size_t k = 0; k < n_val; ++k) is_val[members[k]] = true;
     }
+    if (std::none_of(is_val.begin(), is_val.end(), [](bool v) { return v; })) {
+      STOKE_LOG(WARN,
+                "pack: --val-fraction {} rounds to no validation image in any class (the split is per class: "
+                "round(fraction x class size)); the validation dataset will be empty",
+                o.val_fraction);
+    }
     if (!kept.empty()) {
       STOKE_LOG(WARN,
                 "pack: --val-fraction {} would leave no training image in class(es) {}{}: one image of each "
@@ -1118,6 +1191,10 @@ Result<PackSummary> Pack(const PackOptions& options) {
     } else if (!s.ok()) {
       STOKE_LOG(ERROR, "pack: report: {}", s.ToString());
     }
+  }
+  if (failure.ok() && !set.inputs.empty() && records == 0) {
+    STOKE_LOG(WARN, "pack: none of the {} inputs could be packed (each is listed as skipped); {} holds no record",
+              set.inputs.size(), o.output.string());
   }
   if (!failure.ok()) return failure;
   return summary;
