@@ -277,6 +277,18 @@ TEST(Loader, FailPolicyStopsAtTheBadRecordAfterTheBatchesBeforeIt) {
   EXPECT_FALSE(*after);
 }
 
+// Takes every batch of a run: how many came, and the run's error (OK when it simply ended). Drain()
+// (loader_test_util.h) keeps the batches and expects no error.
+std::pair<int, Status> RunToEnd(Loader& loader) {
+  int batches = 0;
+  for (;;) {
+    auto lease = loader.Next();
+    if (!lease.ok()) return {batches, lease.status()};
+    if (!*lease) return {batches, OkStatus()};
+    ++batches;
+  }
+}
+
 TEST(Loader, TooManyBadRecordsEndTheRun) {
   testing::TempDir dir;
   auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.bad = {1, 2, 3, 30}}));
@@ -285,15 +297,7 @@ TEST(Loader, TooManyBadRecordsEndTheRun) {
   o.max_skip_fraction = 0.05;  // 2 of 40
   auto loader = Loader::Create(*ds, o);
   ASSERT_OK(loader.status());
-  Status end;
-  for (;;) {
-    auto lease = (*loader)->Next();
-    if (!lease.ok()) {
-      end = lease.status();
-      break;
-    }
-    if (!*lease) break;
-  }
+  const Status end = RunToEnd(**loader).second;
   EXPECT_EQ(end.code(), StatusCode::kCorrupt);
   EXPECT_NE(end.message().find("max_skip_fraction"), std::string::npos) << end.ToString();
 }
@@ -315,17 +319,7 @@ TEST(Loader, TheSkipBudgetEndsTheRunAtTheSameBatchWhateverTheThreads) {
       o.max_skip_fraction = 0.025;  // 1 of 40
       auto loader = Loader::Create(*ds, o);
       ASSERT_OK(loader.status());
-      int batches = 0;
-      Status end;
-      for (;;) {
-        auto lease = (*loader)->Next();
-        if (!lease.ok()) {
-          end = lease.status();
-          break;
-        }
-        if (!*lease) break;
-        ++batches;
-      }
+      const auto [batches, end] = RunToEnd(**loader);
       EXPECT_EQ(batches, 2);
       EXPECT_EQ(end.code(), StatusCode::kCorrupt) << end.ToString();
       EXPECT_NE(end.message().find("latest: record 16 "), std::string::npos) << end.ToString();

@@ -643,13 +643,13 @@ TEST_F(TrainLoop, TensorBoardEventsHoldTheMetricsAcrossAResume) {
   }
 }
 
-TEST_F(TrainLoop, SkippedRecordsAreWrittenToTheMetricsAsTheyHappen) {
-  const auto data = dir_->path() / "with_bad.lmdb";
-  prefetch::WriteDataset(data, {.records = 64, .bad = {5, 17}});
-  const std::string yaml = fmt::format(R"(data:
+// A small conv net over `data` (batch 16, 16x16 images, 10% of bad records allowed), logging every
+// step; `validate`: the same dataset as data.val.
+Result<TrainConfig> SmallConvConfig(const std::filesystem::path& data, const std::filesystem::path& run_dir,
+                                    int epochs, bool validate) {
+  return ParseConfig(fmt::format(R"(data:
   train: {0}
-  val: {0}
-  batch_size: 16
+{3}  batch_size: 16
   threads: 2
   image_size: 16
   max_skip_fraction: 0.1
@@ -659,14 +659,21 @@ model:
     - {{type: conv, out: 4, kernel: 3}}
     - {{type: global_avgpool}}
     - {{type: linear, out: 4}}
-epochs: 2
+epochs: {2}
 backend: cpu
 compute_threads: 2
 run_dir: {1}
 log_every_steps: 1
 )",
-                                       data.string(), (dir_->path() / "bad_run").string());
-  ASSERT_OK_AND_ASSIGN(TrainConfig c, ParseConfig(yaml, "bad.yaml"));
+                                 data.string(), run_dir.string(), epochs,
+                                 validate ? fmt::format("  val: {}\n", data.string()) : std::string()),
+                     run_dir.filename().string() + ".yaml");
+}
+
+TEST_F(TrainLoop, SkippedRecordsAreWrittenToTheMetricsAsTheyHappen) {
+  const auto data = dir_->path() / "with_bad.lmdb";
+  prefetch::WriteDataset(data, {.records = 64, .bad = {5, 17}});
+  ASSERT_OK_AND_ASSIGN(TrainConfig c, SmallConvConfig(data, dir_->path() / "bad_run", 2, /*validate=*/true));
   TrainRunOptions run;
   run.progress = false;
   run.plot = false;
@@ -724,26 +731,7 @@ TEST_F(TrainLoop, AResumeReportsEachBadRecordOnceAndDropsACutLine) {
   const auto data = dir_->path() / "with_bad_resumed.lmdb";
   prefetch::WriteDataset(data, {.records = 64, .bad = {5, 17}});
   const auto run_dir = dir_->path() / "bad_resumed";
-  const std::string yaml = fmt::format(R"(data:
-  train: {0}
-  batch_size: 16
-  threads: 2
-  image_size: 16
-  max_skip_fraction: 0.1
-model:
-  classes: 4
-  layers:
-    - {{type: conv, out: 4, kernel: 3}}
-    - {{type: global_avgpool}}
-    - {{type: linear, out: 4}}
-epochs: 3
-backend: cpu
-compute_threads: 2
-run_dir: {1}
-log_every_steps: 1
-)",
-                                       data.string(), run_dir.string());
-  ASSERT_OK_AND_ASSIGN(TrainConfig c, ParseConfig(yaml, "bad_resumed.yaml"));
+  ASSERT_OK_AND_ASSIGN(TrainConfig c, SmallConvConfig(data, run_dir, 3, /*validate=*/false));
   TrainRunOptions run;
   run.progress = false;
   run.plot = false;

@@ -3,7 +3,6 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -11,11 +10,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cerrno>
-#include <cstring>
 #include <ctime>
 #include <fstream>
 #include <functional>
 #include <map>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -75,11 +74,10 @@ constexpr const char* kScratchLock = ".lock";
 struct Scratch {
   fs::path dir;
   bool owned = false;
-  int lock_fd = -1;
+  std::optional<FileLock> lock;  // released after the folder is gone
   ~Scratch() {
     std::error_code ec;
     if (owned) fs::remove_all(dir, ec);
-    if (lock_fd >= 0) ::close(lock_fd);
   }
 };
 
@@ -98,16 +96,18 @@ void RemoveOrphanScratch(const fs::path& tmp) {
     if (std::to_string(pid) != digits || pid == ::getpid()) continue;
     struct stat st{};
     if (::lstat(it->path().c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::getuid()) continue;
-    const int fd = ::open((it->path() / kScratchLock).c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    const fs::path lock_path = it->path() / kScratchLock;
+    std::optional<FileLock> probe;  // held while the folder is removed
     bool orphan = false;
-    if (fd >= 0) {
-      orphan = ::flock(fd, LOCK_EX | LOCK_NB) == 0;
-    } else if (errno == ENOENT) {
+    if (std::error_code lock_ec; fs::exists(fs::symlink_status(lock_path, lock_ec))) {
+      auto taken = FileLock::TryAcquire(lock_path, "bench");
+      if (taken.ok()) probe.emplace(std::move(*taken));
+      orphan = probe.has_value();
+    } else {
       orphan = ::kill(pid, 0) != 0 && errno == ESRCH;
     }
     std::error_code remove_ec;
     if (orphan) fs::remove_all(it->path(), remove_ec);
-    if (fd >= 0) ::close(fd);
   }
 }
 
@@ -128,10 +128,8 @@ Result<std::unique_ptr<Scratch>> MakeScratch(const BenchOptions& o, bool needed 
   fs::create_directories(s->dir, ec);
   if (ec) return IoError(fmt::format("bench: {}: {}", s->dir.string(), ec.message()));
   if (s->owned) {
-    s->lock_fd = ::open((s->dir / kScratchLock).c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
-    if (s->lock_fd < 0 || ::flock(s->lock_fd, LOCK_EX | LOCK_NB) != 0) {
-      return IoError(fmt::format("bench: cannot lock {}: {}", (s->dir / kScratchLock).string(), std::strerror(errno)));
-    }
+    STOKE_ASSIGN_OR_RETURN(FileLock lock, FileLock::TryAcquire(s->dir / kScratchLock, "bench"));
+    s->lock.emplace(std::move(lock));
   }
   return s;
 }
