@@ -276,6 +276,64 @@ TEST(Pack, ValidationSplitIsStratifiedAndDisjoint) {
   EXPECT_EQ(seen.size(), 40u);
 }
 
+// Copies of one image (a list naming it twice, a hard link, a link, a class folder linked to another)
+// land in one split: a validation image must not also be trained on.
+TEST(Pack, CopiesOfOneImageStayInOneSplit) {
+  TempDir dir;
+  const auto paths = testing::MakeImageTree(dir / "src", {"a", "b"}, 8);
+  std::string list;
+  for (const auto& p : paths) {
+    const std::string rel = p.lexically_relative(dir / "src").generic_string();
+    const fs::path copy = p.parent_path() / ("copy_" + p.filename().string());
+    if (rel[0] == 'a') {
+      fs::create_hard_link(p, copy);
+    } else {
+      fs::create_symlink(p.filename(), copy);
+    }
+    list += fmt::format("{} {}\n./{} {}\n", rel, rel[0] - 'a', rel, rel[0] - 'a');
+  }
+  std::ofstream(dir / "list.txt") << list;
+  fs::create_directories(dir / "linked");
+  fs::create_directory_symlink(dir / "src" / "a", dir / "linked" / "a");
+  fs::create_directory_symlink(dir / "src" / "a", dir / "linked" / "b");  // class b is class a again
+
+  // Payloads identify images: every one of MakeImageTree's is different.
+  auto split_payloads = [](const fs::path& db) {
+    std::multiset<std::vector<std::byte>> out;
+    for (auto& r : ReadAll(db)) out.insert(std::move(r.payload));
+    return out;
+  };
+  for (const std::string source : {"tree", "list", "linked"}) {
+    for (uint64_t seed = 1; seed <= 4; ++seed) {
+      SCOPED_TRACE(fmt::format("{} seed {}", source, seed));
+      const fs::path out = dir / fmt::format("{}_{}.lmdb", source, seed);
+      auto o = Options(dir / (source == "linked" ? "linked" : "src"), out);
+      if (source == "list") o.list_file = dir / "list.txt";
+      o.val_fraction = 0.5;
+      o.seed = seed;
+      ASSERT_OK_AND_ASSIGN(PackSummary s, Pack(o));
+      ASSERT_EQ(s.splits.size(), 2u);
+      EXPECT_EQ(s.splits[0].records + s.splits[1].records, 32);
+      const auto train = split_payloads(out), val = split_payloads(s.splits[1].output);
+      // Each image twice (four times when class b is class a), all copies on one side.
+      const size_t copies = source == "linked" ? 4 : 2;
+      for (const auto& image : val) EXPECT_EQ(train.count(image), 0u);
+      for (const auto& image : train) EXPECT_EQ(train.count(image), copies);
+      if (source == "linked") {
+        ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(out));
+        EXPECT_EQ(ds.manifest().classes, (std::vector<std::string>{"a", "b"}));
+      }
+    }
+  }
+  // A hard link is the same file too: under another label it is the list's mistake.
+  std::ofstream(dir / "list.txt") << "a/a_100.jpg 0\na/copy_a_100.jpg 1\n";
+  auto o = Options(dir / "src", dir / "conflict.lmdb");
+  o.list_file = dir / "list.txt";
+  auto r = Pack(o);
+  EXPECT_NE(r.status().message().find("'a/copy_a_100.jpg' has label 1 here and label 0 on line 1"), std::string::npos)
+      << r.status().ToString();
+}
+
 // A fraction that would send a small class wholly to validation keeps one of its images in training.
 TEST(Pack, ValidationSplitLeavesEveryClassATrainingImage) {
   TempDir dir;

@@ -26,7 +26,10 @@
 #include <span>
 #include <system_error>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
+
+#include <sys/stat.h>
 
 #include "common/digest.h"
 #include "common/file_util.h"
@@ -52,7 +55,20 @@ struct Input {
   fs::path path;    // as opened
   std::string key;  // as stored and reported: relative to the source root
   int32_t label = 0;
+  // The first input naming the same file (itself when none): copies of one image go to one split,
+  // or a validation image would also be trained on.
+  size_t first = 0;
 };
+
+// What makes two paths one image: the file's device and inode (so links, hard links and any
+// spelling of the path are one file), or, when it cannot be stat'ed, the absolute path as written
+// (packing then reports that input).
+std::string FileIdentity(const fs::path& p) {
+  struct stat st {};
+  if (::stat(p.c_str(), &st) == 0) return fmt::format("inode {}:{}", st.st_dev, st.st_ino);
+  std::error_code ec;
+  return "path " + fs::absolute(p, ec).lexically_normal().generic_string();
+}
 
 struct InputSet {
   std::vector<std::string> classes;
@@ -117,6 +133,27 @@ Result<InputSet> ListFolderTree(const fs::path& root) {
               [](const Input& a, const Input& b) { return a.key < b.key; });
     set.inputs.insert(set.inputs.end(), files.begin(), files.end());
   }
+  // Copies of one file (links, hard links) stay in one split. One file in two classes (a class
+  // folder linked to another, a link across classes) is packed under both labels, as the tree
+  // says, but said: it is rarely meant.
+  std::unordered_map<std::string, size_t> first_seen;
+  int64_t across = 0;
+  std::string example;
+  for (size_t i = 0; i < set.inputs.size(); ++i) {
+    Input& in = set.inputs[i];
+    in.first = first_seen.try_emplace(FileIdentity(in.path), i).first->second;
+    const Input& earlier = set.inputs[in.first];
+    if (earlier.label != in.label && across++ == 0) {
+      example = fmt::format("{} in class '{}' is {} in class '{}'", in.key, set.classes[static_cast<size_t>(in.label)],
+                            earlier.key, set.classes[static_cast<size_t>(earlier.label)]);
+    }
+  }
+  if (across > 0) {
+    STOKE_LOG(WARN,
+              "pack: {}: {} input(s) are files already listed under another class (links or hard links; e.g. {}): "
+              "each is packed under both labels, in the same split",
+              root.string(), across, example);
+  }
   return set;
 }
 
@@ -125,7 +162,7 @@ Result<InputSet> ReadListFile(const fs::path& list, const fs::path& root) {
   if (!in) return NotFoundError(fmt::format("pack: {}: cannot open list file", list.string()));
   InputSet set;
   int32_t max_label = -1;
-  std::unordered_map<std::string, std::pair<int, long>> first_seen;  // path -> line, label
+  std::unordered_map<std::string, std::tuple<int, long, size_t>> first_seen;  // file -> line, label, input
   std::string line;
   if (!fs::is_directory(root)) {
     return NotFoundError(fmt::format("pack: {}: not a directory (the root that {}'s paths are relative to)",
@@ -159,22 +196,19 @@ Result<InputSet> ReadListFile(const fs::path& list, const fs::path& root) {
       return bad(fmt::format("label '{}' is not an integer in [0, 1000000]", label_text));
     }
     // The same image under two labels is a mistake in the list, not data: which label is right?
-    // (The same image twice under one label is kept: lists repeat images to oversample them.)
-    // Spellings of one file ("./a/x.jpg", "a//x.jpg", the root's absolute path + "a/x.jpg", a link
-    // to it) are one image: compared as the path with links resolved ("link/../x.jpg" is where the
-    // link's target is, not "x.jpg"). A path that does not resolve is compared as written, made
-    // absolute; packing reports it.
+    // (The same image twice under one label is kept: lists repeat images to oversample them; the
+    // copies stay in one split.) Spellings of one file ("./a/x.jpg", "a//x.jpg", the root's absolute
+    // path + "a/x.jpg", a link or hard link to it) are one image (FileIdentity).
     fs::path p(path);
     const fs::path full = p.is_absolute() ? p : root / p;
-    std::error_code key_ec;
-    fs::path key = fs::weakly_canonical(full, key_ec);
-    if (key_ec) key = fs::absolute(full, key_ec).lexically_normal();
-    const auto [at, fresh] = first_seen.try_emplace(key.generic_string(), std::pair{line_no, label});
-    if (!fresh && at->second.second != label) {
-      return bad(fmt::format("'{}' has label {} here and label {} on line {}", path, label, at->second.second,
-                             at->second.first));
+    const auto [at, fresh] =
+        first_seen.try_emplace(FileIdentity(full), std::tuple{line_no, label, set.inputs.size()});
+    const auto& [seen_line, seen_label, seen_input] = at->second;
+    if (!fresh && seen_label != label) {
+      return bad(fmt::format("'{}' has label {} here and label {} on line {} (the same file)", path, label,
+                             seen_label, seen_line));
     }
-    set.inputs.push_back(Input{full, path, static_cast<int32_t>(label)});
+    set.inputs.push_back(Input{full, path, static_cast<int32_t>(label), seen_input});
     max_label = std::max(max_label, static_cast<int32_t>(label));
   }
   for (int32_t c = 0; c <= max_label; ++c) set.classes.push_back(std::to_string(c));
@@ -1122,8 +1156,11 @@ Result<PackSummary> Pack(const PackOptions& options) {
   // the class's last one: a class with no training image could not be learned at all.
   std::vector<bool> is_val(set.inputs.size(), false);
   if (o.val_fraction > 0) {
+    // Drawn among distinct images; a copy follows the first input naming its file.
     std::vector<std::vector<size_t>> by_class(set.classes.size());
-    for (size_t i = 0; i < set.inputs.size(); ++i) by_class[set.inputs[i].label].push_back(i);
+    for (size_t i = 0; i < set.inputs.size(); ++i) {
+      if (set.inputs[i].first == i) by_class[set.inputs[i].label].push_back(i);
+    }
     SplitMix64 rng(MixSeed(o.seed, 0x76616c));  // "val"
     std::vector<std::string> kept;
     int64_t kept_classes = 0;
@@ -1137,6 +1174,7 @@ Result<PackSummary> Pack(const PackOptions& options) {
       }
       for (size_t k = 0; k < n_val; ++k) is_val[members[k]] = true;
     }
+    for (size_t i = 0; i < set.inputs.size(); ++i) is_val[i] = is_val[set.inputs[i].first];
     if (std::none_of(is_val.begin(), is_val.end(), [](bool v) { return v; })) {
       STOKE_LOG(WARN,
                 "pack: --val-fraction {} rounds to no validation image in any class (the split is per class: "
