@@ -561,6 +561,12 @@ Status ValidateOptions(const LoaderOptions& o) {
 
 Result<std::unique_ptr<Loader>> Loader::Create(const dataset::Dataset& ds, LoaderOptions o) {
   STOKE_RETURN_IF_ERROR(ValidateOptions(o));
+  for (const BadRecord& b : o.known_bad) {
+    if (b.index < 0 || b.index >= ds.size()) {
+      return InvalidArgumentError(fmt::format("loader: known bad record {} is not a record of {} ({} records)",
+                                              b.index, ds.path().string(), ds.size()));
+    }
+  }
   auto st = std::make_shared<detail::LoaderState>();
   st->dataset = &ds;
   STOKE_ASSIGN_OR_RETURN(dataset::Sampler sampler, dataset::Sampler::Create(ds.size(), o.sampler));
@@ -603,6 +609,18 @@ Result<std::unique_ptr<Loader>> Loader::Create(const dataset::Dataset& ds, Loade
   const size_t slot_bytes = indices_offset + sizeof(int64_t) * static_cast<size_t>(o.batch_size);
   st->budget_samples = o.skip_budget_samples > 0 ? o.skip_budget_samples : st->per_epoch;
   st->max_bad = static_cast<int64_t>(std::floor(o.max_skip_fraction * static_cast<double>(st->budget_samples)));
+  if (o.on_error == ErrorPolicy::kSkip) {
+    for (const BadRecord& b : o.known_bad) {
+      st->bad.emplace(b.index, b.reason);
+      if (st->own_bad.insert(b.index).second) st->bad_count.fetch_add(1);
+    }
+    if (const int64_t known = st->bad_count.load(); known > st->max_bad) {
+      return CorruptError(fmt::format(
+          "{}: {} bad records met earlier in this run, more than max_skip_fraction {} of the {} samples of an "
+          "epoch allows (latest: {})",
+          ds.path().string(), known, o.max_skip_fraction, st->budget_samples, o.known_bad.back().reason));
+    }
+  }
   if (o.storage.enabled) {
     StoragePlan plan;
     plan.start_epoch = o.start_epoch;

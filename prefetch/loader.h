@@ -60,6 +60,11 @@ enum class DeviceMode {
 // mistake, not a machine. Threads are bounded by kMaxThreads (common/limits.h).
 inline constexpr int kMaxRingSize = 1024;
 
+struct BadRecord {
+  int64_t index = 0;
+  std::string reason;  // names the record, its source path when known, and what was wrong
+};
+
 struct LoaderOptions {
   dataset::SamplerOptions sampler;  // order, shard and seed (the seed also keys augmentation)
   AugmentOptions augment;
@@ -74,6 +79,11 @@ struct LoaderOptions {
   // The samples that fraction is of: 0 = this loader's epoch. A data-parallel rank passes the
   // global epoch's, so that its own budget can hold the whole run's bad records.
   int64_t skip_budget_samples = 0;
+  // kSkip: the bad records an earlier part of this run met (a resumed run; a pipeline started
+  // again after a break). They count against the budget from the start, as in one uninterrupted
+  // run, are not logged again, are never chosen as stand-ins, and are listed by bad_records().
+  // Indices are records of the dataset.
+  std::vector<BadRecord> known_bad;
   bool verify_crc = true;     // check every record's CRC-32C (a few % of a decode)
   bool strict_decode = true;  // libjpeg warnings are errors (see decode::DecoderOptions)
   // Where the run starts and how long it lasts: epochs [start_epoch, start_epoch + epochs),
@@ -134,11 +144,6 @@ struct LoaderStats {
   bool pinned = false;          // batch buffers are pinned and copied to a GPU
   bool storage_stage = false;   // records come through the storage stage
   StorageStats storage;         // its figures (read_s above includes its waits)
-};
-
-struct BadRecord {
-  int64_t index = 0;
-  std::string reason;  // names the record, its source path when known, and what was wrong
 };
 
 // How the loader fits a JPEG sample's crop to the DCT scales: snaps `plan` (of a width x height

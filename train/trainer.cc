@@ -114,7 +114,7 @@ namespace {
 struct KeptMetrics {
   int64_t torn = 0;                // lines that were not whole JSON objects (a crash or a full disk cut them)
   bool val_at_step = false;        // the checkpoint's step was evaluated already (before it was saved)
-  std::vector<int64_t> bad_records;  // records already reported as bad_record lines
+  std::vector<prefetch::BadRecord> bad_records;  // records already reported as bad_record lines
   bool checkpoint_here = false;    // the checkpoint resumed from is one of run_dir's own (set by the caller)
 };
 
@@ -138,7 +138,11 @@ Result<KeptMetrics> TrimMetrics(const std::filesystem::path& path, int64_t step)
     if (kind == "val" && *line_step == step) out.val_at_step = true;
     if (kind == "bad_record") {
       auto index = JsonInt(j, "index", 0, INT64_MAX, "metrics");
-      if (index.ok()) out.bad_records.push_back(*index);
+      const auto reason = j.find("reason");
+      if (index.ok()) {
+        out.bad_records.push_back({*index, reason != j.end() && reason->is_string() ? reason->get<std::string>()
+                                                                                   : fmt::format("record {}", *index)});
+      }
     }
     kept += line + "\n";
   }
@@ -446,7 +450,9 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   if (world > 1) {
     nlohmann::json facts;
     if (lead) {
-      facts = {{"val", kept_metrics.val_at_step}, {"bad", kept_metrics.bad_records},
+      nlohmann::json bad = nlohmann::json::array();
+      for (const prefetch::BadRecord& b : kept_metrics.bad_records) bad.push_back({b.index, b.reason});
+      facts = {{"val", kept_metrics.val_at_step}, {"bad", std::move(bad)},
                {"here", kept_metrics.checkpoint_here}};
     }
     auto all = comm->AllGatherStrings(lead ? facts.dump() : std::string());
@@ -454,7 +460,8 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     const auto got = nlohmann::json::parse((*all)[0], nullptr, false);
     if (!got.is_object()) return must(InternalError("rank 0 sent no resume facts"));
     kept_metrics.val_at_step = got["val"].get<bool>();
-    kept_metrics.bad_records = got["bad"].get<std::vector<int64_t>>();
+    kept_metrics.bad_records.clear();
+    for (const auto& b : got["bad"]) kept_metrics.bad_records.push_back({b[0].get<int64_t>(), b[1].get<std::string>()});
     kept_metrics.checkpoint_here = got["here"].get<bool>();
   }
 
@@ -490,8 +497,9 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   // max_skip_fraction of the global epoch as one rank would (each loader's own budget is of the
   // global epoch too: LoaderOptions::skip_budget_samples below).
   // distinct bad records met by any rank (a resumed run's reported ones included)
-  std::set<int64_t> bad_seen(kept_metrics.bad_records.begin(), kept_metrics.bad_records.end());
-  std::set<int64_t> bad_shared;  // this rank's, already gathered
+  std::set<int64_t> bad_seen;
+  for (const prefetch::BadRecord& b : kept_metrics.bad_records) bad_seen.insert(b.index);
+  std::set<int64_t> bad_shared = bad_seen;  // this rank's, already gathered (a resumed run's: by rank 0)
   const int64_t global_max_bad = static_cast<int64_t>(
       std::floor(config.data.max_skip_fraction * static_cast<double>(steps_per_epoch) * config.data.batch_size));
   auto gather_bad_records = [&](const prefetch::Loader& loader) -> Status {
@@ -609,6 +617,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     // A rank's share of the epoch is 1 / world of it: its own budget may take the whole run's bad
     // records (they may all fall on it); the run's budget is held at the log lines, over every rank.
     lo.skip_budget_samples = steps_per_epoch * config.data.batch_size;
+    lo.known_bad = kept_metrics.bad_records;  // a resumed run's budget holds what it met before
     FeedNetwork(*net, lo);  // a device backend: batches copied by the ring to its GPU
     lo.start_epoch = step / steps_per_epoch;
     lo.start_batch = step % steps_per_epoch;

@@ -263,6 +263,8 @@ struct EpochOptions {
   bool drop_last = false;
   std::string on_error = "skip";
   double max_skip_fraction = 0.01;  // on_error skip: bad records allowed per epoch, as a fraction of its samples
+  // Bad records an earlier pipeline of the same run met (LoaderOptions::known_bad).
+  std::vector<std::pair<int64_t, std::string>> known_bad;
   int rank = 0, world_size = 1;
   int64_t epoch = 0, start_batch = 0;
   int64_t epochs = 1;  // 0: endless (epochs follow each other without draining the pipeline)
@@ -282,6 +284,7 @@ prefetch::LoaderOptions ToLoaderOptions(const EpochOptions& e) {
   o.ring_size = e.ring;
   o.on_error = Take(prefetch::ParseErrorPolicy(e.on_error));
   o.max_skip_fraction = e.max_skip_fraction;
+  for (const auto& [index, reason] : e.known_bad) o.known_bad.push_back({index, reason});
   o.sampler.seed = e.seed;
   o.sampler.rank = e.rank;
   o.sampler.world_size = e.world_size;
@@ -785,6 +788,7 @@ PYBIND11_MODULE(_stoke, m) {
       .def_readwrite("drop_last", &EpochOptions::drop_last)
       .def_readwrite("on_error", &EpochOptions::on_error)
       .def_readwrite("max_skip_fraction", &EpochOptions::max_skip_fraction)
+      .def_readwrite("known_bad", &EpochOptions::known_bad)
       .def_readwrite("rank", &EpochOptions::rank)
       .def_readwrite("world_size", &EpochOptions::world_size)
       .def_readwrite("epoch", &EpochOptions::epoch)

@@ -42,6 +42,7 @@ class EpochOptions:
     drop_last: bool
     on_error: str
     max_skip_fraction: float
+    known_bad: List[Tuple[int, str]]
     rank: int
     world_size: int
     epoch: int

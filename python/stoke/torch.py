@@ -361,7 +361,10 @@ class Loader:
         # The running pipeline (endless: one epoch flows into the next without draining) and the
         # (epoch, batch) of the next batch it will hand out.
         self._native: Any = None
-        self._bad_before: list = []  # bad_records() of the last pipeline, once it has ended
+        # The bad records of this run's pipelines that have ended (and of a loaded state): a new
+        # pipeline starts with them, so the skip budget and bad_records() are the run's.
+        self._known_bad: Dict[int, str] = {}
+        self._restart = False  # load_state_dict() chose the known bad records: the next iter() starts anew
         self._position: Tuple[int, int] = (-1, -1)
         # Checks every option now (the error names it) and learns the epoch's length.
         with self._on_device():
@@ -418,11 +421,13 @@ class Loader:
         previous = self._current()
         if previous is not None:
             previous.superseded = True  # before its pipeline may be closed below (a next() may wait on it)
-        if self._native is None or self._position != wanted:
+        if self._native is None or self._position != wanted or self._restart:
             # A new start (first epoch, set_epoch, a break, a resume): stop the old pipeline.
             self._close_native()
+            self._restart = False
             o = self._options
             o.epoch, o.start_batch, o.epochs = wanted[0], wanted[1], 0
+            o.known_bad = sorted(self._known_bad.items())
             with self._on_device():
                 self._native = _stoke.EpochLoader(self._dataset, o)
             self._position = wanted
@@ -433,10 +438,13 @@ class Loader:
         return current
 
     def bad_records(self) -> list:
-        """(record index, reason) of the bad records the pipeline met since it started (a new one
-        starts at a break, ``set_epoch`` or a resume); after ``close()`` or an error that ended it,
-        those of the pipeline that ended."""
-        return self._native.bad_records() if self._native is not None else list(self._bad_before)
+        """(record index, reason) of the bad records this loader met, sorted by index: those of every
+        pipeline it ran (a break, ``set_epoch`` or a resume starts a new one, which goes on counting
+        them against ``max_skip_fraction``) and those of a state given to ``load_state_dict``. They
+        may include records of batches read ahead and not yet handed out."""
+        if self._native is not None:
+            return self._native.bad_records()  # it started with the known ones
+        return sorted(self._known_bad.items())
 
     def _identity(self) -> Dict[str, Any]:
         """What a state must match: the dataset (by content, not path) and the batches' order."""
@@ -451,7 +459,7 @@ class Loader:
         if batch >= self._len:
             epoch, batch = epoch + 1, 0
         return {"dataset": self._dataset.path, "rank": self._options.rank, **self._identity(),
-                "epoch": epoch, "batch": batch}
+                "epoch": epoch, "batch": batch, "bad_records": [[i, r] for i, r in self.bad_records()]}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """The next ``iter()`` resumes where ``state`` was taken. Refuses a state of another dataset
@@ -466,6 +474,15 @@ class Loader:
         if not _is_count(batch) or batch > self._len:
             raise ValueError(f"stoke.torch.Loader.load_state_dict: batch {batch!r}: expected an int from 0 to "
                              f"the {self._len} batches of an epoch")
+        bad = state.get("bad_records", [])  # a state saved before states carried them has none
+        records = len(self._dataset)
+        if not isinstance(bad, (list, tuple)) or not all(
+                isinstance(b, (list, tuple)) and len(b) == 2 and _is_count(b[0]) and b[0] < records
+                and isinstance(b[1], str) for b in bad):
+            raise ValueError("stoke.torch.Loader.load_state_dict: bad_records: expected a list of [record index, "
+                             f"reason] pairs with indices below {records}")
+        self._known_bad = {int(i): r for i, r in bad}
+        self._restart = True
         self._next_epoch, self._start_batch = epoch, batch
         if self._start_batch == self._len:
             self._next_epoch, self._start_batch = self._next_epoch + 1, 0
@@ -480,7 +497,8 @@ class Loader:
             self._position = (-1, -1)
             with self._on_device():
                 native.close()
-            self._bad_before = native.bad_records()  # the native side keeps them once closed
+            for index, reason in native.bad_records():  # the native side keeps them once closed
+                self._known_bad.setdefault(index, reason)
 
     def close(self) -> None:
         """Stops the pipeline and joins its threads. Tensors already handed out stay valid."""

@@ -288,6 +288,34 @@ def test_the_skip_budget_is_an_option_and_its_error_keeps_the_bad_records(data):
     assert len(loose.bad_records()) == 1  # still there after close()
 
 
+def test_the_skip_budget_and_the_bad_records_are_the_runs_across_breaks_and_resumes(data):
+    # The damaged dataset has one bad record; a budget of 1% of 120 samples allows one.
+    loader = Loader(data["damaged"], batch_size=8, size=32, train=False, max_skip_fraction=0.01)
+    assert sum(b["replaced"] for b in loader) == 1
+    (bad,) = loader.bad_records()
+    for _ in loader:
+        break  # a new pipeline, which starts knowing the record
+    assert loader.bad_records() == [bad]
+    state = loader.state_dict()
+    assert state["bad_records"] == [list(bad)]
+    # A run that met another bad record before this state (record 5 stands for it here) has no
+    # budget left for the damaged one: as uninterrupted, the run ends.
+    resumed = Loader(data["damaged"], batch_size=8, size=32, train=False, max_skip_fraction=0.01)
+    resumed.load_state_dict({**state, "epoch": 0, "batch": 0, "bad_records": [[5, "met before the resume"]]})
+    assert [i for i, _ in resumed.bad_records()] == [5]
+    with pytest.raises(ValueError, match="2 bad records, more than max_skip_fraction"):
+        for _ in resumed:
+            pass
+    assert [i for i, _ in resumed.bad_records()] == sorted([5, bad[0]])
+    for wrong in ([[120, "x"]], [[-1, "x"]], [[1]], [(1, 2)], "1 x"):
+        with pytest.raises(ValueError, match="bad_records"):
+            resumed.load_state_dict({**state, "bad_records": wrong})
+    legacy = {k: v for k, v in state.items() if k != "bad_records"}
+    resumed.load_state_dict(legacy)  # a state saved before states carried them
+    assert resumed.bad_records() == []
+    loader.close()
+
+
 def test_bad_records_survive_a_close_from_another_thread(data):
     # close() while another thread waits in next(): that thread, woken, used to close the pipeline a
     # second time and replace its bad records with the closed loader's empty list (about 1 run in 10).

@@ -327,6 +327,64 @@ TEST(Loader, TheSkipBudgetEndsTheRunAtTheSameBatchWhateverTheThreads) {
   }
 }
 
+// A resumed run holds the bad records its earlier part met against the budget, as one uninterrupted
+// run does: record 15 (batch 1) was met before the resume at batch 2, so record 16 is one too many.
+TEST(Loader, AResumedRunCountsTheBadRecordsMetBeforeIt) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.bad = {15, 16}}));
+  ASSERT_OK(ds.status());
+  LoaderOptions o = SmallOptions(2);
+  o.sampler.mode = dataset::ShuffleMode::kSequential;
+  o.batch_size = 8;
+  o.max_skip_fraction = 0.025;  // 1 of 40
+  o.epochs = 1;
+  o.start_batch = 2;
+  {
+    auto fresh = Loader::Create(*ds, o);
+    ASSERT_OK(fresh.status());
+    const Status end = RunToEnd(**fresh).second;
+    EXPECT_TRUE(end.ok()) << "without the earlier part, one bad record is within the budget: " << end.ToString();
+  }
+  o.known_bad = {{15, "record 15: met before the resume"}};
+  auto resumed = Loader::Create(*ds, o);
+  ASSERT_OK(resumed.status());
+  const auto [batches, end] = RunToEnd(**resumed);
+  EXPECT_EQ(batches, 0);
+  EXPECT_EQ(end.code(), StatusCode::kCorrupt) << end.ToString();
+  EXPECT_NE(end.message().find("2 bad records"), std::string::npos) << end.ToString();
+  EXPECT_NE(end.message().find("latest: record 16 "), std::string::npos) << end.ToString();
+  std::vector<int64_t> listed;
+  for (const auto& b : (*resumed)->bad_records()) listed.push_back(b.index);
+  EXPECT_EQ(listed, (std::vector<int64_t>{15, 16}));
+
+  // Already over the budget, or not a record of the dataset: refused at once.
+  o.known_bad = {{15, "a"}, {16, "b"}};
+  EXPECT_EQ(Loader::Create(*ds, o).status().code(), StatusCode::kCorrupt);
+  o.known_bad = {{40, "c"}};
+  auto outside = Loader::Create(*ds, o);
+  EXPECT_EQ(outside.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(outside.status().message().find("known bad record 40"), std::string::npos) << outside.status().ToString();
+}
+
+// The batches of a resumed run that knows the earlier part's bad records are those of the
+// uninterrupted run: a known bad record is still replaced by the same stand-in.
+TEST(Loader, KnownBadRecordsLeaveTheBatchesAsTheUninterruptedRunMadeThem) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.bad = {3, 4, 21}}));
+  ASSERT_OK(ds.status());
+  LoaderOptions o = SmallOptions(2);
+  o.max_skip_fraction = 0.1;
+  o.epochs = 3;
+  const auto whole = RunAll(*ds, o);
+  ASSERT_EQ(whole.size(), 21u);
+  LoaderOptions r = o;
+  r.start_epoch = 1;
+  r.start_batch = 3;
+  r.epochs = 2;
+  r.known_bad = {{3, "r3"}, {4, "r4"}, {21, "r21"}};
+  EXPECT_EQ(RunAll(*ds, r), std::vector<Seen>(whole.begin() + 10, whole.end()));
+}
+
 // Stop() ends the run for the consumer at once: batches already made are not handed out.
 TEST(Loader, NextAfterStopIsEmptyThoughBatchesAreReady) {
   testing::TempDir dir;

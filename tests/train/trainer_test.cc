@@ -760,6 +760,29 @@ TEST_F(TrainLoop, AResumeReportsEachBadRecordOnceAndDropsACutLine) {
   EXPECT_EQ(indices, (std::vector<int64_t>{5, 17})) << "each once, though the resumed epochs met them again";
 }
 
+// The skip budget is the run's, across a resume: records 5 and 17 (the first two steps) use the
+// whole budget of two, so record 40 after the resume ends the run as it would have ended it
+// uninterrupted (a fresh count would have allowed it).
+TEST_F(TrainLoop, AResumedRunHoldsTheBadRecordsMetBeforeItAgainstTheBudget) {
+  const auto data = dir_->path() / "budget_resumed.lmdb";
+  prefetch::WriteDataset(data, {.records = 64, .bad = {5, 17, 40}});
+  const auto run_dir = dir_->path() / "budget_resumed";
+  ASSERT_OK_AND_ASSIGN(TrainConfig c, SmallConvConfig(data, run_dir, 1, /*validate=*/false));
+  c.data.shuffle = "sequential";
+  c.data.max_skip_fraction = 0.04;  // 2 of 64
+  TrainRunOptions run;
+  run.progress = false;
+  run.plot = false;
+  run.max_steps = 2;
+  ASSERT_OK_AND_ASSIGN(TrainSummary first, Train(c, run));
+  EXPECT_GE(first.bad_records, 2) << "and record 40 when the ring read its batch ahead";
+  run.max_steps = 0;
+  run.resume = "latest";
+  auto resumed = Train(c, run);
+  EXPECT_EQ(resumed.status().code(), StatusCode::kCorrupt) << resumed.status().ToString();
+  EXPECT_NE(resumed.status().message().find("3 bad records"), std::string::npos) << resumed.status().ToString();
+}
+
 TEST_F(TrainLoop, ResumingAFinishedRunEvaluatesNothingTwice) {
   TrainRunOptions quiet;
   quiet.progress = false;
