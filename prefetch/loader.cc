@@ -173,7 +173,11 @@ struct LoaderState {
   std::atomic<int64_t> batches_out{0}, samples_out{0}, wait_ns{0};
   std::atomic<int64_t> depth_sum{0}, depth_calls{0};
   std::atomic<int> depth_max{0};
-  bool finished = false;  // consumer only
+  // Set by Next() (one consumer), read by WaitReady() from any thread.
+  std::atomic<bool> finished{false};
+  // An exception in the input stage (it cannot hand out a chunk to carry it): reported by Run()
+  // once the chunks before it have come out.
+  Status input_error;
 
   Worker& LocalWorker() {
     auto& w = workers.local();
@@ -238,7 +242,12 @@ struct LoaderState {
     }
     const auto t2 = Clock::now();
     decode_ns.fetch_add(Nanos(t1, t2), std::memory_order_relaxed);
-    STOKE_RETURN_IF_ERROR(augment::ApplyPlan(view, where, plan, std::span<uint8_t>(dst, sample_bytes)));
+    // Cropping decoded pixels fails only for want of memory or by stoke's own fault, never the
+    // record's: the run ends (kInternal) rather than a good record being replaced and counted.
+    if (Status cropped = augment::ApplyPlan(view, where, plan, std::span<uint8_t>(dst, sample_bytes)); !cropped.ok()) {
+      return InternalError(fmt::format("{} (cropping the decoded pixels of record {} of {})", cropped.ToString(), index,
+                                       dataset->path().string()));
+    }
     augment_ns.fetch_add(Nanos(t2, Clock::now()), std::memory_order_relaxed);
     *label = h.label;
     return OkStatus();
@@ -377,23 +386,52 @@ struct LoaderState {
     return c;
   }
 
+  // What an exception escaping a stage becomes: a status for the consumer, after the batches
+  // before it. Left to TBB it would cancel the pipeline, drop the chunks in flight (good batches
+  // among them) and wait forever for an input stage blocked on a ring the consumer holds.
+  static Status FromException(std::string_view where) {
+    try {
+      throw;
+    } catch (const std::bad_alloc&) {
+      return ResourceExhaustedError(fmt::format("loader: out of memory {}", where));
+    } catch (const std::exception& e) {
+      return InternalError(fmt::format("loader: {} {}", e.what(), where));
+    } catch (...) {
+      return InternalError(fmt::format("loader: an unknown exception {}", where));
+    }
+  }
+
+  std::string WhereIs(const Chunk& c, int s) const {
+    const Slot& slot = *c.slot;
+    const int64_t pos = slot.batch.number * o.batch_size + s;
+    const int64_t global_pos = shard_positions[static_cast<size_t>(pos)];
+    const int64_t index = (*slot.order)[static_cast<size_t>(global_pos % static_cast<int64_t>(slot.order->size()))];
+    return fmt::format("making sample {} of batch {} of epoch {} (record {} of {})", s, slot.batch.number,
+                       slot.batch.epoch, index, dataset->path().string());
+  }
+
   void Work(Chunk* c) {
     if (!c->error.ok() || failing.load(std::memory_order_relaxed)) return;
-    Worker& w = LocalWorker();
-    if (!w.reader) {
-      auto reader = dataset->NewReader({.verify_crc = o.verify_crc});
-      if (!reader.ok()) {
-        c->error = reader.status();
-        return;
+    int s = c->begin;  // the sample an exception came from
+    try {
+      Worker& w = LocalWorker();
+      if (!w.reader) {
+        auto reader = dataset->NewReader({.verify_crc = o.verify_crc});
+        if (!reader.ok()) {
+          c->error = reader.status();
+          return;
+        }
+        w.reader.emplace(std::move(*reader));
       }
-      w.reader.emplace(std::move(*reader));
-    }
-    for (int s = c->begin; s < c->end; ++s) {
-      Status st = FillSample(w, *c, s);
-      if (!st.ok()) {
-        c->error = std::move(st);
-        return;
+      for (; s < c->end; ++s) {
+        Status st = FillSample(w, *c, s);
+        if (!st.ok()) {
+          c->error = std::move(st);
+          return;
+        }
       }
+    } catch (...) {
+      c->error = FromException(WhereIs(*c, s));
     }
   }
 
@@ -402,16 +440,20 @@ struct LoaderState {
     if (output_failed) return;
     Slot* slot = c->slot;
     Status st = c->error;
-    if (Status counted = CountOwnBad(*c); st.ok()) st = std::move(counted);
-    if (st.ok() && c->last) {
-      slot->batch.replaced = slot->replaced.load(std::memory_order_relaxed);
-      const size_t bytes = labels_offset + static_cast<size_t>(slot->batch.size) * sizeof(int32_t);
-      st = memory->CopyToDevice(slot->id, bytes);
-      if (st.ok()) {
-        STOKE_TSAN_RELEASE(slot);
-        PushReady(Ready{Ready::kBatch, slot->id, {}});
-        return;
+    try {
+      if (Status counted = CountOwnBad(*c); st.ok()) st = std::move(counted);
+      if (st.ok() && c->last) {
+        slot->batch.replaced = slot->replaced.load(std::memory_order_relaxed);
+        const size_t bytes = labels_offset + static_cast<size_t>(slot->batch.size) * sizeof(int32_t);
+        st = memory->CopyToDevice(slot->id, bytes);
+        if (st.ok()) {
+          STOKE_TSAN_RELEASE(slot);
+          PushReady(Ready{Ready::kBatch, slot->id, {}});
+          return;
+        }
       }
+    } catch (...) {
+      st = FromException(fmt::format("handing out batch {} of epoch {}", slot->batch.number, slot->batch.epoch));
     }
     if (!st.ok()) {
       output_failed = true;
@@ -428,7 +470,16 @@ struct LoaderState {
                                        [this, &done](tbb::flow_control& fc) -> Chunk* {
                                          STOKE_TSAN_ACQUIRE(&stoke_tsan_sync_anchor);
                                          STOKE_TSAN_ACQUIRE(&epoch);  // serial: ordered calls
-                                         Chunk* c = Input(fc);
+                                         Chunk* c = nullptr;
+                                         try {
+                                           c = Input(fc);
+                                         } catch (...) {
+                                           input_error = FromException(fmt::format(
+                                               "planning batch {} of epoch {}", batch, epoch));
+                                           failing = true;
+                                           input_done = true;
+                                           fc.stop();
+                                         }
                                          if (c != nullptr) STOKE_TSAN_RELEASE(c);
                                          STOKE_TSAN_RELEASE(&epoch);
                                          STOKE_TSAN_RELEASE(&done);
@@ -455,11 +506,13 @@ struct LoaderState {
       // Enough chunks in flight to keep every thread busy while the in-order output stage waits
       // for a slow one.
       arena->execute([&] { tbb::parallel_pipeline(static_cast<size_t>(threads) * 4, chain); });
-    } catch (const std::exception& e) {
+    } catch (...) {  // the stages catch their own; this is TBB's
       failing = true;
-      PushReady(Ready{Ready::kError, -1, InternalError(fmt::format("loader: {}", e.what()))});
+      PushReady(Ready{Ready::kError, -1, FromException("running the pipeline")});
     }
     STOKE_TSAN_ACQUIRE(&done);
+    // Every chunk the input stage handed out has come out: its error follows their batches.
+    if (!input_error.ok() && !output_failed && !stop.load()) PushReady(Ready{Ready::kError, -1, input_error});
     PushReady(Ready{Ready::kEnd, -1, {}});
   }
 
@@ -541,8 +594,9 @@ Status ValidateOptions(const LoaderOptions& o) {
   if (o.skip_budget_samples < 0) {
     return InvalidArgumentError(fmt::format("loader: skip_budget_samples {} (expected >= 0)", o.skip_budget_samples));
   }
-  if (o.start_epoch < 0 || o.start_batch < 0 || o.epochs < 0) {
-    return InvalidArgumentError("loader: start_epoch, start_batch and epochs must be >= 0");
+  for (const auto& [name, value] : {std::pair{"start_epoch", o.start_epoch}, std::pair{"start_batch", o.start_batch},
+                                    std::pair{"epochs", o.epochs}}) {
+    if (value < 0) return InvalidArgumentError(fmt::format("loader: {} {} (expected >= 0)", name, value));
   }
   if (o.epochs > std::numeric_limits<int64_t>::max() - o.start_epoch) {
     return InvalidArgumentError(fmt::format("loader: start_epoch {} + epochs {} is past the last epoch that can be "
@@ -694,7 +748,8 @@ Loader::~Loader() {
 void Loader::Stop() { state_->RequestStop(); }
 
 Result<BatchLease> Loader::Next() {
-  detail::LoaderState& st = *state_;
+  const std::shared_ptr<detail::LoaderState> keep = state_;  // the statistics below outlive a ~Loader meanwhile
+  detail::LoaderState& st = *keep;
   if (st.finished) return BatchLease();
   if (st.stop.load()) {  // Stop(): no more batches, not even those already made
     st.finished = true;

@@ -446,8 +446,10 @@ Result<std::unique_ptr<StorageStage>> StorageStage::Create(const dataset::Datase
     return InvalidArgumentError(fmt::format("loader: storage plan of {} positions per epoch from {} is empty",
                                             plan.positions_per_epoch, plan.start_position));
   }
-  if (o.memory_bytes < 0 || o.io_threads < 0 || o.segment_positions < 0) {
-    return InvalidArgumentError("loader: data.io.memory_mb, data.io.threads and the segment size must be >= 0");
+  for (const auto& [name, value] : {std::pair{"memory_bytes", o.memory_bytes},
+                                    std::pair{"io_threads", int64_t{o.io_threads}},
+                                    std::pair{"segment_positions", int64_t{o.segment_positions}}}) {
+    if (value < 0) return InvalidArgumentError(fmt::format("loader: storage {} {} (expected >= 0)", name, value));
   }
   auto st = std::make_unique<State>();
   st->ds = &ds;

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <limits>
 #include <fstream>
@@ -658,6 +659,23 @@ TEST(Loader, WaitReadyReportsWhenNextWouldNotBlock) {
   EXPECT_TRUE(loader->WaitReady(std::chrono::milliseconds(1)));  // the end stays ready
 }
 
+// WaitReady() is thread-safe: another thread may wait while the consumer takes batches (the
+// consumer's end-of-run flag was a plain bool that both read; TSan runs this).
+TEST(Loader, WaitReadyFromAnotherThreadWhileTheConsumerDrains) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {}));
+  ASSERT_OK(ds.status());
+  ASSERT_OK_AND_ASSIGN(auto loader, Loader::Create(*ds, SmallOptions(2)));
+  std::atomic<bool> done{false};
+  std::thread watcher([&] {
+    while (!done.load()) loader->WaitReady(std::chrono::milliseconds(1));
+  });
+  const auto seen = Drain(*loader);
+  done = true;
+  watcher.join();
+  EXPECT_EQ(seen.size(), 14u);
+}
+
 TEST(Loader, RejectsBadOptionsByName) {
   testing::TempDir dir;
   auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.records = 4}));
@@ -695,6 +713,12 @@ TEST(Loader, RejectsBadOptionsByName) {
   o = SmallOptions(1);
   o.start_batch = 5;
   expect_error(o, "start_batch");
+  o.start_batch = -3;  // each field named with its value
+  expect_error(o, "start_batch -3 (expected >= 0)");
+  o = SmallOptions(1);
+  o.storage.enabled = true;
+  o.storage.io_threads = -2;
+  expect_error(o, "storage io_threads -2 (expected >= 0)");
   o = SmallOptions(1);
   o.start_epoch = std::numeric_limits<int64_t>::max();
   o.epochs = 1;  // the sum would wrap around, and the run end before it began

@@ -25,6 +25,7 @@ struct Spec {
   std::set<int> bad;  // these records get a truncated JPEG (with a valid CRC: only decode fails)
   bool raw = false;   // raw-pixel records instead of JPEGs
   int scale = 1;      // image sides times this (4: records of tens of KB, outside LMDB's leaf pages)
+  int big = -1;       // this record is 2400x2400 (its decode needs far more memory than the others')
 };
 
 // A packed dataset of synthetic pictures of varied sizes, every fifth one grayscale; label i % 4.
@@ -37,7 +38,9 @@ inline fs::path WriteDataset(const fs::path& dir, const Spec& spec) {
   m.class_counts = {0, 0, 0, 0};
   for (int i = 0; i < spec.records; ++i) {
     const int channels = i % 5 == 4 ? 1 : 3;
-    Image img = testing::MakeImage((60 + (i * 37) % 90) * spec.scale, (50 + (i * 23) % 80) * spec.scale, channels,
+    const int side = i == spec.big ? 2400 / spec.scale : 0;
+    Image img = testing::MakeImage((side > 0 ? side : 60 + (i * 37) % 90) * spec.scale,
+                                   (side > 0 ? side : 50 + (i * 23) % 80) * spec.scale, channels,
                                    static_cast<uint32_t>(i));
     RecordHeader h;
     h.label = i % 4;
