@@ -523,13 +523,13 @@ Result<std::vector<std::string>> Communicator::AllGatherStrings(std::string_view
   return out;
 }
 
-Status Communicator::Agree(const Status& local) {
+Status Communicator::Agree(const Status& local, int timeout_ms) {
   if (size_ == 1) return local;
   int32_t failed = local.ok() ? 0 : 1;
   Work w = AllReduce(&failed, 1, DataType::kInt32, ReduceOp::kMax);
   // A decision that cannot be taken (a rank is gone or stuck) leaves nothing to agree with: the
   // world ends here rather than each rank going its own way (and waiting for the others for good).
-  if (Status s = w.Wait(); !s.ok()) Abort(s);
+  if (Status s = w.Wait(timeout_ms); !s.ok()) Abort(s);
   if (failed == 0) return OkStatus();
   // Someone failed: everyone learns who, where and why: the code's byte, the host, NUL, the message.
   std::string mine;

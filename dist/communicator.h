@@ -121,7 +121,9 @@ class Communicator {
   // answer. Ok when all are ok; otherwise the error of the lowest failing rank, its message
   // prefixed "rank R (host) failed: " on the other ranks. When its collectives fail or time out (a
   // rank is gone or stuck), there is nothing left to agree with: it ends every rank (Abort).
-  Status Agree(const Status& local);
+  // `timeout_ms` >= 0: how long to wait for the slowest rank instead of the communicator's timeout
+  // (for a decision that follows one rank's file I/O, which may take longer than a collective).
+  Status Agree(const Status& local, int timeout_ms = -1);
 
   // Ends every rank of the world now (MPI_Abort) after logging `why`; a world of one exits.
   [[noreturn]] void Abort(const Status& why, int exit_code = 1);

@@ -188,6 +188,14 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   const bool lead = rank == 0;  // the rank that reads checkpoints and writes run_dir
   // A decision every rank takes together: a failure on any rank ends every rank with its error.
   auto agree = [&](const Status& local) -> Status { return world == 1 ? local : comm->Agree(local); };
+  // The same after rank 0's checkpoint I/O, which the others wait for: a large model on a slow
+  // disk takes longer than a collective should, so they wait up to half an hour (or
+  // dist.timeout_s when longer) before taking rank 0 for stuck.
+  auto agree_after_io = [&](const Status& local) -> Status {
+    constexpr double kIoWaitS = 1800;
+    if (world == 1) return local;
+    return comm->timeout_s() >= kIoWaitS ? comm->Agree(local) : comm->Agree(local, static_cast<int>(kIoWaitS * 1000));
+  };
   // A collective that failed (timed out: a rank is gone) leaves nothing to agree with: end the world.
   auto must = [&](const Status& s) {
     if (!s.ok() && world > 1) comm->Abort(s);
@@ -313,7 +321,8 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   std::ofstream metrics;
   std::unique_ptr<EventWriter> events;
   KeptMetrics kept_metrics;  // rank 0's, of a resumed run
-  Status start = [&]() -> Status {
+  // An exception on rank 0 alone must be agreed like any error, not leave the others waiting.
+  Status start = CatchExceptions("train: starting the run", [&]() -> Status {
     if (!lead) return OkStatus();
     std::error_code ec;
     // The checkpoints' folder too: a file in its place is found now, not at the first checkpoint.
@@ -427,8 +436,8 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
       STOKE_ASSIGN_OR_RETURN(events, RebuildEvents(metrics_path, run_dir / "tensorboard", WallTime()));
     }
     return OkStatus();
-  }();
-  STOKE_RETURN_IF_ERROR(agree(start));
+  });
+  STOKE_RETURN_IF_ERROR(agree_after_io(start));
   if (world > 1) {
     STOKE_RETURN_IF_ERROR(must(comm->Broadcast(&step, sizeof step, 0).Wait()));
     STOKE_RETURN_IF_ERROR(must(BroadcastState(*comm, *net)));
@@ -545,10 +554,19 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   auto evaluate = [&]() -> Result<BatchStats> {
     STOKE_RETURN_IF_ERROR(must(net->AverageRunningStats()));
     BatchStats total;
+    int64_t bad = 0;  // this rank's distinct bad records
     Status local = [&]() -> Status {
       prefetch::LoaderOptions o = ValLoaderOptions(config, rank, world);
+      // A rank's share is 1 / world of the set: its own budget may take the whole set's bad
+      // records; the set's budget is held below, over every rank.
+      o.skip_budget_samples = val_set->size();
       FeedNetwork(*net, o);
       STOKE_ASSIGN_OR_RETURN(auto loader, prefetch::Loader::Create(*val_set, o));
+      const struct Counted {
+        const prefetch::Loader& loader;
+        int64_t& bad;
+        ~Counted() { bad = loader.stats().bad_records; }
+      } counted{*loader, bad};
       while (true) {
         STOKE_ASSIGN_OR_RETURN(auto lease, loader->Next());
         if (!lease) break;
@@ -569,8 +587,21 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
       }
       return OkStatus();
     }();
+    if (!local.ok()) local = local.Prepend(fmt::format("validation on {} (data.val)", config.data.val));
     STOKE_RETURN_IF_ERROR(agree(local));
     STOKE_RETURN_IF_ERROR(must(SumStats(*comm, total)));
+    if (world > 1) {
+      // Each rank's records are its own (exact sharding), so the set's bad records are the sum.
+      double v = static_cast<double>(bad);
+      STOKE_RETURN_IF_ERROR(must(comm->AllReduce(&v, 1, dist::DataType::kFloat64, dist::ReduceOp::kSum).Wait()));
+      const auto all_bad = std::llround(v);
+      const auto allowed = static_cast<int64_t>(std::floor(config.data.max_skip_fraction * static_cast<double>(val_set->size())));
+      if (all_bad > allowed) {
+        return CorruptError(fmt::format(
+            "validation on {} (data.val): {} bad records on the {} ranks, more than max_skip_fraction {} of its {} "
+            "records allows", config.data.val, all_bad, world, config.data.max_skip_fraction, val_set->size()));
+      }
+    }
     return total;
   };
   // The step whose parameters were evaluated last: a run resumed from its final checkpoint has its
@@ -593,7 +624,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   // Every rank averages its running statistics; rank 0 writes; every rank learns whether it did.
   auto save = [&]() -> Status {
     STOKE_RETURN_IF_ERROR(must(net->AverageRunningStats()));
-    Status written = [&]() -> Status {
+    Status written = CatchExceptions("train: writing a checkpoint", [&]() -> Status {
       if (!lead) return OkStatus();
       STOKE_ASSIGN_OR_RETURN(auto tensors, net->State());
       Checkpoint ck{.step = step, .steps_per_epoch = steps_per_epoch, .seed = config.seed,
@@ -605,8 +636,8 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
       PruneCheckpoints(run_dir, config.checkpoint.keep);
       summary.checkpoint = path.string();
       return OkStatus();
-    }();
-    STOKE_RETURN_IF_ERROR(agree(written));
+    });
+    STOKE_RETURN_IF_ERROR(agree_after_io(written));
     saved_step = step;
     return OkStatus();
   };
@@ -748,7 +779,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
           if (!failure.ok()) break;
         }
       }
-      if (config.eval.every_steps > 0 && step % config.eval.every_steps == 0 && !epoch_end) {
+      if (config.eval.every_steps > 0 && step % config.eval.every_steps == 0 && eval_step != step) {
         failure = run_eval();
         if (!failure.ok()) break;
       }
@@ -805,7 +836,15 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
 }  // namespace
 
 Result<TrainSummary> Train(const TrainConfig& config, const TrainRunOptions& run) {
-  return CatchExceptions("train", [&] { return TrainUnguarded(config, run); });
+  try {
+    return TrainUnguarded(config, run);
+  } catch (...) {
+    const Status s = CatchExceptions("train", []() -> Status { throw; });  // names the exception
+    // It comes out on this rank alone, whose peers wait in a collective it will never join: end
+    // them now with its cause, not after dist.timeout_s with "another rank has stopped".
+    if (run.comm != nullptr && run.comm->size() > 1) run.comm->Abort(s);
+    return s;
+  }
 }
 
 void FeedNetwork(const Network& net, prefetch::LoaderOptions& o) {

@@ -98,6 +98,34 @@ sed -i "s|train: $work/train.lmdb|train: $work/damaged.lmdb|" "$work/budget.yaml
 check bad_record_budget_is_the_global_epochs 0 "bad records skipped: 1" -- \
   timeout 120 "${mpi[@]}" -np 2 "$stoke" train --config "$work/budget.yaml" -q
 
+# Validation holds max_skip_fraction over the whole data.val set: one damaged record of 32 is within
+# 4% (one record) though each rank's 16 alone would allow none; at 1% the run ends naming data.val.
+cp -r "$work/train_val.lmdb" "$work/damaged_val.lmdb"
+python3 - "$work/damaged_val.lmdb/data.mdb" <<'PY'
+import sys
+p = sys.argv[1]
+b = bytearray(open(p, 'rb').read())
+at = b.find(b'\xff\xd8\xff', len(b) // 3)
+b[at + 2:at + 300] = bytes(298)
+open(p, 'wb').write(b)
+PY
+config valbad 1 ", max_skip_fraction: 0.04"
+sed -i "s|val: $work/train_val.lmdb|val: $work/damaged_val.lmdb|" "$work/valbad.yaml"
+check val_budget_is_the_whole_sets 0 "validation: loss .* on 31 samples" -- \
+  timeout 120 "${mpi[@]}" -np 2 "$stoke" train --config "$work/valbad.yaml" -q
+config valtight 1 ", max_skip_fraction: 0.01"
+sed -i "s|val: $work/train_val.lmdb|val: $work/damaged_val.lmdb|" "$work/valtight.yaml"
+check val_budget_exceeded_names_data_val 1 "validation on .*damaged_val.lmdb \(data.val\).*max_skip_fraction" -- \
+  timeout 120 "${mpi[@]}" -np 2 "$stoke" train --config "$work/valtight.yaml" -q
+
+# An exception on rank 0 alone (a checkpoint name that links to itself: listing the checkpoints
+# throws) is agreed: every rank ends at once with its text, not after dist.timeout_s (60 s).
+config loop 1
+mkdir -p "$work/loop/checkpoints"
+ln -s step-0000000001.ckpt "$work/loop/checkpoints/step-0000000001.ckpt"
+check exception_on_rank0_ends_every_rank_at_once 1 "starting the run: unexpected exception: .*Too many levels of symbolic links" -- \
+  timeout 45 "${mpi[@]}" -np 2 "$stoke" train --config "$work/loop.yaml" -q
+
 rank1() { rank_with_env "$1" OMPI_COMM_WORLD_RANK=1; }
 
 # Ctrl-C reaching one rank only: every rank stops at the same step and rank 0 checkpoints it.

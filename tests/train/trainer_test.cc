@@ -783,6 +783,21 @@ TEST_F(TrainLoop, AResumedRunHoldsTheBadRecordsMetBeforeItAgainstTheBudget) {
   EXPECT_NE(resumed.status().message().find("3 bad records"), std::string::npos) << resumed.status().ToString();
 }
 
+// eval.every_steps evaluates every such step, the ones that end an epoch too (they were left out
+// when eval.every_epochs did not evaluate them), and none twice.
+TEST_F(TrainLoop, EveryStepsEvaluatesAtEpochEndsToo) {
+  TrainRunOptions quiet;
+  quiet.progress = false;
+  quiet.plot = false;
+  ASSERT_OK_AND_ASSIGN(TrainSummary s, Train(Config("every_step", 2, "eval: {every_steps: 1, every_epochs: 0}\n"), quiet));
+  std::vector<int64_t> evaluated, expected;
+  for (const auto& [type, step, loss, top1] : LossLines(dir_->path() / "every_step" / "metrics.jsonl")) {
+    if (type == "val") evaluated.push_back(step);
+  }
+  for (int64_t step = 1; step <= s.steps; ++step) expected.push_back(step);
+  EXPECT_EQ(evaluated, expected);
+}
+
 TEST_F(TrainLoop, ResumingAFinishedRunEvaluatesNothingTwice) {
   TrainRunOptions quiet;
   quiet.progress = false;
