@@ -1,13 +1,15 @@
 #include "prefetch/loader.h"
 
 #include <algorithm>
-#include <limits>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cmath>
+#include <condition_variable>
+#include <limits>
 #include <mutex>
+#include <new>
 #include <optional>
+#include <string_view>
 #include <thread>
 #include <tuple>
 

@@ -18,6 +18,7 @@
 #include <chrono>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -26,8 +27,6 @@
 #include <vector>
 
 #include <fmt/format.h>
-
-#include <limits>
 
 #include "augment/transform.h"
 #include "common/status.h"
