@@ -14,6 +14,7 @@
 
 #include "common/digest.h"
 #include "common/map_guard.h"
+#include "dataset/detail/guarded_mdb.h"
 #include "dataset/writer.h"
 
 namespace stoke::dataset {
@@ -29,26 +30,7 @@ std::span<const std::byte> Bytes(const MDB_val& v) {
 
 namespace {
 
-// Runs an LMDB read and touches every page of the value it returns, under RunGuarded: a damaged
-// data file whose pages point past its end (SIGBUS) or out of the map (SIGSEGV) gives an error
-// instead of killing the process, and a value that comes back is safe to read afterwards.
-struct GuardedRead {
-  MDB_txn* txn = nullptr;
-  MDB_cursor* cursor = nullptr;  // cursor reads when set, else mdb_get on dbi
-  MDB_dbi dbi = 0;
-  MDB_cursor_op op = MDB_SET_KEY;
-  MDB_val* key = nullptr;
-  MDB_val* value = nullptr;
-  bool touch_value = true;  // false: only the table's own pages are read
-  int rc = MDB_SUCCESS;
-  void operator()() {
-    rc = cursor != nullptr ? mdb_cursor_get(cursor, key, value, op) : mdb_get(txn, dbi, key, value);
-    if (rc != MDB_SUCCESS || !touch_value) return;
-    const volatile char* p = static_cast<const char*>(value->mv_data);
-    for (size_t i = 0; i < value->mv_size; i += 4096) (void)p[i];
-    if (value->mv_size > 0) (void)p[value->mv_size - 1];
-  }
-};
+using detail::GuardedRead;
 
 // Where the data file's first byte is mapped, found from an address inside the map (LMDB keeps
 // the map's address to itself: mdb_env_info reports the fixed-map hint, not the map). From
@@ -67,26 +49,8 @@ const std::byte* MapStart(const void* inside) {
   return nullptr;
 }
 
-// What LMDB's assertion said, when one ended the guarded read on this thread (a damaged page
-// that LMDB checks, e.g. a zeroed leaf page); empty after a fault.
-thread_local char t_mdb_assert[400];
-
-// LMDB aborts the process after this returns; inside a guarded read it does not return.
-void OnMdbAssert(MDB_env*, const char* message) {
-  std::snprintf(t_mdb_assert, sizeof t_mdb_assert, "%s", message);
-  LeaveGuarded();
-  t_mdb_assert[0] = '\0';
-}
-
 Status MapFault(const std::filesystem::path& path, const std::string& what) {
-  std::string why = "a page lies outside the file";
-  if (t_mdb_assert[0] != '\0') {
-    why = fmt::format("LMDB found a damaged page: {}", t_mdb_assert);
-    t_mdb_assert[0] = '\0';
-  }
-  return CorruptError(fmt::format(
-      "dataset: {}: {}: the data file is damaged ({}); run stoke inspect --verify, and repack it", path.string(),
-      what, why));
+  return detail::GuardedFault(path, what);
 }
 
 }  // namespace
@@ -121,7 +85,8 @@ Result<Dataset> Dataset::Open(const std::filesystem::path& path) {
   int rc = mdb_env_create(&raw);
   if (rc != MDB_SUCCESS) return MdbStatus(rc, where + ": create environment");
   d.env_.reset(raw);
-  mdb_env_set_assert(raw, OnMdbAssert);  // a damaged page inside a guarded read is an error, not abort()
+  // A damaged page inside a guarded read is an error, not abort().
+  mdb_env_set_assert(raw, detail::OnMdbAssert);
   mdb_env_set_maxdbs(raw, 4);
   rc = mdb_env_open(raw, path.c_str(), flags, 0444);
   if (rc == MDB_INVALID) {
@@ -134,9 +99,15 @@ Result<Dataset> Dataset::Open(const std::filesystem::path& path) {
   mdb_env_info(raw, &info);
 
   STOKE_ASSIGN_OR_RETURN(MdbTxn txn, BeginTxn(raw, MDB_RDONLY, where));
+  // The tables are looked up in LMDB's main table, whose pages are read here first: guarded. A
+  // name there that is a plain key, not a table, is another program's LMDB file.
   MDB_dbi meta = 0;
-  rc = mdb_dbi_open(txn.get(), kMetaDb, 0, &meta);
+  STOKE_ASSIGN_OR_RETURN(rc, detail::OpenTableGuarded(txn.get(), kMetaDb, &meta, path));
   if (rc == MDB_NOTFOUND) return InvalidArgumentError(where + ": not a stoke dataset (no meta table)");
+  if (rc == MDB_INCOMPATIBLE) {
+    return InvalidArgumentError(
+        where + ": not a stoke dataset ('meta' in its LMDB file is a plain key, not a table)");
+  }
   if (rc != MDB_SUCCESS) return MdbStatus(rc, where + ": open meta table");
   MDB_val k = Val(kManifestKey, std::strlen(kManifestKey)), v;
   GuardedRead read{.txn = txn.get(), .dbi = meta, .key = &k, .value = &v};
@@ -144,7 +115,9 @@ Result<Dataset> Dataset::Open(const std::filesystem::path& path) {
   rc = read.rc;
   if (rc == MDB_NOTFOUND) {
     MDB_val sk = Val(kPackStateKey, std::strlen(kPackStateKey));
-    if (mdb_get(txn.get(), meta, &sk, &v) == MDB_SUCCESS) {
+    GuardedRead state{.txn = txn.get(), .dbi = meta, .key = &sk, .value = &v, .touch_value = false};
+    if (!RunGuarded(state)) return MapFault(path, "pack state");
+    if (state.rc == MDB_SUCCESS) {
       return InvalidArgumentError(where + ": unfinished pack (finish it with stoke pack --resume)");
     }
     return CorruptError(where + ": no manifest");
@@ -159,8 +132,13 @@ Result<Dataset> Dataset::Open(const std::filesystem::path& path) {
     return InvalidArgumentError(fmt::format("{}: format v{}, this stoke reads v{} to v{} (re-pack it)", where,
                                             d.manifest_.format_version, kOldestFormatVersion, kFormatVersion));
   }
-  rc = mdb_dbi_open(txn.get(), kRecordsDb, 0, &d.records_dbi_);
+  STOKE_ASSIGN_OR_RETURN(rc,
+                         detail::OpenTableGuarded(txn.get(), kRecordsDb, &d.records_dbi_, path));
   if (rc == MDB_NOTFOUND) return CorruptError(where + ": no records table");
+  if (rc == MDB_INCOMPATIBLE) {
+    return InvalidArgumentError(
+        where + ": not a stoke dataset ('records' in its LMDB file is a plain key, not a table)");
+  }
   if (rc != MDB_SUCCESS) return MdbStatus(rc, where + ": open records table");
   MDB_stat rs;
   rc = mdb_stat(txn.get(), d.records_dbi_, &rs);
@@ -169,7 +147,7 @@ Result<Dataset> Dataset::Open(const std::filesystem::path& path) {
     return CorruptError(fmt::format("{}: records table holds {} records, manifest says {}", where,
                                     rs.ms_entries, d.manifest_.records));
   }
-  rc = mdb_dbi_open(txn.get(), kPathsDb, 0, &d.paths_dbi_);
+  STOKE_ASSIGN_OR_RETURN(rc, detail::OpenTableGuarded(txn.get(), kPathsDb, &d.paths_dbi_, path));
   d.has_paths_dbi_ = rc == MDB_SUCCESS;
   d.data_file_ = data_file;
   if (map_start != nullptr) {

@@ -8,6 +8,8 @@
 
 #include "common/crc32c.h"
 #include "common/logging.h"
+#include "common/map_guard.h"
+#include "dataset/detail/guarded_mdb.h"
 
 namespace stoke::dataset {
 namespace {
@@ -25,6 +27,8 @@ Result<DatasetWriter> DatasetWriter::OpenEnv(const std::filesystem::path& dir,
   int rc = mdb_env_create(&raw);
   if (rc != MDB_SUCCESS) return MdbStatus(rc, dir.string() + ": create environment");
   MdbEnv env(raw);
+  // A damaged page met in the resume's guarded reads is an error, not abort().
+  mdb_env_set_assert(raw, detail::OnMdbAssert);
   rc = mdb_env_set_maxdbs(raw, 4);
   if (rc == MDB_SUCCESS) rc = mdb_env_set_mapsize(raw, options.initial_map_bytes);
   if (rc != MDB_SUCCESS) return MdbStatus(rc, dir.string() + ": configure environment");
@@ -63,26 +67,43 @@ Result<DatasetWriter> DatasetWriter::OpenForAppend(const std::filesystem::path& 
   }
   STOKE_ASSIGN_OR_RETURN(DatasetWriter w, OpenEnv(dir, options));
   STOKE_ASSIGN_OR_RETURN(MdbTxn txn, BeginTxn(w.env_.get(), MDB_RDONLY, dir.string()));
+  // What the interrupted pack left is read under RunGuarded: a damaged page (in the main table
+  // first of all) is an error naming the dataset, not a SIGBUS.
+  const std::string advice = "this interrupted pack cannot be resumed: pack again with --overwrite";
+  const std::string where = dir.string();
   MDB_dbi meta = 0, records = 0;
-  int rc = mdb_dbi_open(txn.get(), kMetaDb, 0, &meta);
+  STOKE_ASSIGN_OR_RETURN(int rc, detail::OpenTableGuarded(txn.get(), kMetaDb, &meta, dir, advice));
   if (rc == MDB_NOTFOUND) return w;  // created but nothing committed yet
-  if (rc != MDB_SUCCESS) return MdbStatus(rc, dir.string() + ": open meta table");
-  MDB_val k = Val(kManifestKey, std::strlen(kManifestKey)), v;
-  if (mdb_get(txn.get(), meta, &k, &v) == MDB_SUCCESS) {
-    return InvalidArgumentError(dir.string() + ": dataset is already complete");
+  if (rc == MDB_INCOMPATIBLE) {
+    return InvalidArgumentError(
+        where +
+        ": not a partial stoke dataset ('meta' in its LMDB file is a plain key, not a table)");
   }
+  if (rc != MDB_SUCCESS) return MdbStatus(rc, where + ": open meta table");
+  MDB_val k = Val(kManifestKey, std::strlen(kManifestKey)), v;
+  detail::GuardedRead read{
+      .txn = txn.get(), .dbi = meta, .key = &k, .value = &v, .touch_value = false};
+  if (!RunGuarded(read)) return detail::GuardedFault(dir, "manifest", advice);
+  if (read.rc == MDB_SUCCESS) return InvalidArgumentError(where + ": dataset is already complete");
   k = Val(kPackStateKey, std::strlen(kPackStateKey));
-  if (mdb_get(txn.get(), meta, &k, &v) == MDB_SUCCESS) {
+  read.touch_value = true;  // copied below
+  if (!RunGuarded(read)) return detail::GuardedFault(dir, "pack state", advice);
+  if (read.rc == MDB_SUCCESS) {
     w.resume_state_.assign(static_cast<const char*>(v.mv_data), v.mv_size);
   }
-  rc = mdb_dbi_open(txn.get(), kRecordsDb, 0, &records);
+  STOKE_ASSIGN_OR_RETURN(rc,
+                         detail::OpenTableGuarded(txn.get(), kRecordsDb, &records, dir, advice));
   if (rc == MDB_SUCCESS) {
     MDB_stat st;
     rc = mdb_stat(txn.get(), records, &st);
-    if (rc != MDB_SUCCESS) return MdbStatus(rc, dir.string() + ": stat records");
+    if (rc != MDB_SUCCESS) return MdbStatus(rc, where + ": stat records");
     w.committed_ = static_cast<int64_t>(st.ms_entries);
+  } else if (rc == MDB_INCOMPATIBLE) {
+    return InvalidArgumentError(
+        where +
+        ": not a partial stoke dataset ('records' in its LMDB file is a plain key, not a table)");
   } else if (rc != MDB_NOTFOUND) {
-    return MdbStatus(rc, dir.string() + ": open records table");
+    return MdbStatus(rc, where + ": open records table");
   }
   return w;
 }

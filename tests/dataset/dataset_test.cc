@@ -1,6 +1,7 @@
 // Tests for dataset/: the record format, writer and reader (identity, zero-copy views, damaged
 // files), and the sampler (determinism, permutations, shards).
 #include <gtest/gtest.h>
+#include <lmdb.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -12,6 +13,9 @@
 #include <thread>
 #include <atomic>
 
+#include <fmt/format.h>
+
+#include "common/c_handles.h"
 #include "common/crc32c.h"
 #include "common/random.h"
 #include "dataset/dataset.h"
@@ -596,6 +600,138 @@ TEST(Dataset, CreateRefusesNonEmptyDirectory) {
   TempDir dir;
   testing::WriteBytes(dir / "x" / "file", RandomPayload(3, 1));
   EXPECT_EQ(DatasetWriter::Create(dir / "x", {}).status().code(), StatusCode::kInvalidArgument);
+}
+
+// ---- Damaged and foreign LMDB files ----
+
+// Writes key = value into a dataset's LMDB file through LMDB itself, as another program (or a
+// hostile one) could: into the named table `table` (created if missing), or with nullptr into
+// LMDB's main table, beside the named tables' entries.
+void PutLmdb(const fs::path& dir, const char* table, const std::string& key,
+             const std::string& value) {
+  MDB_env* raw = nullptr;
+  ASSERT_EQ(mdb_env_create(&raw), MDB_SUCCESS);
+  MdbEnv env(raw);
+  mdb_env_set_maxdbs(raw, 4);
+  ASSERT_EQ(mdb_env_open(raw, dir.c_str(), MDB_NOLOCK, 0644), MDB_SUCCESS);
+  MDB_txn* txn = nullptr;
+  ASSERT_EQ(mdb_txn_begin(raw, nullptr, 0, &txn), MDB_SUCCESS);
+  MDB_dbi dbi = 0;
+  ASSERT_EQ(mdb_dbi_open(txn, table, table != nullptr ? MDB_CREATE : 0, &dbi), MDB_SUCCESS);
+  MDB_val k{key.size(), const_cast<char*>(key.data())},
+      v{value.size(), const_cast<char*>(value.data())};
+  ASSERT_EQ(mdb_put(txn, dbi, &k, &v, 0), MDB_SUCCESS);
+  ASSERT_EQ(mdb_txn_commit(txn), MDB_SUCCESS);
+}
+
+uint64_t Load64(const std::vector<std::byte>& bytes, size_t at) {
+  uint64_t v;
+  std::memcpy(&v, bytes.data() + at, sizeof v);
+  return v;
+}
+
+// Where the newer of the two LMDB meta pages starts (the one LMDB reads through); 4096-byte pages.
+size_t NewerMetaAt(const std::vector<std::byte>& bytes) {
+  return Load64(bytes, 4096 + 144) > Load64(bytes, 144) ? 4096 : 0;
+}
+constexpr size_t kMainRootAt = 128;  // in a meta page: the main table's root page number
+
+// Overwrites every copy of the named table's entry in the main table: `at` bytes into the entry
+// (its 8-byte node header, the name, then LMDB's 48-byte table record), with `patch`. Returns how
+// many copies there were.
+size_t PatchTableEntry(const fs::path& data_mdb, const std::string& table, size_t at,
+                       std::span<const std::byte> patch) {
+  auto bytes = testing::ReadBytes(data_mdb);
+  std::vector<std::byte> node(8);
+  // The node header: data size (low and high 16 bits), flags (F_SUBDATA), key size.
+  const uint16_t header[4] = {48, 0, 2, static_cast<uint16_t>(table.size())};
+  std::memcpy(node.data(), header, sizeof header);
+  for (char c : table) node.push_back(static_cast<std::byte>(c));
+  size_t copies = 0;
+  for (auto it = bytes.begin();
+       (it = std::search(it, bytes.end(), node.begin(), node.end())) != bytes.end(); ++it) {
+    std::copy(patch.begin(), patch.end(), it + static_cast<ptrdiff_t>(at));
+    ++copies;
+  }
+  testing::WriteBytes(data_mdb, bytes);
+  return copies;
+}
+
+// mdb_dbi_open reads LMDB's main table, which lists the named tables; it ran unguarded, so one
+// damaged byte there killed stoke inspect and stoke pack --resume with SIGBUS. Now it is a
+// kCorrupt naming the dataset and saying the file is damaged.
+TEST(Dataset, DamagedMainTablePageIsCorruptNotACrash) {
+  TempDir dir;
+  WriteDataset(dir / "d", 30);
+  const std::vector<std::byte> good = testing::ReadBytes(dir / "d" / "data.mdb");
+  const uint64_t root = Load64(good, NewerMetaAt(good) + kMainRootAt);
+  ASSERT_GE(root, 2u);
+  // The root page's mp_lower (end of its slot array) 22 -> 6: LMDB then counts about 2^31 keys.
+  std::vector<std::byte> bad = good;
+  bad[root * 4096 + 12] = std::byte{6};
+  bad[root * 4096 + 13] = std::byte{0};
+  testing::WriteBytes(dir / "d" / "data.mdb", bad);
+  auto r = Dataset::Open(dir / "d");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kCorrupt) << r.status().ToString();
+  EXPECT_NE(r.status().message().find((dir / "d").string()), std::string::npos)
+      << r.status().ToString();
+  EXPECT_NE(r.status().message().find("damaged"), std::string::npos) << r.status().ToString();
+  EXPECT_EQ(r.status().message().find("not a stoke dataset"), std::string::npos)
+      << r.status().ToString();
+
+  // The flags of the paths table's entry all set (a table with duplicates, in overflow pages).
+  testing::WriteBytes(dir / "d" / "data.mdb", good);
+  const std::array<std::byte, 2> all_flags{std::byte{0xff}, std::byte{0xff}};
+  ASSERT_GT(PatchTableEntry(dir / "d" / "data.mdb", "paths", 4, all_flags), 0u);
+  auto paths = Dataset::Open(dir / "d");
+  ASSERT_FALSE(paths.ok());
+  EXPECT_EQ(paths.status().code(), StatusCode::kCorrupt) << paths.status().ToString();
+
+  // The same damage in an interrupted pack: resuming it is refused, saying to pack again.
+  {
+    auto writer = DatasetWriter::Create(dir / "p", {});
+    ASSERT_TRUE(writer.ok());
+    for (int i = 0; i < 5; ++i) {
+      writer->Append(RecordHeader{}, RandomPayload(1000, static_cast<uint64_t>(i)), "a");
+    }
+    ASSERT_OK(writer->Commit("{\"next_input\": 5}"));
+  }
+  auto partial = testing::ReadBytes(dir / "p" / "data.mdb");
+  const uint64_t partial_root = Load64(partial, NewerMetaAt(partial) + kMainRootAt);
+  partial[partial_root * 4096 + 12] = std::byte{6};
+  partial[partial_root * 4096 + 13] = std::byte{0};
+  testing::WriteBytes(dir / "p" / "data.mdb", partial);
+  auto resumed = DatasetWriter::OpenForAppend(dir / "p", {});
+  ASSERT_FALSE(resumed.ok());
+  EXPECT_EQ(resumed.status().code(), StatusCode::kCorrupt) << resumed.status().ToString();
+  EXPECT_NE(resumed.status().message().find("damaged"), std::string::npos)
+      << resumed.status().ToString();
+  EXPECT_NE(resumed.status().message().find("--overwrite"), std::string::npos)
+      << resumed.status().ToString();
+}
+
+// Another program's LMDB file whose main table holds plain keys "meta" and "records" (stoke's
+// table names) gave "internal: ... MDB_INCOMPATIBLE".
+TEST(Dataset, AnotherProgramsLmdbFileIsNotAStokeDataset) {
+  TempDir dir;
+  fs::create_directories(dir / "f");
+  PutLmdb(dir / "f", nullptr, "meta", "hello");
+  PutLmdb(dir / "f", nullptr, "records", "hello");
+  auto r = Dataset::Open(dir / "f");
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("not a stoke dataset"), std::string::npos)
+      << r.status().ToString();
+  auto resumed = DatasetWriter::OpenForAppend(dir / "f", {});
+  EXPECT_EQ(resumed.status().code(), StatusCode::kInvalidArgument) << resumed.status().ToString();
+  // A real meta table with a manifest, but "records" a plain key.
+  fs::create_directories(dir / "g");
+  PutLmdb(dir / "g", kMetaDb, kManifestKey,
+          R"({"format_version":3,"records":0,"classes":[],"class_counts":[]})");
+  PutLmdb(dir / "g", nullptr, "records", "hello");
+  auto g = Dataset::Open(dir / "g");
+  EXPECT_EQ(g.status().code(), StatusCode::kInvalidArgument) << g.status().ToString();
+  EXPECT_NE(g.status().message().find("'records'"), std::string::npos) << g.status().ToString();
 }
 
 // ---- Sampler ----
