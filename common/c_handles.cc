@@ -55,9 +55,12 @@ namespace {
 
 // LMDB 0.9's on-disk meta page (64-bit builds): a 16-byte page header (page number, pad, flags at
 // 10, lower/upper), then MDB_meta: magic, version, address, map size, two 48-byte MDB_db records
-// (the first one's leading 32-bit field holds the page size), the last page number, the txnid.
-constexpr size_t kMetaFlagsAt = 10, kMagicAt = 16, kVersionAt = 20, kPageSizeAt = 40, kLastPageAt = 136,
-                 kTxnIdAt = 144, kMetaBytes = 152;
+// (the free-page table's, whose leading 32-bit field holds the page size, then the main table's;
+// each ends with its root page number), the last page number, the txnid.
+constexpr size_t kMetaFlagsAt = 10, kMagicAt = 16, kVersionAt = 20, kPageSizeAt = 40,
+                 kFreeRootAt = 80, kMainRootAt = 128, kLastPageAt = 136, kTxnIdAt = 144,
+                 kMetaBytes = 152;
+constexpr uint64_t kNoPage = ~uint64_t{0};  // LMDB's P_INVALID: an empty table has no root
 constexpr uint16_t kPageIsMeta = 0x08;
 constexpr uint32_t kMdbMagic = 0xBEEFC0DE, kMdbDataVersion = 1;
 
@@ -134,6 +137,18 @@ Status CheckMdbDataFile(const std::filesystem::path& data_file, const std::strin
                                     last_page < (UINT64_MAX / page_size) - 1
                                         ? fmt::format("{}", (last_page + 1) * page_size)
                                         : fmt::format("page {} of {} bytes", last_page, page_size)));
+  }
+  // Pages 0 and 1 are the meta pages, so a table's root is a later page, up to the last one: LMDB
+  // asserts on a root below 2 (abort()) the first time it reads the table.
+  for (const auto& [at, table] :
+       {std::pair{kFreeRootAt, "free-page"}, std::pair{kMainRootAt, "main"}}) {
+    const uint64_t root = Field<uint64_t>(meta[newer], at);
+    if (root != kNoPage && (root < 2 || root > last_page)) {
+      return CorruptError(
+          fmt::format("{}: data file {}: LMDB meta page {} is damaged (the {} table's root is page "
+                      "{}; expected 2 to {})",
+                      what, name, newer, table, root, last_page));
+    }
   }
   return OkStatus();
 }

@@ -45,10 +45,11 @@ Result<MdbTxn> BeginTxn(MDB_env* env, unsigned flags, const std::string& what);
 // Checks an LMDB data file before mdb_env_open maps it, since LMDB trusts what its two meta pages
 // say: a page size of 0 divides by zero, one of another size reads the wrong pages, and a file
 // shorter than the last page they name faults (SIGBUS) when that page is touched. OK for a
-// regular file whose meta pages carry LMDB's magic and version, equal power-of-two page sizes
-// and a last page inside the file; kInvalidArgument for a file that is not an LMDB data file at
-// all (`what` names the object for that message); kCorrupt naming the file and the damage
-// otherwise; kIoError when it cannot be read.
+// regular file whose meta pages carry LMDB's magic and version, equal power-of-two page sizes,
+// a last page inside the file and table roots (none, or pages 2 to the last) LMDB can follow;
+// kInvalidArgument for a file that is not an LMDB data file at all (`what` names the object for
+// that message); kCorrupt naming the file and the damage otherwise; kIoError when it cannot be
+// read.
 Status CheckMdbDataFile(const std::filesystem::path& data_file, const std::string& what);
 
 }  // namespace stoke

@@ -711,6 +711,41 @@ TEST(Dataset, DamagedMainTablePageIsCorruptNotACrash) {
       << resumed.status().ToString();
 }
 
+// A meta page's table roots were not checked: a main root of 0 (or 1, a meta page) made LMDB
+// assert ("Assertion 'root > 1' failed") and abort the process.
+TEST(Dataset, MetaPageRootsOutsideThePagesAreCorrupt) {
+  TempDir dir;
+  WriteDataset(dir / "d", 20);
+  const std::vector<std::byte> good = testing::ReadBytes(dir / "d" / "data.mdb");
+  const size_t meta = NewerMetaAt(good);
+  const uint64_t last_page = Load64(good, meta + 136);
+  struct Damage {
+    size_t at;
+    uint64_t root;
+    std::string want;
+  };
+  for (const Damage& d :
+       {Damage{kMainRootAt, 0, "main table's root is page 0"},
+        Damage{kMainRootAt, 1, "main table's root is page 1"},
+        Damage{kMainRootAt, last_page + 1,
+               fmt::format("root is page {}; expected 2 to {}", last_page + 1, last_page)},
+        Damage{80, 0, "free-page table's root is page 0"}}) {
+    SCOPED_TRACE(d.want);
+    std::vector<std::byte> bad = good;
+    std::memcpy(bad.data() + meta + d.at, &d.root, sizeof d.root);
+    testing::WriteBytes(dir / "d" / "data.mdb", bad);
+    auto r = Dataset::Open(dir / "d");
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kCorrupt) << r.status().ToString();
+    EXPECT_NE(r.status().message().find(d.want), std::string::npos) << r.status().ToString();
+    EXPECT_NE(r.status().message().find((dir / "d" / "data.mdb").string()), std::string::npos)
+        << r.status().ToString();
+  }
+  // An empty table has no root (~0): an untouched first meta page says so for both.
+  testing::WriteBytes(dir / "d" / "data.mdb", good);
+  EXPECT_OK(Dataset::Open(dir / "d").status());
+}
+
 // Another program's LMDB file whose main table holds plain keys "meta" and "records" (stoke's
 // table names) gave "internal: ... MDB_INCOMPATIBLE".
 TEST(Dataset, AnotherProgramsLmdbFileIsNotAStokeDataset) {
