@@ -1,8 +1,11 @@
-// Reading integers from untrusted JSON (manifests, checkpoint headers, metrics files). nlohmann's
+// Reading untrusted JSON (manifests, checkpoint headers, metrics files). nlohmann's
 // get<int64_t>() converts a float such as 5e26 with a cast whose result is undefined, and wraps
-// negative numbers into unsigned types; these helpers accept only integers within a range.
+// negative numbers into unsigned types; these helpers accept only integers within a range. And
+// copying or serialising a value recurses once per level of nesting, so text nested without bound
+// is measured (NestingDepth) before it is parsed.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string_view>
 
@@ -34,6 +37,32 @@ inline Result<int64_t> JsonInt(const nlohmann::json& j, std::string_view key, in
   }
   if (!in_range) return CorruptError(fmt::format("{}: field '{}' = {} is out of range [{}, {}]", what, key, v.dump(), lo, hi));
   return value;
+}
+
+// The deepest nesting of arrays and objects in a JSON text, strings skipped (their brackets are
+// not structure). Linear, no recursion. Meant as a check before parsing: for invalid text the
+// number is only an upper bound of what a parser would accept.
+inline int NestingDepth(std::string_view text) {
+  int depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
 }
 
 }  // namespace stoke

@@ -66,6 +66,13 @@ Result<Manifest> Manifest::FromJson(const nlohmann::json& j) {
 }
 
 Result<Manifest> Manifest::Parse(std::string_view text) {
+  // Copying or printing a parsed value recurses once per level: a manifest nested tens of
+  // thousands deep would exhaust the stack. Real ones nest three or four levels ("packing").
+  constexpr int kMaxDepth = 64;
+  if (const int depth = NestingDepth(text); depth > kMaxDepth) {
+    return CorruptError(fmt::format(
+        "manifest: JSON nested {} levels deep, more than the {} allowed", depth, kMaxDepth));
+  }
   nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return CorruptError("manifest: not valid JSON");
   return FromJson(j);

@@ -26,6 +26,7 @@ struct Manifest {
   // kCorrupt naming the missing or mistyped field; checks class_counts against classes and
   // records.
   static Result<Manifest> FromJson(const nlohmann::json& j);
+  // FromJson of a JSON text; kCorrupt for text that is not JSON or nests more than 64 levels.
   static Result<Manifest> Parse(std::string_view text);
 
   bool operator==(const Manifest&) const = default;

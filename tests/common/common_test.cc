@@ -1,4 +1,5 @@
-// Tests for common/: Status/Result, CRC-32C, deterministic random numbers, progress lines.
+// Tests for common/: Status/Result, CRC-32C, deterministic random numbers, JSON nesting,
+// progress lines.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -13,6 +14,7 @@
 
 #include "common/crc32c.h"
 #include "common/file_util.h"
+#include "common/json_util.h"
 #include "common/progress.h"
 #include "common/random.h"
 #include "common/status.h"
@@ -137,6 +139,15 @@ TEST(Random, MixSeedSeparatesNeighbours) {
   EXPECT_NE(MixSeed(1, 0), MixSeed(0, 1));
   EXPECT_NE(MixSeed(1, 2, 3), MixSeed(1, 2, 4));
   EXPECT_EQ(MixSeed(5, 6, 7), MixSeed(5, 6, 7));
+}
+
+TEST(JsonUtil, NestingDepthCountsStructureNotStrings) {
+  EXPECT_EQ(NestingDepth(""), 0);
+  EXPECT_EQ(NestingDepth("3"), 0);
+  EXPECT_EQ(NestingDepth(R"({"a": [1, {"b": []}], "c": {}})"), 4);
+  // Brackets inside strings, and escaped quotes and backslashes, are not structure.
+  EXPECT_EQ(NestingDepth(R"(["[[[", "\"{{{", "\\", [[]]])"), 3);
+  EXPECT_EQ(NestingDepth(std::string(100000, '[') + std::string(100000, ']')), 100000);
 }
 
 TEST(Progress, FormatsRateAndEta) {

@@ -214,6 +214,25 @@ TEST(Manifest, NumbersMustBeIntegersInRange) {
   EXPECT_NE(counts.status().message().find("class_counts[1]"), std::string::npos) << counts.status().ToString();
   ASSERT_OK(Manifest::Parse(base + "4}").status());
 }
+
+// A manifest is copied (its "packing" object) and printed recursively, one stack frame per level:
+// one nested 60,000 deep overflowed the stack (SIGSEGV in stoke inspect).
+TEST(Manifest, DeeplyNestedJsonIsCorruptNotAStackOverflow) {
+  const std::string head =
+      R"({"format_version":3,"records":2,"classes":["a","b"],"class_counts":[1,1],"packing":{"x":)";
+  const int kDeep = 60000;
+  auto deep = Manifest::Parse(head + std::string(kDeep, '[') + std::string(kDeep, ']') + "}}");
+  ASSERT_FALSE(deep.ok());
+  EXPECT_EQ(deep.status().code(), StatusCode::kCorrupt);
+  EXPECT_NE(deep.status().message().find("manifest: JSON nested 60002 levels deep"),
+            std::string::npos)
+      << deep.status().ToString();
+  // Brackets inside strings are not nesting; a few real levels are fine.
+  ASSERT_OK_AND_ASSIGN(Manifest ok,
+                       Manifest::Parse(head + R"("[[[[{{{{", "y": [[[[[[[[1]]]]]]]]}})"));
+  EXPECT_EQ(ok.packing["y"][0][0][0][0][0][0][0][0], 1);
+}
+
 TEST(Dataset, WriteThenReadIsTheIdentity) {
   TempDir dir;
   const fs::path db = dir / "d.lmdb";
@@ -744,6 +763,22 @@ TEST(Dataset, MetaPageRootsOutsideThePagesAreCorrupt) {
   // An empty table has no root (~0): an untouched first meta page says so for both.
   testing::WriteBytes(dir / "d" / "data.mdb", good);
   EXPECT_OK(Dataset::Open(dir / "d").status());
+}
+
+TEST(Dataset, DeeplyNestedManifestIsCorruptNamingTheDataset) {
+  TempDir dir;
+  WriteDataset(dir / "d", 3);
+  const int kDeep = 60000;
+  PutLmdb(
+      dir / "d", kMetaDb, kManifestKey,
+      R"({"format_version":3,"records":3,"classes":["cat","dog","eel"],"class_counts":[1,1,1],"packing":{"x":)" +
+          std::string(kDeep, '[') + std::string(kDeep, ']') + "}}");
+  auto r = Dataset::Open(dir / "d");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kCorrupt) << r.status().ToString();
+  EXPECT_NE(r.status().message().find((dir / "d").string() + ": manifest: JSON nested"),
+            std::string::npos)
+      << r.status().ToString();
 }
 
 // Another program's LMDB file whose main table holds plain keys "meta" and "records" (stoke's

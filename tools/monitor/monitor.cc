@@ -30,6 +30,7 @@
 #include <yaml-cpp/yaml.h>
 #include <nlohmann/json.hpp>
 
+#include "common/json_util.h"
 #include "common/logging.h"
 #include "dataset/dataset.h"
 #include "tools/monitor/assets.h"
@@ -525,32 +526,8 @@ Result<std::filesystem::path> ResolveRunFile(const std::filesystem::path& run_di
 
 namespace {
 
-// The deepest nesting of arrays and objects in a JSON text (strings skipped): serialising a value
-// recurses once per level, so a line nested without bound would exhaust a thread's stack.
-int NestingDepth(std::string_view text) {
-  int depth = 0, deepest = 0;
-  bool in_string = false, escaped = false;
-  for (const char c : text) {
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (c == '\\') {
-        escaped = true;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      deepest = std::max(deepest, ++depth);
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return deepest;
-}
-
-// Metrics lines nest two or three levels; deeper ones are counted as malformed.
+// Metrics lines nest two or three levels; deeper ones are counted as malformed, before parsing
+// (copying and serialising a value recurse once per level).
 constexpr int kMaxMetricsDepth = 32;
 
 // pread until `want` bytes or the end of the file; the bytes read.
