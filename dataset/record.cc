@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "common/crc32c.h"
+#include "common/limits.h"
 
 namespace stoke::dataset {
 namespace {
@@ -88,10 +89,8 @@ Result<RecordView> ParseRecord(std::span<const std::byte> value, int64_t index) 
                            value.size() - kRecordHeaderSize));
   }
   if (h.channels != 1 && h.channels != 3) return err(fmt::format("{} channels", h.channels));
-  if (h.encoding == PayloadEncoding::kRaw &&
-      h.payload_size != uint64_t{h.width} * h.height * h.channels) {
-    return err(fmt::format("raw payload of {} bytes for {}x{}x{}", h.payload_size, h.width,
-                           h.height, h.channels));
+  if (h.encoding == PayloadEncoding::kRaw) {
+    if (Status s = CheckRawDimensions(h, h.payload_size); !s.ok()) return err(s.message());
   }
   r.header_bytes = value.first(kRecordHeaderSize);
   r.payload = value.subspan(kRecordHeaderSize);
@@ -121,6 +120,25 @@ Result<RecordView> ParseRecord(std::span<const std::byte> value, int64_t index) 
     x.entries = r.payload.subspan(jpeg_size, entries);
   }
   return r;
+}
+
+Status CheckRawDimensions(const RecordHeader& h, uint64_t payload_bytes) {
+  auto bad = [&](std::string_view why) {
+    return CorruptError(fmt::format("raw payload of {} bytes for {}x{}x{}: {}", payload_bytes,
+                                    h.width, h.height, h.channels, why));
+  };
+  if (h.channels != 1 && h.channels != 3) return bad("expected 1 or 3 channels");
+  if (h.width == 0 || h.height == 0) return bad("an empty image");
+  // Checked, not wrapped: 1432163965 x 4293443238 x 3 is 4394 modulo 2^64.
+  uint64_t pixels = 0, bytes = 0;
+  if (__builtin_mul_overflow(uint64_t{h.width}, uint64_t{h.height}, &pixels) ||
+      pixels > static_cast<uint64_t>(kMaxImagePixels)) {
+    return bad(fmt::format("more than {} pixels", kMaxImagePixels));
+  }
+  if (__builtin_mul_overflow(pixels, uint64_t{h.channels}, &bytes) || bytes != payload_bytes) {
+    return bad(fmt::format("expected {} bytes", bytes));
+  }
+  return OkStatus();
 }
 
 std::vector<std::byte> EncodeJpegIndexedPayload(std::span<const std::byte> jpeg, std::span<const uint32_t> offsets,

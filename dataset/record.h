@@ -77,6 +77,12 @@ inline constexpr uint32_t kJpegIndexMagic = 0x58525453u;  // "STRX"
 std::vector<std::byte> EncodeJpegIndexedPayload(std::span<const std::byte> jpeg, std::span<const uint32_t> offsets,
                                                 int restart_mcus, int mcus_per_row, int mcu_rows);
 
+// Checks a kRaw record's pixel dimensions against its payload size: 1 or 3 channels, width and
+// height > 0, at most kMaxImagePixels pixels, and width * height * channels equal to
+// `payload_bytes` (a product that cannot wrap: each factor is bounded first). kCorrupt saying
+// which fails, without the record's index (callers add it).
+Status CheckRawDimensions(const RecordHeader& header, uint64_t payload_bytes);
+
 // Serialises `header` into out[0..32) as it is (see SealRecordHeader for size and CRC).
 void EncodeRecordHeader(const RecordHeader& header, std::span<std::byte, kRecordHeaderSize> out);
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/image.h"
+#include "common/limits.h"
 #include "common/status.h"
 
 namespace stoke::decode {
@@ -38,7 +39,7 @@ struct JpegInfo {
 };
 
 struct DecoderOptions {
-  int64_t max_pixels = 250'000'000;  // larger images are kResourceExhausted (decompression bombs)
+  int64_t max_pixels = kMaxImagePixels;  // larger are kResourceExhausted (decompression bombs)
   int max_scans = 500;               // progressive scans beyond this are kCorrupt (CPU bombs)
   // Strict (default): any libjpeg warning (premature end of data, corrupt Huffman code,
   // extraneous bytes, ...) fails the call with kCorrupt. Lenient: libjpeg's recovery is accepted

@@ -229,12 +229,7 @@ struct LoaderState {
       view = {w.image.pixels.data(), w.image.width, w.image.height, w.image.channels, w.image.row_bytes()};
       where = {dr.x, dr.y, dr.width, dr.height};
     } else if (h.encoding == dataset::PayloadEncoding::kRaw) {
-      const uint64_t need = uint64_t{h.width} * h.height * h.channels;
-      if ((h.channels != 1 && h.channels != 3) || h.width == 0 || h.height == 0 ||
-          r.payload.size() != need) {
-        return CorruptError(fmt::format("raw record of {}x{}x{} with {} payload bytes", h.width,
-                                        h.height, h.channels, r.payload.size()));
-      }
+      STOKE_RETURN_IF_ERROR(dataset::CheckRawDimensions(h, r.payload.size()));  // as the reader
       plan = Plan(static_cast<int>(h.width), static_cast<int>(h.height), rng);
       view = {reinterpret_cast<const uint8_t*>(r.payload.data()), static_cast<int>(h.width),
               static_cast<int>(h.height), h.channels, size_t{h.width} * h.channels};

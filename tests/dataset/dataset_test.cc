@@ -2,6 +2,7 @@
 // files), and the sampler (determinism, permutations, shards).
 #include <gtest/gtest.h>
 #include <lmdb.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -213,6 +214,52 @@ TEST(Manifest, NumbersMustBeIntegersInRange) {
   ASSERT_FALSE(counts.ok());
   EXPECT_NE(counts.status().message().find("class_counts[1]"), std::string::npos) << counts.status().ToString();
   ASSERT_OK(Manifest::Parse(base + "4}").status());
+}
+
+// A raw record's size check multiplied width * height * channels in 64 bits, which wraps:
+// 1432163965 x 4293443238 x 3 is 4394 modulo 2^64, so a 4394-byte payload passed (and inspect
+// --verify called the record good), and an empty 0 x 0 image passed too.
+TEST(Record, RawDimensionsThatWrapAreEmptyOrTooLargeAreCorrupt) {
+  auto parse_raw = [](uint32_t width, uint32_t height, uint8_t channels,
+                      std::span<std::byte> value) {
+    RecordHeader h;
+    h.encoding = PayloadEncoding::kRaw;
+    h.width = width;
+    h.height = height;
+    h.channels = channels;
+    h.payload_size = value.size() - kRecordHeaderSize;
+    EncodeRecordHeader(h, std::span<std::byte, kRecordHeaderSize>(value.data(), kRecordHeaderSize));
+    return ParseRecord(value, 4);
+  };
+  std::vector<std::byte> value(kRecordHeaderSize + 4394);
+  ASSERT_EQ(uint64_t{1432163965u} * 4293443238u * 3, 4394u);  // the wrap itself
+  auto wrapped = parse_raw(1432163965u, 4293443238u, 3, value);
+  ASSERT_FALSE(wrapped.ok()) << "a 1432163965x4293443238x3 image in 4394 bytes was accepted";
+  EXPECT_EQ(wrapped.status().code(), StatusCode::kCorrupt);
+  EXPECT_NE(wrapped.status().message().find("record 4"), std::string::npos)
+      << wrapped.status().ToString();
+  EXPECT_NE(wrapped.status().message().find("1432163965x4293443238x3"), std::string::npos)
+      << wrapped.status().ToString();
+  value.resize(kRecordHeaderSize);
+  for (auto [w, h] : {std::pair{0u, 0u}, std::pair{0u, 7u}, std::pair{7u, 0u}}) {
+    auto empty = parse_raw(w, h, 3, value);
+    EXPECT_EQ(empty.status().code(), StatusCode::kCorrupt)
+        << w << "x" << h << ": " << empty.status().ToString();
+  }
+  value.resize(kRecordHeaderSize + 6);
+  EXPECT_OK(parse_raw(1, 2, 3, value).status());
+  // The decoder's pixel cap holds for raw records too: 250,000,000 one-channel pixels are the most.
+  // The payload is mapped, not touched: only the header page becomes memory.
+  constexpr size_t kCap = 250'000'000;
+  const size_t bytes = kRecordHeaderSize + kCap + 1;
+  void* map = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  ASSERT_NE(map, MAP_FAILED);
+  std::span<std::byte> big(static_cast<std::byte*>(map), bytes);
+  auto over = parse_raw(kCap + 1, 1, 1, big);
+  EXPECT_EQ(over.status().code(), StatusCode::kCorrupt) << over.status().ToString();
+  EXPECT_OK(parse_raw(kCap, 1, 1, big.first(bytes - 1)).status());
+  ::munmap(map, bytes);
 }
 
 // A manifest is copied (its "packing" object) and printed recursively, one stack frame per level:
