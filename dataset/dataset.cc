@@ -53,6 +53,51 @@ Status MapFault(const std::filesystem::path& path, const std::string& what) {
   return detail::GuardedFault(path, what);
 }
 
+// The entry count LMDB reports is a field of the records table's entry in the main table, not a
+// count of anything: damaged (with a manifest to match), it would have readers walk, and the
+// sampler allocate for, records that are not there. Each entry takes at least 18 bytes of a leaf
+// page (node header, 8-byte key, slot), so the file bounds the count. And the first and last keys
+// must be records 0 and records - 1: every stored key then names a record in range, and with as
+// many entries as records (and unique keys) they are exactly 0 .. records - 1. A record missing
+// between them anyway is an error for that record when it is read.
+Status CheckRecordKeys(MDB_txn* txn, MDB_dbi records_dbi, int64_t records, uint64_t file_bytes,
+                       const std::filesystem::path& path) {
+  const std::string where = "dataset: " + path.string();
+  constexpr uint64_t kMinEntryBytes = 18;
+  if (static_cast<uint64_t>(records) > file_bytes / kMinEntryBytes) {
+    return CorruptError(fmt::format(
+        "{}: the records table counts {} records, more than its {}-byte data file can hold", where,
+        records, file_bytes));
+  }
+  if (records == 0) return OkStatus();
+  MDB_cursor* raw = nullptr;
+  const int rc = mdb_cursor_open(txn, records_dbi, &raw);
+  if (rc != MDB_SUCCESS) return MdbStatus(rc, where + ": open cursor");
+  MdbCursor cursor(raw);
+  for (const auto& [op, want] :
+       {std::pair{MDB_FIRST, uint64_t{0}}, std::pair{MDB_LAST, uint64_t(records - 1)}}) {
+    MDB_val k, v;
+    GuardedRead read{.cursor = raw, .op = op, .key = &k, .value = &v, .touch_value = false};
+    if (!RunGuarded(read)) return MapFault(path, "records table");
+    if (read.rc == MDB_NOTFOUND) {
+      return CorruptError(
+          fmt::format("{}: the records table counts {} records, but holds none", where, records));
+    }
+    if (read.rc != MDB_SUCCESS) return MdbStatus(read.rc, where + ": records table");
+    const auto* key = static_cast<const std::byte*>(k.mv_data);
+    if (k.mv_size != 8 || DecodeKey(std::span<const std::byte, 8>(key, 8)) != want) {
+      const std::string got =
+          k.mv_size == 8
+              ? fmt::format("record {}", DecodeKey(std::span<const std::byte, 8>(key, 8)))
+              : fmt::format("a {}-byte key", k.mv_size);
+      return CorruptError(fmt::format(
+          "{}: the records table counts {} records, but its {} key is {}, not record {}", where,
+          records, op == MDB_FIRST ? "first" : "last", got, want));
+    }
+  }
+  return OkStatus();
+}
+
 }  // namespace
 
 Result<Dataset> Dataset::Open(const std::filesystem::path& path) {
@@ -147,6 +192,8 @@ Result<Dataset> Dataset::Open(const std::filesystem::path& path) {
     return CorruptError(fmt::format("{}: records table holds {} records, manifest says {}", where,
                                     rs.ms_entries, d.manifest_.records));
   }
+  STOKE_RETURN_IF_ERROR(
+      CheckRecordKeys(txn.get(), d.records_dbi_, d.manifest_.records, file_bytes, path));
   STOKE_ASSIGN_OR_RETURN(rc, detail::OpenTableGuarded(txn.get(), kPathsDb, &d.paths_dbi_, path));
   d.has_paths_dbi_ = rc == MDB_SUCCESS;
   d.data_file_ = data_file;

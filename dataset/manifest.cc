@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "common/json_util.h"
+#include "dataset/record.h"
 
 namespace stoke::dataset {
 
@@ -27,7 +28,6 @@ Result<Manifest> Manifest::FromJson(const nlohmann::json& j) {
       if (!j.contains(key)) return CorruptError(fmt::format("manifest: missing field '{}'", key));
     }
     Manifest m;
-    constexpr int64_t kMaxRecords = int64_t{1} << 40;
     STOKE_ASSIGN_OR_RETURN(const int64_t version, JsonInt(j, "format_version", 0, INT32_MAX, "manifest"));
     m.format_version = static_cast<uint32_t>(version);
     STOKE_ASSIGN_OR_RETURN(m.records, JsonInt(j, "records", 0, kMaxRecords, "manifest"));

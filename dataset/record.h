@@ -18,6 +18,10 @@ namespace stoke::dataset {
 inline constexpr uint16_t kFormatVersion = 3;
 inline constexpr uint16_t kOldestFormatVersion = 1;
 inline bool ReadableFormatVersion(uint32_t v) { return v >= kOldestFormatVersion && v <= kFormatVersion; }
+// The most records a dataset may hold (docs/RELIABILITY.md): a larger count in a manifest or given
+// to a sampler is damage or a mistake, and bounding it keeps the arithmetic on counts (sums,
+// shares of a world size) within 64 bits.
+inline constexpr int64_t kMaxRecords = int64_t{1} << 40;
 // "STKR" as little-endian bytes 'S' 'T' 'K' 'R'.
 inline constexpr uint32_t kRecordMagic = 0x524B5453u;
 inline constexpr size_t kRecordHeaderSize = 32;

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "common/random.h"
+#include "dataset/record.h"
 
 namespace stoke::dataset {
 
@@ -18,8 +19,22 @@ Result<ShuffleMode> ParseShuffleMode(std::string_view name) {
       fmt::format("sampler: shuffle mode '{}' (expected sequential, full or block)", name));
 }
 
+namespace {
+
+// floor(rank * n / world) without the product, which overflows for n near kMaxRecords and a world
+// of millions: rank * (n / world) + rank * (n % world) / world, the second product below world^2.
+int64_t ShareStart(int64_t rank, int64_t n, int64_t world) {
+  return rank * (n / world) + rank * (n % world) / world;
+}
+
+}  // namespace
+
 Result<Sampler> Sampler::Create(int64_t num_records, SamplerOptions o) {
   if (num_records < 0) return InvalidArgumentError("sampler: negative record count");
+  if (num_records > kMaxRecords) {
+    return InvalidArgumentError(fmt::format(
+        "sampler: {} records, more than a dataset may hold ({})", num_records, kMaxRecords));
+  }
   if (o.world_size <= 0) {
     return InvalidArgumentError(fmt::format("sampler: world_size {} must be > 0", o.world_size));
   }
@@ -51,7 +66,8 @@ Result<Sampler> Sampler::Create(int64_t num_records, SamplerOptions o) {
       break;
     }
     case Sharding::kExact:
-      per_rank = (o.rank + 1) * num_records / world - o.rank * num_records / world;
+      per_rank =
+          ShareStart(o.rank + 1, num_records, world) - ShareStart(o.rank, num_records, world);
       break;
   }
   if (num_records > 0 && per_rank == 0 && o.sharding != Sharding::kExact) {
@@ -116,7 +132,7 @@ std::vector<int64_t> Sampler::ShardPositions() const {
       break;
     }
     case Sharding::kExact:
-      take(rank * n_ / world, per_rank_);
+      take(ShareStart(rank, n_, world), per_rank_);
       break;
   }
   return mine;

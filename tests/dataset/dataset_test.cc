@@ -828,6 +828,42 @@ TEST(Dataset, DeeplyNestedManifestIsCorruptNamingTheDataset) {
       << r.status().ToString();
 }
 
+// LMDB's entry count for the records table was taken as the record count: with a manifest to
+// match, 2^33 entries claimed for 30 stored made inspect walk 2^33 missing records and the
+// sampler allocate 64 GiB. The count is held against the file's size and the first and last keys.
+TEST(Dataset, RecordCountBeyondTheStoredKeysIsCorrupt) {
+  TempDir dir;
+  WriteDataset(dir / "d", 30);
+  const std::vector<std::byte> good = testing::ReadBytes(dir / "d" / "data.mdb");
+  for (int64_t claimed : {int64_t{1} << 33, int64_t{31}}) {
+    SCOPED_TRACE(claimed);
+    testing::WriteBytes(dir / "d" / "data.mdb", good);
+    PutLmdb(
+        dir / "d", kMetaDb, kManifestKey,
+        fmt::format(
+            R"({{"format_version":3,"records":{},"classes":["cat","dog","eel"],"class_counts":[{},10,10]}})",
+            claimed, claimed - 20));
+    const uint64_t entries = static_cast<uint64_t>(claimed);
+    ASSERT_GT(PatchTableEntry(dir / "d" / "data.mdb", "records", 15 + 32,
+                              std::as_bytes(std::span(&entries, 1))),
+              0u);
+    auto r = Dataset::Open(dir / "d");
+    ASSERT_FALSE(r.ok()) << "opened with " << r->size() << " records";
+    EXPECT_EQ(r.status().code(), StatusCode::kCorrupt) << r.status().ToString();
+    EXPECT_NE(r.status().message().find(fmt::format("counts {} records", claimed)),
+              std::string::npos)
+        << r.status().ToString();
+    if (claimed == 31) {
+      EXPECT_NE(r.status().message().find("last key is record 29, not record 30"),
+                std::string::npos)
+          << r.status().ToString();
+    }
+  }
+  testing::WriteBytes(dir / "d" / "data.mdb", good);
+  ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(dir / "d"));
+  EXPECT_EQ(ds.size(), 30);
+}
+
 // Another program's LMDB file whose main table holds plain keys "meta" and "records" (stoke's
 // table names) gave "internal: ... MDB_INCOMPATIBLE".
 TEST(Dataset, AnotherProgramsLmdbFileIsNotAStokeDataset) {
@@ -1054,6 +1090,42 @@ TEST(Sampler, RejectsBadOptions) {
   EXPECT_EQ(m, ShuffleMode::kBlock);
   ASSERT_OK_AND_ASSIGN(Sampler empty, Sampler::Create(0, {}));
   EXPECT_TRUE(empty.Epoch(0).empty());
+}
+
+// Record counts past the format's limit were taken: Create(INT64_MAX, world 7) overflowed
+// n + world - 1 into a negative share. And the exact shares multiplied rank * n, which overflows
+// for 2^40 records and a world of 2^30.
+TEST(Sampler, CountsPastTheFormatLimitAreRefusedAndSharesDoNotOverflow) {
+  const int64_t kMost = int64_t{1} << 40;  // kMaxRecords
+  for (Sharding sharding : {Sharding::kContiguous, Sharding::kExact}) {
+    auto huge = Sampler::Create(INT64_MAX, {.rank = 6, .world_size = 7, .sharding = sharding});
+    ASSERT_FALSE(huge.ok()) << "per rank " << huge->samples_per_rank();
+    EXPECT_EQ(huge.status().code(), StatusCode::kInvalidArgument);
+  }
+  EXPECT_FALSE(Sampler::Create(kMost + 1, {}).ok());
+  ASSERT_OK_AND_ASSIGN(Sampler most, Sampler::Create(kMost, {.rank = 2, .world_size = 3}));
+  EXPECT_EQ(most.samples_per_rank(), (kMost + 2) / 3);
+  const int world = 1 << 30;
+  for (int rank : {0, 1, world / 2, world - 1}) {
+    SCOPED_TRACE(rank);
+    ASSERT_OK_AND_ASSIGN(Sampler s, Sampler::Create(kMost, {.mode = ShuffleMode::kSequential,
+                                                            .rank = rank,
+                                                            .world_size = world,
+                                                            .sharding = Sharding::kExact}));
+    EXPECT_EQ(s.samples_per_rank(), 1024);
+    const std::vector<int64_t> positions = s.ShardPositions();
+    ASSERT_EQ(positions.size(), 1024u);
+    EXPECT_EQ(positions.front(), int64_t{rank} * 1024);
+  }
+  // Uneven shares of a large count still add up to it.
+  int64_t sum = 0;
+  for (int rank = 0; rank < 7; ++rank) {
+    ASSERT_OK_AND_ASSIGN(
+        Sampler s,
+        Sampler::Create(kMost - 3, {.rank = rank, .world_size = 7, .sharding = Sharding::kExact}));
+    sum += s.samples_per_rank();
+  }
+  EXPECT_EQ(sum, kMost - 3);
 }
 
 }  // namespace
