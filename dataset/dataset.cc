@@ -112,7 +112,11 @@ Result<Dataset> Dataset::Open(const std::filesystem::path& path) {
   std::filesystem::path data_file = path;
   if (std::filesystem::is_directory(st)) {
     data_file = path / "data.mdb";
-    if (!std::filesystem::exists(data_file, ec)) {
+    const bool has_data = std::filesystem::exists(data_file, ec);
+    if (ec) {  // e.g. a folder this user may list but not enter
+      return IoError(fmt::format("{}: {}: {}", where, data_file.string(), ec.message()));
+    }
+    if (!has_data) {
       return InvalidArgumentError(where + ": not a stoke dataset (no data.mdb inside)");
     }
   } else {
@@ -169,6 +173,7 @@ Result<Dataset> Dataset::Open(const std::filesystem::path& path) {
   }
   if (rc != MDB_SUCCESS) return MdbStatus(rc, where + ": read manifest");
   const std::byte* map_start = MapStart(v.mv_data);
+  // (Parse checks format_version before anything else: a newer stoke's manifest is named as that.)
   auto manifest = Manifest::Parse(
       std::string_view(static_cast<const char*>(v.mv_data), v.mv_size));
   if (!manifest.ok()) return manifest.status().Prepend(where);

@@ -24,11 +24,20 @@ Result<Manifest> Manifest::FromJson(const nlohmann::json& j) {
   // nlohmann throws on type mismatches; wrap so a damaged manifest is a Status, not a crash.
   try {
     if (!j.is_object()) return CorruptError("manifest: not a JSON object");
-    for (const char* key : {"format_version", "records", "classes", "class_counts"}) {
+    // The version before the other fields: a newer stoke may have renamed or moved them, and its
+    // dataset is to be named as that, not as a damaged one.
+    STOKE_ASSIGN_OR_RETURN(const int64_t version,
+                           JsonInt(j, "format_version", 0, INT32_MAX, "manifest"));
+    if (version > kFormatVersion) {
+      return InvalidArgumentError(
+          fmt::format("manifest: written by a newer stoke (format v{}, this build reads up to v{}): "
+                      "read it with that stoke, or re-pack it with this one",
+                      version, kFormatVersion));
+    }
+    for (const char* key : {"records", "classes", "class_counts"}) {
       if (!j.contains(key)) return CorruptError(fmt::format("manifest: missing field '{}'", key));
     }
     Manifest m;
-    STOKE_ASSIGN_OR_RETURN(const int64_t version, JsonInt(j, "format_version", 0, INT32_MAX, "manifest"));
     m.format_version = static_cast<uint32_t>(version);
     STOKE_ASSIGN_OR_RETURN(m.records, JsonInt(j, "records", 0, kMaxRecords, "manifest"));
     m.classes = j.at("classes").get<std::vector<std::string>>();

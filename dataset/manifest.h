@@ -24,7 +24,8 @@ struct Manifest {
 
   nlohmann::json ToJson() const;
   // kCorrupt naming the missing or mistyped field; checks class_counts against classes and
-  // records (at most kMaxRecords).
+  // records (at most kMaxRecords). kInvalidArgument for a format_version newer than this build
+  // reads, checked before any other field.
   static Result<Manifest> FromJson(const nlohmann::json& j);
   // FromJson of a JSON text; kCorrupt for text that is not JSON or nests more than 64 levels.
   static Result<Manifest> Parse(std::string_view text);

@@ -4,6 +4,7 @@
 #include <lmdb.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -864,6 +865,35 @@ TEST(Dataset, RecordCountBeyondTheStoredKeysIsCorrupt) {
   EXPECT_EQ(ds.size(), 30);
 }
 
+// A folder whose data.mdb cannot be looked at was called "not a stoke dataset (no data.mdb
+// inside)": the error the system gave was dropped.
+TEST(Dataset, UnreadableDataFileIsAnIoErrorNotNotADataset) {
+  TempDir dir;
+  WriteDataset(dir / "d", 3);
+  fs::create_directories(dir / "loop");
+  fs::create_symlink("data.mdb", dir / "loop" / "data.mdb");  // a link to itself: ELOOP
+  auto loop = Dataset::Open(dir / "loop");
+  EXPECT_EQ(loop.status().code(), StatusCode::kIoError) << loop.status().ToString();
+  EXPECT_NE(loop.status().message().find((dir / "loop" / "data.mdb").string()), std::string::npos)
+      << loop.status().ToString();
+  EXPECT_NE(loop.status().message().find(std::strerror(ELOOP)), std::string::npos)
+      << loop.status().ToString();
+  // A folder that may be listed but not entered (EACCES), opened by an unprivileged user: a child
+  // process drops root's rights first, where the tests run as root.
+  fs::permissions(dir.path(), fs::perms::others_exec, fs::perm_options::add);
+  fs::permissions(dir / "d", fs::perms::owner_all | fs::perms::group_read | fs::perms::others_read);
+  EXPECT_EXIT(
+      {
+        if (::geteuid() == 0 && (::setgid(65534) != 0 || ::setuid(65534) != 0)) std::_Exit(100);
+        const Status s = Dataset::Open(dir / "d").status();
+        std::fprintf(stderr, "%s\n", s.ToString().c_str());
+        std::_Exit(static_cast<int>(s.code()));
+      },
+      ::testing::ExitedWithCode(static_cast<int>(StatusCode::kIoError)),
+      "I/O error: dataset: .*/d: .*/d/data.mdb: Permission denied");
+  fs::permissions(dir / "d", fs::perms::owner_all);
+}
+
 // Another program's LMDB file whose main table holds plain keys "meta" and "records" (stoke's
 // table names) gave "internal: ... MDB_INCOMPATIBLE".
 TEST(Dataset, AnotherProgramsLmdbFileIsNotAStokeDataset) {
@@ -885,6 +915,27 @@ TEST(Dataset, AnotherProgramsLmdbFileIsNotAStokeDataset) {
   auto g = Dataset::Open(dir / "g");
   EXPECT_EQ(g.status().code(), StatusCode::kInvalidArgument) << g.status().ToString();
   EXPECT_NE(g.status().message().find("'records'"), std::string::npos) << g.status().ToString();
+}
+
+// A manifest of a newer format (whose fields may have moved) was reported as damaged: "missing
+// field 'class_counts'". Its version is read first.
+TEST(Dataset, NewerFormatIsNamedAsSuchNotAsDamage) {
+  TempDir dir;
+  WriteDataset(dir / "d", 3);
+  const std::string v4 = fmt::format(
+      R"({{"format_version":{},"records":3,"classes":{{"names":["a","b","c"]}},"counts":[1,1,1]}})",
+      kFormatVersion + 1);
+  PutLmdb(dir / "d", kMetaDb, kManifestKey, v4);
+  auto r = Dataset::Open(dir / "d");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
+  EXPECT_NE(r.status().message().find(
+                fmt::format("written by a newer stoke (format v{}, this build reads up to v{})",
+                            kFormatVersion + 1, kFormatVersion)),
+            std::string::npos)
+      << r.status().ToString();
+  EXPECT_NE(r.status().message().find((dir / "d").string()), std::string::npos)
+      << r.status().ToString();
 }
 
 // ---- Sampler ----
