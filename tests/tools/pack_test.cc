@@ -1,6 +1,7 @@
 // Tests for the pack and inspect tools: pack -> read is the identity, deterministic shuffles,
 // stratified splits, bad inputs skipped and reported, interrupted packs resumed exactly.
 #include <gtest/gtest.h>
+#include <lmdb.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/stat.h>
@@ -662,6 +663,46 @@ TEST(Pack, ResumeWithOtherOptionsIsRefused) {
   EXPECT_NE(r.status().message().find("the same command plus --resume"), std::string::npos) << r.status().message();
   o.shuffle = false;
   ASSERT_OK(Pack(o).status());  // with the options it was made with, it resumes
+}
+
+// A partial pack whose resume state and records table disagree on how many records were committed
+// is damaged: resuming would number the next records wrongly. Refused, naming both counts.
+TEST(Pack, ResumeRefusesAStateThatCountsOtherRecordsThanTheTable) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 10);
+  auto o = Options(dir / "src", dir / "out");
+  o.commit_every = 4;
+  std::atomic<bool> stop{false};
+  o.stop = &stop;
+  o.after_commit = [&](int64_t) { stop = true; };
+  EXPECT_EQ(Pack(o).status().code(), StatusCode::kUnavailable);
+  o.stop = nullptr;
+  o.after_commit = nullptr;
+  o.resume = true;
+  {  // one more record in the state than in the table
+    const fs::path partial = dir / "out.partial";
+    MDB_env* env = nullptr;
+    ASSERT_EQ(mdb_env_create(&env), MDB_SUCCESS);
+    mdb_env_set_maxdbs(env, 4);
+    ASSERT_EQ(mdb_env_open(env, partial.c_str(), MDB_NOLOCK, 0644), MDB_SUCCESS);
+    MDB_txn* txn = nullptr;
+    ASSERT_EQ(mdb_txn_begin(env, nullptr, 0, &txn), MDB_SUCCESS);
+    MDB_dbi meta = 0;
+    ASSERT_EQ(mdb_dbi_open(txn, dataset::kMetaDb, 0, &meta), MDB_SUCCESS);
+    MDB_val key{std::strlen(dataset::kPackStateKey), const_cast<char*>(dataset::kPackStateKey)}, value;
+    ASSERT_EQ(mdb_get(txn, meta, &key, &value), MDB_SUCCESS);
+    auto state = nlohmann::json::parse(std::string(static_cast<const char*>(value.mv_data), value.mv_size));
+    state["class_counts"][0] = state["class_counts"][0].get<int64_t>() + 1;
+    std::string text = state.dump();
+    MDB_val edited{text.size(), text.data()};
+    ASSERT_EQ(mdb_put(txn, meta, &key, &edited, 0), MDB_SUCCESS);
+    ASSERT_EQ(mdb_txn_commit(txn), MDB_SUCCESS);
+    mdb_env_close(env);
+  }
+  auto r = Pack(o);
+  EXPECT_EQ(r.status().code(), StatusCode::kCorrupt);
+  EXPECT_NE(r.status().message().find("it counts 5 records, the records table holds 4"), std::string::npos)
+      << r.status().ToString();
 }
 
 TEST(Pack, ExifOrientationIsApplied) {

@@ -652,6 +652,16 @@ struct SplitState {
           static_cast<size_t>(s.next_input) > inputs) {
         throw std::runtime_error("counts do not match the inputs");
       }
+      // The state and the records it counts are committed together: a records table holding
+      // another count (a damaged entry count) would have records appended under wrong numbers.
+      int64_t counted = 0;
+      for (const int64_t c : s.class_counts) {
+        if (c < 0) throw std::runtime_error("a negative class count");
+        counted += c;
+      }
+      if (counted != committed) {
+        throw std::runtime_error(fmt::format("it counts {} records, the records table holds {}", counted, committed));
+      }
       return s;
     } catch (const std::exception& e) {
       return CorruptError(
