@@ -937,6 +937,9 @@ TEST(Pack, NonJpegImagesOverThePixelCapAreSkippedBeforeDecoding) {
   ASSERT_OK_AND_ASSIGN(s, Pack(o));
   ASSERT_EQ(s.bad.size(), 1u);  // the bomb, still refused by its header
   EXPECT_NE(s.bad[0].reason.find("100000x100000"), std::string::npos) << s.bad[0].reason;
+  o.max_pixels = kMaxImagePixels + 1;  // a raw record that large could not be read back
+  o.output = dir / "out3";
+  EXPECT_EQ(Pack(o).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(Pack, TrailingSlashOnTheOutputIsTheSameDataset) {

@@ -1034,6 +1034,11 @@ Status ValidateOptions(const PackOptions& o) {
         fmt::format("pack: --threads {} (expected 0 to {}; 0 = every core)", o.threads, kMaxThreads));
   }
   if (o.max_side < 0) return InvalidArgumentError("pack: --max-side must be >= 0");
+  // Readers refuse a raw record larger than kMaxImagePixels: none may be written.
+  if (o.max_pixels <= 0 || o.max_pixels > kMaxImagePixels) {
+    return InvalidArgumentError(
+        fmt::format("pack: max_pixels {} (expected 1 to {})", o.max_pixels, kMaxImagePixels));
+  }
   if (o.quality < 0 || o.quality > 100)
     return InvalidArgumentError("pack: --quality must be in 1..100");
   if (o.reencode_quality < 1 || o.reencode_quality > 100) {

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "common/limits.h"
 #include "common/status.h"
 #include "dataset/record.h"
 
@@ -51,7 +52,7 @@ struct PackOptions {
   std::filesystem::path report_file;  // optional JSON report of what was skipped and why
   int64_t commit_every = 2048;      // records per transaction (resume granularity)
   size_t max_file_bytes = 1ull << 30;  // larger input files are skipped as bad inputs
-  int64_t max_pixels = 250'000'000;    // larger non-JPEG images are skipped (JPEG: the decoder's cap)
+  int64_t max_pixels = kMaxImagePixels;  // larger non-JPEG images are skipped (JPEG: the decoder's cap); at most that
   bool progress = true;             // progress line on stderr
   // Set from another thread (a signal handler) to stop at the next commit, leaving a resumable
   // partial dataset. Not owned.
