@@ -72,6 +72,7 @@ struct Worker {
   std::optional<dataset::Reader> reader;
   decode::JpegDecoder decoder;
   Image image;
+  int64_t making = -1;  // the record being made (its own or a stand-in), for an exception's message
 };
 
 }  // namespace
@@ -96,6 +97,7 @@ struct Chunk {
   int end = 0;
   bool last = false;  // the batch's final chunk
   Status error;
+  bool skipped = false;  // not made: the pipeline was failing when its turn came
   // Bad records met at this chunk's own sample positions (index, reason), in sample order: held
   // against the skip budget by the in-order output stage, so that where a run over budget stops
   // follows the sampler's order, not the threads' timing.
@@ -168,6 +170,7 @@ struct LoaderState {
   bool input_done = false;
   // Output stage (serial).
   bool output_failed = false;
+  bool error_pushed = false;  // the output stage handed the consumer an error
 
   // Statistics.
   Clock::time_point started;
@@ -268,10 +271,12 @@ struct LoaderState {
 
   // This rank's own bad records (each once), in sampler order: an error once they exceed the
   // budget. Called by the serial, in-order output stage only.
+  // A record already counted (met earlier, or known from an earlier part of the run) is not counted
+  // again, but meeting it over the budget still ends the run: a resumed run that had used its
+  // budget ends at the first bad record it meets, and one whose records were repaired goes on.
   Status CountOwnBad(const Chunk& c) {
     for (const auto& [index, reason] : c.own_bad) {
-      if (!own_bad.insert(index).second) continue;
-      const int64_t n = bad_count.fetch_add(1) + 1;
+      const int64_t n = own_bad.insert(index).second ? bad_count.fetch_add(1) + 1 : bad_count.load();
       if (n > max_bad) {
         return CorruptError(fmt::format(
             "{} bad records, more than max_skip_fraction {} of the {} samples of an epoch allows "
@@ -316,6 +321,7 @@ struct LoaderState {
         if (fetched.ok()) value = *fetched;
         // Otherwise (a page of the map that cannot be read) the reader's own read reports it.
       }
+      w.making = index;
       Status st = MakeSample(w, index, value, seed, slot.batch.epoch, dst, &slot.labels[s]);
       if (st.ok()) {
         slot.indices[s] = index;
@@ -398,20 +404,27 @@ struct LoaderState {
     }
   }
 
-  std::string WhereIs(const Chunk& c, int s) const {
+  // `making`: the record whose sample was being made (a stand-in's when it was one), or -1
+  // before any record was read.
+  std::string WhereIs(const Chunk& c, int s, int64_t making) const {
     const Slot& slot = *c.slot;
-    const int64_t pos = slot.batch.number * o.batch_size + s;
-    const int64_t global_pos = shard_positions[static_cast<size_t>(pos)];
-    const int64_t index = (*slot.order)[static_cast<size_t>(global_pos % static_cast<int64_t>(slot.order->size()))];
-    return fmt::format("making sample {} of batch {} of epoch {} (record {} of {})", s, slot.batch.number,
-                       slot.batch.epoch, index, dataset->path().string());
+    std::string record = making >= 0 ? fmt::format(" (record {} of {})", making, dataset->path().string())
+                                     : std::string(" (before reading a record)");
+    return fmt::format("making sample {} of batch {} of epoch {}{}", s, slot.batch.number, slot.batch.epoch, record);
   }
 
   void Work(Chunk* c) {
-    if (!c->error.ok() || failing.load(std::memory_order_relaxed)) return;
+    if (!c->error.ok()) return;
+    if (failing.load(std::memory_order_relaxed)) {
+      c->skipped = true;  // its samples are not made: the output stage must not publish its batch
+      return;
+    }
     int s = c->begin;  // the sample an exception came from
+    Worker* worker = nullptr;
     try {
       Worker& w = LocalWorker();
+      worker = &w;
+      w.making = -1;
       if (!w.reader) {
         auto reader = dataset->NewReader({.verify_crc = o.verify_crc});
         if (!reader.ok()) {
@@ -428,13 +441,19 @@ struct LoaderState {
         }
       }
     } catch (...) {
-      c->error = FromException(WhereIs(*c, s));
+      c->error = FromException(WhereIs(*c, s, worker != nullptr ? worker->making : -1));
     }
   }
 
   void Output(Chunk* c) {
     std::unique_ptr<Chunk> owned(c);
     if (output_failed) return;
+    if (c->skipped) {
+      // The run is failing and this batch was not made: neither it nor any later one comes out.
+      // The error is already on its way (from the stage that failed, or from Run()).
+      output_failed = true;
+      return;
+    }
     Slot* slot = c->slot;
     Status st = c->error;
     try {
@@ -455,6 +474,7 @@ struct LoaderState {
     if (!st.ok()) {
       output_failed = true;
       failing = true;
+      error_pushed = true;
       if (!stop.load()) PushReady(Ready{Ready::kError, -1, st});  // a stop is not an error
     }
   }
@@ -509,7 +529,7 @@ struct LoaderState {
     }
     STOKE_TSAN_ACQUIRE(&done);
     // Every chunk the input stage handed out has come out: its error follows their batches.
-    if (!input_error.ok() && !output_failed && !stop.load()) PushReady(Ready{Ready::kError, -1, input_error});
+    if (!input_error.ok() && !error_pushed && !stop.load()) PushReady(Ready{Ready::kError, -1, input_error});
     PushReady(Ready{Ready::kEnd, -1, {}});
   }
 
@@ -612,12 +632,6 @@ Status ValidateOptions(const LoaderOptions& o) {
 
 Result<std::unique_ptr<Loader>> Loader::Create(const dataset::Dataset& ds, LoaderOptions o) {
   STOKE_RETURN_IF_ERROR(ValidateOptions(o));
-  for (const BadRecord& b : o.known_bad) {
-    if (b.index < 0 || b.index >= ds.size()) {
-      return InvalidArgumentError(fmt::format("loader: known bad record {} is not a record of {} ({} records)",
-                                              b.index, ds.path().string(), ds.size()));
-    }
-  }
   auto st = std::make_shared<detail::LoaderState>();
   st->dataset = &ds;
   STOKE_ASSIGN_OR_RETURN(dataset::Sampler sampler, dataset::Sampler::Create(ds.size(), o.sampler));
@@ -661,15 +675,18 @@ Result<std::unique_ptr<Loader>> Loader::Create(const dataset::Dataset& ds, Loade
   st->budget_samples = o.skip_budget_samples > 0 ? o.skip_budget_samples : st->per_epoch;
   st->max_bad = static_cast<int64_t>(std::floor(o.max_skip_fraction * static_cast<double>(st->budget_samples)));
   if (o.on_error == ErrorPolicy::kSkip) {
+    int64_t outside = 0;  // the dataset was re-packed since (smaller): those records cannot be met
     for (const BadRecord& b : o.known_bad) {
+      if (b.index < 0 || b.index >= ds.size()) {
+        ++outside;
+        continue;
+      }
       st->bad.emplace(b.index, b.reason);
       if (st->own_bad.insert(b.index).second) st->bad_count.fetch_add(1);
     }
-    if (const int64_t known = st->bad_count.load(); known > st->max_bad) {
-      return CorruptError(fmt::format(
-          "{}: {} bad records met earlier in this run, more than max_skip_fraction {} of the {} samples of an "
-          "epoch allows (latest: {})",
-          ds.path().string(), known, o.max_skip_fraction, st->budget_samples, o.known_bad.back().reason));
+    if (outside > 0) {
+      STOKE_LOG(WARN, "loader: {} bad record(s) known from earlier in this run are not records of {} ({} records); "
+                "left out", outside, ds.path().string(), ds.size());
     }
   }
   if (o.storage.enabled) {

@@ -81,8 +81,9 @@ struct LoaderOptions {
   int64_t skip_budget_samples = 0;
   // kSkip: the bad records an earlier part of this run met (a resumed run; a pipeline started
   // again after a break). They count against the budget from the start, as in one uninterrupted
-  // run, are not logged again, are never chosen as stand-ins, and are listed by bad_records().
-  // Indices are records of the dataset.
+  // run: over it, the run ends at the next bad record it meets (one of these, or a new one), and
+  // goes on if none is bad any more (repaired). They are not logged again, never chosen as
+  // stand-ins, and listed by bad_records(); indices past the dataset's records are left out.
   std::vector<BadRecord> known_bad;
   bool verify_crc = true;     // check every record's CRC-32C (a few % of a decode)
   bool strict_decode = true;  // libjpeg warnings are errors (see decode::DecoderOptions)
@@ -131,7 +132,7 @@ struct Batch {
 struct LoaderStats {
   int64_t batches = 0;          // handed to the consumer
   int64_t samples = 0;
-  int64_t bad_records = 0;      // distinct bad records among this rank's own samples so far
+  int64_t bad_records = 0;      // distinct bad records among this rank's own samples so far, and the known_bad
   double elapsed_s = 0;         // since Create()
   double images_per_s = 0;      // samples / elapsed_s
   double consumer_wait_s = 0;   // time spent blocked in Next()

@@ -442,7 +442,7 @@ class Loader:
         pipeline it ran (a break, ``set_epoch`` or a resume starts a new one, which goes on counting
         them against ``max_skip_fraction``) and those of a state given to ``load_state_dict``. They
         may include records of batches read ahead and not yet handed out."""
-        if self._native is not None:
+        if self._native is not None and not self._restart:
             return self._native.bad_records()  # it started with the known ones
         return sorted(self._known_bad.items())
 
@@ -497,8 +497,9 @@ class Loader:
             self._position = (-1, -1)
             with self._on_device():
                 native.close()
-            for index, reason in native.bad_records():  # the native side keeps them once closed
-                self._known_bad.setdefault(index, reason)
+            if not self._restart:  # a loaded state's bad records replace this run's
+                for index, reason in native.bad_records():  # the native side keeps them once closed
+                    self._known_bad.setdefault(index, reason)
 
     def close(self) -> None:
         """Stops the pipeline and joins its threads. Tensors already handed out stay valid."""

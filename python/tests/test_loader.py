@@ -313,6 +313,13 @@ def test_the_skip_budget_and_the_bad_records_are_the_runs_across_breaks_and_resu
     legacy = {k: v for k, v in state.items() if k != "bad_records"}
     resumed.load_state_dict(legacy)  # a state saved before states carried them
     assert resumed.bad_records() == []
+    # A loaded state's bad records replace those of the pipeline that ran: at once, and in the
+    # pipeline the next iter() starts (a rollback to an earlier state keeps no later record).
+    loader.load_state_dict({**state, "bad_records": []})
+    assert loader.bad_records() == [] and loader.state_dict()["bad_records"] == []
+    it = iter(loader)
+    assert loader.bad_records() == []
+    del it
     loader.close()
 
 

@@ -358,13 +358,29 @@ TEST(Loader, AResumedRunCountsTheBadRecordsMetBeforeIt) {
   for (const auto& b : (*resumed)->bad_records()) listed.push_back(b.index);
   EXPECT_EQ(listed, (std::vector<int64_t>{15, 16}));
 
-  // Already over the budget, or not a record of the dataset: refused at once.
+  // Already over the budget: the run ends at the first bad record it meets (16, in batch 2)...
   o.known_bad = {{15, "a"}, {16, "b"}};
-  EXPECT_EQ(Loader::Create(*ds, o).status().code(), StatusCode::kCorrupt);
-  o.known_bad = {{40, "c"}};
-  auto outside = Loader::Create(*ds, o);
-  EXPECT_EQ(outside.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(outside.status().message().find("known bad record 40"), std::string::npos) << outside.status().ToString();
+  {
+    auto over = Loader::Create(*ds, o);
+    ASSERT_OK(over.status());
+    const auto [none, over_end] = RunToEnd(**over);
+    EXPECT_EQ(none, 0);
+    EXPECT_NE(over_end.message().find("latest: record 16 "), std::string::npos) << over_end.ToString();
+  }
+  // ... and goes on where the records were repaired since (the same records, none bad now), or
+  // are no longer records of the dataset (it was re-packed smaller).
+  testing::TempDir clean_dir;
+  auto clean = dataset::Dataset::Open(WriteDataset(clean_dir.path() / "d", {}));
+  ASSERT_OK(clean.status());
+  for (const std::vector<BadRecord>& known : {std::vector<BadRecord>{{15, "a"}, {16, "b"}},
+                                              std::vector<BadRecord>{{40, "c"}, {41, "d"}}}) {
+    o.known_bad = known;
+    auto repaired = Loader::Create(*clean, o);
+    ASSERT_OK(repaired.status());
+    const auto [made, repaired_end] = RunToEnd(**repaired);
+    EXPECT_EQ(made, 3);
+    EXPECT_TRUE(repaired_end.ok()) << repaired_end.ToString();
+  }
 }
 
 // The batches of a resumed run that knows the earlier part's bad records are those of the

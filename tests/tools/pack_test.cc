@@ -326,13 +326,45 @@ TEST(Pack, CopiesOfOneImageStayInOneSplit) {
       }
     }
   }
-  // A hard link is the same file too: under another label it is the list's mistake.
-  std::ofstream(dir / "list.txt") << "a/a_100.jpg 0\na/copy_a_100.jpg 1\n";
-  auto o = Options(dir / "src", dir / "conflict.lmdb");
+  // A hard link under another label (a deduplicated tree) is packed under both, as a folder tree
+  // does, in one split; the same path under two labels stays the list's mistake.
+  std::ofstream(dir / "list.txt") << "a/a_100.jpg 0\na/copy_a_100.jpg 1\nb/b_100.jpg 1\nb/b_101.jpg 1\n";
+  auto o = Options(dir / "src", dir / "hardlinked.lmdb");
   o.list_file = dir / "list.txt";
+  o.val_fraction = 0.5;
+  for (uint64_t seed = 1; seed <= 4; ++seed) {
+    o.seed = seed;
+    o.overwrite = true;
+    ASSERT_OK_AND_ASSIGN(PackSummary s, Pack(o));
+    const auto train = split_payloads(o.output), val = split_payloads(s.splits[1].output);
+    for (const auto& image : val) EXPECT_EQ(train.count(image), 0u) << "seed " << seed;
+  }
+  std::ofstream(dir / "list.txt") << "a/a_100.jpg 0\n./a/a_100.jpg 1\n";
+  o.val_fraction = 0;
   auto r = Pack(o);
-  EXPECT_NE(r.status().message().find("'a/copy_a_100.jpg' has label 1 here and label 0 on line 1"), std::string::npos)
+  EXPECT_NE(r.status().message().find("'./a/a_100.jpg' has label 1 here and label 0 on line 1"), std::string::npos)
       << r.status().ToString();
+}
+
+// A class whose every image is a copy of another class's file keeps a training image, even when
+// the split sends those files to validation.
+TEST(Pack, AClassOfCopiesKeepsATrainingImage) {
+  TempDir dir;
+  for (int i = 0; i < 2; ++i) {
+    testing::WriteBytes(dir / "src" / "a" / fmt::format("x{}.jpg", i),
+                        testing::EncodeJpeg(testing::MakeImage(32, 24, 3, static_cast<uint32_t>(i))));
+  }
+  fs::create_directories(dir / "src" / "b");
+  fs::create_hard_link(dir / "src" / "a" / "x1.jpg", dir / "src" / "b" / "y.jpg");
+  for (uint64_t seed = 1; seed <= 8; ++seed) {
+    auto o = Options(dir / "src", dir / fmt::format("t{}.lmdb", seed));
+    o.val_fraction = 0.5;
+    o.seed = seed;
+    ASSERT_OK(Pack(o).status());
+    ASSERT_OK_AND_ASSIGN(Dataset train, Dataset::Open(o.output));
+    EXPECT_GE(train.manifest().class_counts[1], 1) << "seed " << seed;
+    EXPECT_GE(train.manifest().class_counts[0], 1) << "seed " << seed;
+  }
 }
 
 // A fraction that would send a small class wholly to validation keeps one of its images in training.

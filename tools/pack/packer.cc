@@ -163,6 +163,8 @@ Result<InputSet> ReadListFile(const fs::path& list, const fs::path& root) {
   InputSet set;
   int32_t max_label = -1;
   std::unordered_map<std::string, std::tuple<int, long, size_t>> first_seen;  // file -> line, label, input
+  int64_t across = 0;  // hard links (other paths to one file) under another label
+  std::string example;
   std::string line;
   if (!fs::is_directory(root)) {
     return NotFoundError(fmt::format("pack: {}: not a directory (the root that {}'s paths are relative to)",
@@ -205,13 +207,31 @@ Result<InputSet> ReadListFile(const fs::path& list, const fs::path& root) {
         first_seen.try_emplace(FileIdentity(full), std::tuple{line_no, label, set.inputs.size()});
     const auto& [seen_line, seen_label, seen_input] = at->second;
     if (!fresh && seen_label != label) {
-      return bad(fmt::format("'{}' has label {} here and label {} on line {} (the same file)", path, label,
-                             seen_label, seen_line));
+      // The same path (however spelled, or through a link to the file) under two labels is the
+      // list's mistake. Two paths that are hard links of one file (a deduplicated tree) are kept
+      // under both labels, as a folder tree would be, and said.
+      const fs::path& seen = set.inputs[seen_input].path;
+      std::error_code ec;
+      const bool linked = fs::is_symlink(full, ec) || fs::is_symlink(seen, ec);
+      if (linked || fs::absolute(full, ec).lexically_normal() == fs::absolute(seen, ec).lexically_normal()) {
+        return bad(fmt::format("'{}' has label {} here and label {} on line {} (the same file)", path, label,
+                               seen_label, seen_line));
+      }
+      if (across++ == 0) {
+        example = fmt::format("line {} ('{}', label {}) and line {} (label {})", line_no, path, label, seen_line,
+                              seen_label);
+      }
     }
     set.inputs.push_back(Input{full, path, static_cast<int32_t>(label), seen_input});
     max_label = std::max(max_label, static_cast<int32_t>(label));
   }
   for (int32_t c = 0; c <= max_label; ++c) set.classes.push_back(std::to_string(c));
+  if (across > 0) {
+    STOKE_LOG(WARN,
+              "pack: {}: {} line(s) name a hard link of a file listed under another label (e.g. {}): each is "
+              "packed under both labels, in the same split",
+              list.string(), across, example);
+  }
   return set;
 }
 
@@ -655,8 +675,8 @@ struct SplitState {
       // The state and the records it counts are committed together: a records table holding
       // another count (a damaged entry count) would have records appended under wrong numbers.
       int64_t counted = 0;
-      for (const int64_t c : s.class_counts) {
-        if (c < 0) throw std::runtime_error("a negative class count");
+      for (const int64_t c : s.class_counts) {  // each bounded, so the sum cannot wrap
+        if (c < 0 || c > dataset::kMaxRecords) throw std::runtime_error(fmt::format("a class count of {}", c));
         counted += c;
       }
       if (counted != committed) {
@@ -1190,6 +1210,23 @@ Result<PackSummary> Pack(const PackOptions& options) {
       for (size_t k = 0; k < n_val; ++k) is_val[members[k]] = true;
     }
     for (size_t i = 0; i < set.inputs.size(); ++i) is_val[i] = is_val[set.inputs[i].first];
+    // A class whose images are all copies of another class's files followed them: if they went to
+    // validation, one of its copies' groups comes back to training (it only adds training images,
+    // so one pass holds for every class).
+    std::vector<int64_t> training(set.classes.size(), 0);
+    std::vector<size_t> some_input(set.classes.size(), set.inputs.size());
+    for (size_t i = 0; i < set.inputs.size(); ++i) {
+      const auto c = static_cast<size_t>(set.inputs[i].label);
+      if (!is_val[i]) training[c]++;
+      if (some_input[c] == set.inputs.size()) some_input[c] = i;
+    }
+    for (size_t c = 0; c < set.classes.size(); ++c) {
+      if (training[c] > 0 || some_input[c] == set.inputs.size()) continue;
+      const size_t group = set.inputs[some_input[c]].first;
+      for (size_t i = 0; i < set.inputs.size(); ++i) {
+        if (set.inputs[i].first == group) is_val[i] = false;
+      }
+    }
     if (std::none_of(is_val.begin(), is_val.end(), [](bool v) { return v; })) {
       STOKE_LOG(WARN,
                 "pack: --val-fraction {} rounds to no validation image in any class (the split is per class: "
