@@ -7,7 +7,6 @@
 #include <condition_variable>
 #include <limits>
 #include <mutex>
-#include <new>
 #include <optional>
 #include <string_view>
 #include <thread>
@@ -392,16 +391,9 @@ struct LoaderState {
   // What an exception escaping a stage becomes: a status for the consumer, after the batches
   // before it. Left to TBB it would cancel the pipeline, drop the chunks in flight (good batches
   // among them) and wait forever for an input stage blocked on a ring the consumer holds.
+  // Called inside a catch block: common's CatchExceptions names the exception being handled.
   static Status FromException(std::string_view where) {
-    try {
-      throw;
-    } catch (const std::bad_alloc&) {
-      return ResourceExhaustedError(fmt::format("loader: out of memory {}", where));
-    } catch (const std::exception& e) {
-      return InternalError(fmt::format("loader: {} {}", e.what(), where));
-    } catch (...) {
-      return InternalError(fmt::format("loader: an unknown exception {}", where));
-    }
+    return CatchExceptions(fmt::format("loader: {}", where), []() -> Status { throw; });
   }
 
   // `making`: the record whose sample was being made (a stand-in's when it was one), or -1

@@ -562,11 +562,6 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
       o.skip_budget_samples = val_set->size();
       FeedNetwork(*net, o);
       STOKE_ASSIGN_OR_RETURN(auto loader, prefetch::Loader::Create(*val_set, o));
-      const struct Counted {
-        const prefetch::Loader& loader;
-        int64_t& bad;
-        ~Counted() { bad = loader.stats().bad_records; }
-      } counted{*loader, bad};
       while (true) {
         STOKE_ASSIGN_OR_RETURN(auto lease, loader->Next());
         if (!lease) break;
@@ -585,6 +580,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
         lease.Release(net->stream());
         total += s;
       }
+      bad = loader->stats().bad_records;  // (a failed evaluation ends the run: its count is not needed)
       return OkStatus();
     }();
     if (!local.ok()) local = local.Prepend(fmt::format("validation on {} (data.val)", config.data.val));

@@ -46,9 +46,11 @@ check nan_step_logs_no_loss 0 "step 4/[0-9]+  loss n/a \(skipped\)" -- \
 check nan_step_metrics_have_no_loss 0 '"step":4,' -- \
   bash -c "grep '\"type\":\"train\"' '$work/nan1/metrics.jsonl' | grep '\"step\":4,' | grep -v '\"loss\"'"
 
-# A damaged record: zero the tables of one JPEG inside the LMDB (its CRC no longer matches).
-cp -r "$work/train.lmdb" "$work/damaged.lmdb"
-python3 - "$work/damaged.lmdb/data.mdb" <<'PY'
+# damage SRC DST: DST is a copy of dataset SRC with one JPEG's tables zeroed inside the LMDB (its
+# CRC no longer matches).
+damage() {
+  cp -r "$work/$1" "$work/$2"
+  python3 - "$work/$2/data.mdb" <<'PY'
 import sys
 p = sys.argv[1]
 b = bytearray(open(p, 'rb').read())
@@ -56,6 +58,9 @@ at = b.find(b'\xff\xd8\xff', len(b) // 3)
 b[at + 2:at + 300] = bytes(298)
 open(p, 'wb').write(b)
 PY
+}
+
+damage train.lmdb damaged.lmdb
 config bad 1 ", on_error: fail"
 sed -i "s|train: $work/train.lmdb|train: $work/damaged.lmdb|" "$work/bad.yaml"
 check bad_record_fails_every_rank 1 "rank [01].*record" -- \
@@ -100,15 +105,7 @@ check bad_record_budget_is_the_global_epochs 0 "bad records skipped: 1" -- \
 
 # Validation holds max_skip_fraction over the whole data.val set: one damaged record of 32 is within
 # 4% (one record) though each rank's 16 alone would allow none; at 1% the run ends naming data.val.
-cp -r "$work/train_val.lmdb" "$work/damaged_val.lmdb"
-python3 - "$work/damaged_val.lmdb/data.mdb" <<'PY'
-import sys
-p = sys.argv[1]
-b = bytearray(open(p, 'rb').read())
-at = b.find(b'\xff\xd8\xff', len(b) // 3)
-b[at + 2:at + 300] = bytes(298)
-open(p, 'wb').write(b)
-PY
+damage train_val.lmdb damaged_val.lmdb
 config valbad 1 ", max_skip_fraction: 0.04"
 sed -i "s|val: $work/train_val.lmdb|val: $work/damaged_val.lmdb|" "$work/valbad.yaml"
 check val_budget_is_the_whole_sets 0 "validation: loss .* on 31 samples" -- \

@@ -674,10 +674,9 @@ TEST(Pack, DiskFullIsACleanErrorAndThePackResumesAfterwards) {
   EXPECT_EQ(Comparable(dir / "out"), Comparable(dir / "full"));
 }
 
-TEST(Pack, ResumeWithOtherOptionsIsRefused) {
-  TempDir dir;
-  testing::MakeImageTree(dir / "src", kClasses, 10);
-  auto o = Options(dir / "src", dir / "out");
+// Packs with `o` until its first commit (4 records) and stops there, leaving OUT.partial; `o` is
+// as it was, but for commit_every.
+void StopAfterTheFirstCommit(PackOptions& o) {
   o.commit_every = 4;
   std::atomic<bool> stop{false};
   o.stop = &stop;
@@ -685,6 +684,13 @@ TEST(Pack, ResumeWithOtherOptionsIsRefused) {
   EXPECT_EQ(Pack(o).status().code(), StatusCode::kUnavailable);
   o.stop = nullptr;
   o.after_commit = nullptr;
+}
+
+TEST(Pack, ResumeWithOtherOptionsIsRefused) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 10);
+  auto o = Options(dir / "src", dir / "out");
+  StopAfterTheFirstCommit(o);
   o.resume = true;
   o.shuffle = true;  // not what the partial pack was made with
   auto r = Pack(o);
@@ -703,13 +709,7 @@ TEST(Pack, ResumeRefusesAStateThatCountsOtherRecordsThanTheTable) {
   TempDir dir;
   testing::MakeImageTree(dir / "src", kClasses, 10);
   auto o = Options(dir / "src", dir / "out");
-  o.commit_every = 4;
-  std::atomic<bool> stop{false};
-  o.stop = &stop;
-  o.after_commit = [&](int64_t) { stop = true; };
-  EXPECT_EQ(Pack(o).status().code(), StatusCode::kUnavailable);
-  o.stop = nullptr;
-  o.after_commit = nullptr;
+  StopAfterTheFirstCommit(o);
   o.resume = true;
   {  // one more record in the state than in the table
     const fs::path partial = dir / "out.partial";
