@@ -18,6 +18,7 @@
 #include <fmt/format.h>
 
 #include "common/logging.h"
+#include "common/thread_name.h"
 
 #if STOKE_WITH_MPI
 #include <mpi.h>
@@ -300,6 +301,7 @@ Result<std::unique_ptr<Communicator>> Communicator::Create(CommunicatorOptions o
   auto future = started.get_future();
   Impl* impl = c->impl_.get();
   impl->thread = std::thread([impl, &started] {
+    SetThreadName("stoke-comm");
     Started s;
     int provided = 0;
     int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);

@@ -25,6 +25,7 @@
 #include "common/logging.h"
 #include "common/random.h"
 #include "common/sys_memory.h"
+#include "common/thread_name.h"
 #include "common/tsan.h"
 #include "decode/jpeg_decoder.h"
 #include "prefetch/batch_memory.h"
@@ -472,6 +473,7 @@ struct LoaderState {
   }
 
   void Run() {
+    SetThreadName("stoke-loader");
     // `anchor` and `done` restate for TSan what task_arena::execute orders (common/tsan.h).
     int done = 0;
     auto chain =

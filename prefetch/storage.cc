@@ -25,6 +25,7 @@
 #include "common/logging.h"
 #include "common/map_guard.h"
 #include "common/sys_memory.h"
+#include "common/thread_name.h"
 
 namespace stoke::prefetch {
 namespace {
@@ -95,6 +96,7 @@ struct Segment {
   // Guarded by State::mu.
   int pending = 0;
   bool allocated = false;
+  bool queued = false;  // its pieces are with the I/O threads, which make it ready
   bool ready = false;
   int64_t remaining = 0;
 };
@@ -134,6 +136,9 @@ struct StorageStage::State {
   uint64_t held = 0;        // bytes of buffers allocated; guarded by mu
   uint64_t peak = 0;        // guarded by mu
   bool stopped = false;     // guarded by mu
+  // The scheduler ended on an exception (memory ran out while it planned a segment): segments it
+  // did not create are read through the map from then on. Guarded by mu.
+  bool abandoned = false;
 
   std::mutex io_mu;
   std::condition_variable io_cv;
@@ -283,7 +288,41 @@ struct StorageStage::State {
     }
   }
 
+  // The scheduler thread. An exception must not end the process (std::terminate) nor leave a
+  // decoder waiting for a segment that will never be ready: every segment the scheduler created
+  // and did not give to the I/O threads is made ready with its reads failed, and the rest of the
+  // run goes the reader's way, as when no I/O thread could start.
   void Schedule() {
+    SetThreadName("stoke-storage");
+    try {
+      ScheduleSegments();
+    } catch (const std::exception& e) {
+      Abandon(e.what());
+    } catch (...) {
+      Abandon("an unknown exception");
+    }
+  }
+
+  // Allocates nothing until the decoders are released: memory may still be short.
+  void Abandon(const char* why) noexcept {
+    {
+      std::lock_guard lock(mu);
+      abandoned = true;
+      for (auto& [seq, s] : segments) {
+        if (s->ready || s->queued) continue;
+        for (Piece& p : s->pieces) p.failed = true;
+        Finish(*s);
+      }
+    }
+    cv.notify_all();
+    try {
+      STOKE_LOG(WARN, "loader: storage stage: planning reads of {} stopped ({}); the remaining records are read "
+                "through the map", ds->data_file().c_str(), why);
+    } catch (...) {  // the warning is lost, nothing else
+    }
+  }
+
+  void ScheduleSegments() {
     std::vector<int64_t> order;
     int64_t order_epoch = -1;
     for (int64_t seq = first_seq; end_seq < 0 || seq < end_seq; ++seq) {
@@ -355,8 +394,22 @@ struct StorageStage::State {
         continue;
       }
       {
+        std::lock_guard lock(mu);
+        s->queued = true;
+      }
+      {
         std::lock_guard lock(io_mu);
-        for (Piece& p : s->pieces) io_queue.push_back(&p);
+        const size_t before = io_queue.size();
+        try {
+          for (Piece& p : s->pieces) io_queue.push_back(&p);
+        } catch (...) {
+          // No I/O thread has taken any of them (io_mu is held): take them back, so that
+          // Abandon() finishes the segment.
+          io_queue.resize(before);
+          std::lock_guard seg_lock(mu);
+          s->queued = false;
+          throw;
+        }
       }
       io_cv.notify_all();
     }
@@ -366,8 +419,9 @@ struct StorageStage::State {
   // for stacks), with a warning when that is fewer than asked.
   void StartIo() {
     try {
+      io.reserve(static_cast<size_t>(io_count));
       for (int i = 0; i < io_count; ++i) io.emplace_back([this] { ReadPieces(); });
-    } catch (const std::system_error& e) {
+    } catch (const std::exception& e) {  // system_error (no thread) or bad_alloc (no memory for one)
       io_refused = true;
       STOKE_LOG(WARN, "loader: storage stage: started {} of {} I/O threads ({}){}", io.size(), io_count, e.what(),
                 io.empty() ? "; records are read through the map" : "");
@@ -375,6 +429,7 @@ struct StorageStage::State {
   }
 
   void ReadPieces() {
+    SetThreadName("stoke-read");
     for (;;) {
       Piece* p = nullptr;
       {
@@ -581,7 +636,8 @@ Result<std::span<const std::byte>> StorageStage::Acquire(int64_t epoch, int64_t 
       s = it->second.get();
       break;
     }
-    if (it == st.segments.end() && seq < st.next_seq) {  // done with already (a second visit)
+    // Done with already (a second visit), or never to be planned (the scheduler stopped).
+    if (it == st.segments.end() && (seq < st.next_seq || st.abandoned)) {
       st.direct.fetch_add(1, std::memory_order_relaxed);
       return std::span<const std::byte>();
     }

@@ -3,16 +3,20 @@
 // never leaves Next() waiting: left to TBB, it cancelled the pipeline, dropped the batches in
 // flight and, while the consumer held a lease, waited forever for an input stage blocked on the
 // ring. This binary replaces the global operator new so that, once armed, a large allocation made
-// off the test's own thread throws std::bad_alloc.
+// off the test's own thread throws std::bad_alloc, or (armed so) any allocation of the storage
+// stage's scheduler thread does.
 // GCC sees the replacement delete's free() meet the replacement new's malloc() and calls the pair
 // mismatched; they are this file's own matching pair.
 #pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+
+#include <pthread.h>
 
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <future>
 #include <new>
 #include <thread>
@@ -29,13 +33,20 @@
 
 namespace {
 std::atomic<size_t> fail_above{SIZE_MAX};  // armed: allocations larger than this throw
+std::atomic<bool> fail_storage_thread{false};  // armed: every allocation of the storage scheduler throws
 std::atomic<int> failed_allocations{0};
 std::thread::id test_thread;
+
+bool OnStorageScheduler() {
+  char name[16] = {};  // pthread_getname_np on the calling thread allocates nothing
+  return ::pthread_getname_np(::pthread_self(), name, sizeof(name)) == 0 && std::strcmp(name, "stoke-storage") == 0;
+}
 }  // namespace
 
 #if !STOKE_SANITIZED_NEW
 void* operator new(size_t n) {
-  if (n > fail_above.load(std::memory_order_relaxed) && std::this_thread::get_id() != test_thread) {
+  if ((n > fail_above.load(std::memory_order_relaxed) && std::this_thread::get_id() != test_thread) ||
+      (fail_storage_thread.load(std::memory_order_relaxed) && OnStorageScheduler())) {
     failed_allocations.fetch_add(1);
     throw std::bad_alloc();
   }
@@ -139,6 +150,49 @@ TEST_F(LoaderException, NextReturnsTheErrorWhileTheConsumerHoldsALease) {
     EXPECT_EQ(batches.load(), 2);
     EXPECT_EQ(end.code(), StatusCode::kResourceExhausted) << end.ToString();
     EXPECT_NE(end.message().find("record 95 of"), std::string::npos) << end.ToString();
+  }
+}
+
+// The storage stage's scheduler runs out of memory while it plans a segment, at the start or in
+// the middle of a run: the rest of the records are read through the map and the batches are those
+// of the map path. Before, the exception ended the process (std::terminate from the thread).
+TEST_F(LoaderException, AStorageSchedulerOutOfMemoryLeavesTheRecordsToTheMap) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.records = 40}));
+  ASSERT_OK(ds.status());
+  LoaderOptions o = SmallOptions(2);
+  o.epochs = 4;  // 32 segments of 5: far more than the scheduler plans ahead of the first batch
+  o.storage.enabled = false;
+  std::vector<Seen> want;
+  {
+    auto loader = Loader::Create(*ds, o);
+    ASSERT_OK(loader.status());
+    want = Drain(**loader);
+  }
+  ASSERT_EQ(want.size(), 28u);  // 4 epochs of ceil(40 / 6) batches
+  o.storage.enabled = true;
+  o.storage.use_map_when_resident = false;
+  o.storage.segment_positions = 5;
+  o.storage.io_threads = 2;
+  for (int armed_after : {0, 1, 9}) {
+    SCOPED_TRACE(fmt::format("armed after {} batches", armed_after));
+    failed_allocations = 0;
+    if (armed_after == 0) fail_storage_thread = true;
+    auto loader = Loader::Create(*ds, o);
+    ASSERT_OK(loader.status());
+    std::vector<Seen> got = Drain(**loader, armed_after);
+    fail_storage_thread = true;
+    const std::vector<Seen> rest = Drain(**loader);
+    got.insert(got.end(), rest.begin(), rest.end());
+    const StorageStats stats = (*loader)->stats().storage;
+    loader->reset();
+    fail_storage_thread = false;
+    EXPECT_GE(failed_allocations.load(), 1);
+    EXPECT_EQ(got, want);
+    EXPECT_GT(stats.records_direct, 0);  // read through the map once planning stopped
+    if (armed_after > 0) {
+      EXPECT_GT(stats.records_buffered, 0);
+    }
   }
 }
 

@@ -32,6 +32,7 @@
 
 #include "common/json_util.h"
 #include "common/logging.h"
+#include "common/thread_name.h"
 #include "dataset/dataset.h"
 #include "tools/monitor/assets.h"
 
@@ -204,7 +205,10 @@ class Parking {
  public:
   explicit Parking(std::function<void(int)> dispatch)
       : dispatch_(std::move(dispatch)), epoll_(::epoll_create1(EPOLL_CLOEXEC)), max_parked_(MaxParked()) {
-    thread_ = std::thread([this] { Loop(); });
+    thread_ = std::thread([this] {
+      SetThreadName("stoke-mon-idle");
+      Loop();
+    });
   }
   ~Parking() { Stop(); }
   void Park(int fd, int timeout_ms) {
@@ -785,6 +789,7 @@ Result<std::unique_ptr<Monitor>> Monitor::Start(MonitorOptions options) {
   // cpp-httplib listens with a backlog of 5; a page, its scripts and a few hundred clients need more.
   if (s->listen_fd >= 0) ::listen(s->listen_fd, kListenBacklog);
   state->listener = std::thread([s] {
+    SetThreadName("stoke-monitor");
     s->server.listen_after_bind();
     if (!s->stopping.load()) {
       // cpp-httplib leaves its accept loop on any accept() error but EMFILE (ENFILE, ENOMEM, ...).
