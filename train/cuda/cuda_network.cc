@@ -1027,18 +1027,40 @@ Status CudaAvailable() {
 }
 
 // How many ranks share their GPU with another rank, the same count on every rank (a GPU's UUID is
-// unique across machines). Collective: one gather of 16 bytes per rank, once per run.
+// unique across machines). Collective: one gather per run, which every rank joins even when it
+// cannot reach its own GPU (a rank that returned before it left the others in a collective of
+// another kind); the ranks then all fail with the first failing rank's error.
 Result<int> RanksSharingAGpu(int device, StepSync* sync) {
-  cudaDeviceProp prop{};
-  STOKE_CUDA_OK(cudaGetDeviceProperties(&prop, device));
-  using Uuid = std::array<std::byte, 16>;
-  static_assert(sizeof prop.uuid.bytes == sizeof(Uuid));
-  Uuid mine;
-  std::memcpy(mine.data(), prop.uuid.bytes, mine.size());
-  std::vector<Uuid> ids(static_cast<size_t>(sync->world()));
-  STOKE_RETURN_IF_ERROR(sync->GatherBytes(mine, std::as_writable_bytes(std::span(ids))));
-  std::map<Uuid, int> ranks_on;
-  for (const auto& id : ids) ranks_on[id]++;
+  struct Entry {
+    std::array<std::byte, 16> uuid{};
+    char error[240] = {};  // empty: this rank has its GPU
+  };
+  static_assert(sizeof(Entry) == 256);
+  Entry mine;
+  const Status local = [&]() -> Status {
+    STOKE_CUDA_OK(cudaSetDevice(device));
+    cudaDeviceProp prop{};
+    STOKE_CUDA_OK(cudaGetDeviceProperties(&prop, device));
+    static_assert(sizeof prop.uuid.bytes == sizeof mine.uuid);
+    std::memcpy(mine.uuid.data(), prop.uuid.bytes, mine.uuid.size());
+    return OkStatus();
+  }();
+  if (!local.ok()) {
+    const std::string text = fmt::format("GPU {}: {}", device, local.message());
+    text.copy(mine.error, sizeof mine.error - 1);
+    if (mine.error[0] == '\0') mine.error[0] = '?';
+  }
+  std::vector<Entry> all(static_cast<size_t>(sync->world()));
+  STOKE_RETURN_IF_ERROR(sync->GatherBytes(std::as_bytes(std::span(&mine, 1)), std::as_writable_bytes(std::span(all))));
+  if (!local.ok()) return local;
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (all[r].error[0] != '\0') {
+      return UnavailableError(fmt::format("rank {} cannot use its {}", r,
+                                          std::string_view(all[r].error, strnlen(all[r].error, sizeof all[r].error))));
+    }
+  }
+  std::map<std::array<std::byte, 16>, int> ranks_on;
+  for (const Entry& e : all) ranks_on[e.uuid]++;
   int sharing = 0;
   for (const auto& [id, n] : ranks_on) sharing += n > 1 ? n : 0;
   return sharing;
@@ -2150,8 +2172,7 @@ Status CudaNetwork::SetStepSync(StepSync* sync) {
   impl_->sync = sync;
   if (sync == nullptr || (sync->world() == 1 && !force)) return OkStatus();
   return CatchExceptions("cuda backend: data-parallel set-up", [&]() -> Status {
-    STOKE_CUDA_OK(cudaSetDevice(net.opt.device));
-    STOKE_ASSIGN_OR_RETURN(const int sharing, RanksSharingAGpu(net.opt.device, sync));
+    STOKE_ASSIGN_OR_RETURN(const int sharing, RanksSharingAGpu(net.opt.device, sync));  // sets the device
 #if STOKE_WITH_NCCL
     Status nccl_usable = OkStatus();  // asked only where it decides
     const cuda::Nccl* api = nullptr;
