@@ -1024,6 +1024,56 @@ TEST(Pack, InterruptedOverwriteCanBeResumed) {
   EXPECT_EQ(ds.size(), 40);
 }
 
+// --overwrite exchanges the old dataset for the new one and removes the old: nothing is left
+// beside the output, and a leftover from a pack stopped before its removal goes at the next one.
+TEST(Pack, OverwriteLeavesOnlyTheNewDataset) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 3);
+  auto o = Options(dir / "src", dir / "out");
+  ASSERT_OK(Pack(o).status());
+  o.overwrite = true;
+  o.quality = 50;
+  ASSERT_OK(Pack(o).status());
+  ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(dir / "out"));
+  EXPECT_EQ(ds.manifest().packing["options"]["quality"], 50);
+  EXPECT_FALSE(fs::exists(dir / "out.partial"));
+  EXPECT_FALSE(fs::exists(dir / "out.replaced"));
+  // A replaced dataset left by a stopped pack (a copy of the current one) goes at the next pack.
+  fs::copy(dir / "out", dir / "out.replaced", fs::copy_options::recursive);
+  o.quality = 60;
+  ASSERT_OK(Pack(o).status());
+  EXPECT_FALSE(fs::exists(dir / "out.replaced"));
+  // ... but a folder of the user's files under that name is not removed: the pack says why.
+  fs::create_directories(dir / "out.replaced");
+  testing::WriteBytes(dir / "out.replaced" / "notes.txt", std::vector<std::byte>(4, std::byte{'x'}));
+  auto refused = Pack(o);
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument) << refused.status().ToString();
+  EXPECT_NE(refused.status().message().find("notes.txt"), std::string::npos) << refused.status().ToString();
+  EXPECT_TRUE(fs::exists(dir / "out.replaced" / "notes.txt"));
+  ASSERT_OK_AND_ASSIGN(Dataset kept, Dataset::Open(dir / "out"));
+  EXPECT_EQ(kept.manifest().packing["options"]["quality"], 60);
+}
+
+// Stopped inside the publication, right after the exchange: the new dataset is in place and the
+// one it replaced is under the partial name. --resume sees the job done and removes the old one
+// (it used to refuse: the partial dataset "was packed from other inputs or options").
+TEST(Pack, ResumeAfterAnExchangeRemovesTheReplacedDataset) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 3);
+  auto o = Options(dir / "src", dir / "old");
+  ASSERT_OK(Pack(o).status());
+  o.output = dir / "out";
+  o.quality = 50;
+  ASSERT_OK(Pack(o).status());                    // the new one
+  fs::rename(dir / "old", dir / "out.partial");  // the old one, where the exchange leaves it
+  o.resume = true;
+  ASSERT_OK_AND_ASSIGN(PackSummary s, Pack(o));
+  EXPECT_TRUE(s.splits[0].already_complete);
+  EXPECT_FALSE(fs::exists(dir / "out.partial"));
+  ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(dir / "out"));
+  EXPECT_EQ(ds.manifest().packing["options"]["quality"], 50);
+}
+
 TEST(Pack, NonUtf8NamesAreReportedNotFatal) {
   TempDir dir;
   testing::MakeImageTree(dir / "src", kClasses, 2);

@@ -10,7 +10,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <ctime>
 #include <fstream>
@@ -29,6 +31,7 @@
 #include <tuple>
 #include <unordered_map>
 
+#include <fcntl.h>
 #include <sys/stat.h>
 
 #include "common/digest.h"
@@ -696,6 +699,13 @@ fs::path PartialPath(const fs::path& output) {
   return p;
 }
 
+// Where a dataset that a new pack replaced waits to be removed.
+fs::path ReplacedPath(const fs::path& output) {
+  fs::path p = output;
+  p += ".replaced";
+  return p;
+}
+
 // A processed input on its way from the pipeline to the writer thread.
 struct Slot {
   size_t index;
@@ -737,7 +747,18 @@ class SplitPacker {
     const bool have_partial = fs::exists(partial, ec);
     if (o_.resume && have_partial && dataset::Dataset::Open(partial).ok()) {
       // Finished but not renamed (stopped between the last commit and the rename).
-      STOKE_RETURN_IF_ERROR(CheckFingerprint(partial));
+      const Status ours = CheckFingerprint(partial);
+      if (!ours.ok() && fs::exists(job_.output, ec) && CheckFingerprint(job_.output).ok()) {
+        // Stopped inside Publish, right after the exchange: the new dataset is in place and the
+        // one it replaced is still under the partial name.
+        STOKE_LOG(INFO, "pack: {} is complete; removing the dataset it replaced ({})", job_.output.string(),
+                  partial.string());
+        STOKE_RETURN_IF_ERROR(ReplaceableOutput(partial));
+        fs::remove_all(partial, ec);
+        if (ec) return IoError(fmt::format("pack: {}: {}", partial.string(), ec.message()));
+        return AlreadyComplete(summary, total);
+      }
+      STOKE_RETURN_IF_ERROR(ours);
       STOKE_RETURN_IF_ERROR(Publish(partial));
       return AlreadyComplete(summary, total);
     }
@@ -819,20 +840,58 @@ class SplitPacker {
   }
 
  private:
-  // Replaces the output (if any) with the finished partial dataset.
+  // Replaces the output (if any) with the finished partial dataset. Readers opening the output see
+  // the old dataset or the new one, never a missing or half-removed one: the two folders are
+  // exchanged in one step (renameat2 RENAME_EXCHANGE; where the filesystem lacks it, two renames
+  // a moment apart), and only then is the old one removed, from under the name ReplacedPath().
+  // Stopped at any point, a rerun with --resume finishes the job (see Run).
   Status Publish(const fs::path& partial) const {
     STOKE_RETURN_IF_ERROR(ReplaceableOutput(job_.output));
+    const fs::path replaced = ReplacedPath(job_.output);
+    STOKE_RETURN_IF_ERROR(RemoveReplaced());
     std::error_code ec;
-    if (fs::exists(job_.output, ec)) fs::remove_all(job_.output, ec);
-    if (!ec) fs::rename(partial, job_.output, ec);
-    if (ec) {
+    auto failed = [&](const std::string& why) {
       return IoError(fmt::format("pack: replace {} with {}: {} (the finished dataset is kept at {})",
-                                 job_.output.string(), partial.string(), ec.message(),
-                                 partial.string()));
+                                 job_.output.string(), partial.string(), why, partial.string()));
+    };
+    bool had_output = fs::exists(fs::symlink_status(job_.output, ec));
+    if (!had_output) {
+      fs::rename(partial, job_.output, ec);
+      if (ec) return failed(ec.message());
+    } else if (::renameat2(AT_FDCWD, partial.c_str(), AT_FDCWD, job_.output.c_str(), RENAME_EXCHANGE) == 0) {
+      // The old dataset is at `partial` now: out of the way under its own name.
+      fs::rename(partial, replaced, ec);
+      if (ec) {
+        return IoError(fmt::format("pack: {} is published; the dataset it replaced is at {} and could not be renamed "
+                                   "to {}: {} (remove it)",
+                                   job_.output.string(), partial.string(), replaced.string(), ec.message()));
+      }
+    } else if (errno == EINVAL || errno == ENOSYS || errno == ENOTSUP) {  // no exchange on this filesystem
+      fs::rename(job_.output, replaced, ec);
+      if (!ec) fs::rename(partial, job_.output, ec);
+      if (ec) return failed(ec.message());
+    } else {
+      return failed(std::strerror(errno));
     }
     fs::path named = job_.output;
     if (!named.has_filename()) named = named.parent_path();  // "out/"
-    return SyncDirectory(named.has_parent_path() ? named.parent_path() : fs::path("."));  // the new name, durable
+    STOKE_RETURN_IF_ERROR(SyncDirectory(named.has_parent_path() ? named.parent_path() : fs::path(".")));
+    if (had_output) {
+      const Status removed = RemoveReplaced();
+      if (!removed.ok()) STOKE_LOG(WARN, "{} (the new dataset is in place)", removed.message());
+    }
+    return OkStatus();
+  }
+
+  // Removes what an earlier Publish left under ReplacedPath() (stopped before it removed it).
+  Status RemoveReplaced() const {
+    const fs::path replaced = ReplacedPath(job_.output);
+    std::error_code ec;
+    if (!fs::exists(fs::symlink_status(replaced, ec))) return OkStatus();
+    STOKE_RETURN_IF_ERROR(ReplaceableOutput(replaced));
+    fs::remove_all(replaced, ec);
+    if (ec) return IoError(fmt::format("pack: remove the replaced dataset {}: {}", replaced.string(), ec.message()));
+    return OkStatus();
   }
 
   // kInvalidArgument unless the finished dataset at `path` was packed from these inputs and
