@@ -201,6 +201,14 @@ Result<Dataset> Dataset::Open(const std::filesystem::path& path) {
       CheckRecordKeys(txn.get(), d.records_dbi_, d.manifest_.records, file_bytes, path));
   STOKE_ASSIGN_OR_RETURN(rc, detail::OpenTableGuarded(txn.get(), kPathsDb, &d.paths_dbi_, path));
   d.has_paths_dbi_ = rc == MDB_SUCCESS;
+  if (rc != MDB_SUCCESS && (rc != MDB_NOTFOUND || d.manifest_.has_paths)) {
+    // The records do not depend on it: the dataset opens, and whatever asks for a source path
+    // (inspect, a bad-record report, eval) gets this error instead of an empty path.
+    d.paths_status_ = CorruptError(fmt::format(
+        "{}: the table of source paths {} (the records themselves are not affected; repack to have the paths)",
+        where, rc == MDB_NOTFOUND ? "that the manifest lists is missing"
+                                  : fmt::format("cannot be opened ({})", mdb_strerror(rc))));
+  }
   d.data_file_ = data_file;
   if (map_start != nullptr) {
     d.map_ = std::span<const std::byte>(map_start, static_cast<size_t>(std::min<uint64_t>(file_bytes, info.me_mapsize)));
@@ -379,6 +387,7 @@ Status Reader::Scan(int64_t begin, int64_t end,
 }
 
 Result<std::string> Reader::SourcePath(int64_t index) {
+  STOKE_RETURN_IF_ERROR(dataset_->paths_status_);
   if (!dataset_->has_paths_dbi_) return std::string();
   std::array<std::byte, 8> key;
   EncodeKey(static_cast<uint64_t>(index), key);

@@ -55,6 +55,9 @@ class Dataset {
   // touching a page that is not in the page cache reads it from storage).
   const std::filesystem::path& data_file() const { return data_file_; }
   std::span<const std::byte> map() const { return map_; }
+  // Ok unless the table of source paths that the manifest lists is missing or cannot be opened
+  // (Reader::SourcePath then returns this error).
+  const Status& paths_status() const { return paths_status_; }
   // The extent of every record in the data file, from one pass over the records table's leaf
   // pages (the payloads are not read: about 1% of the file). A record whose extent is missing,
   // out of sequence or outside the file gets size 0. kCorrupt when the table cannot be walked.
@@ -77,6 +80,7 @@ class Dataset {
   MDB_dbi records_dbi_ = 0;
   MDB_dbi paths_dbi_ = 0;
   bool has_paths_dbi_ = false;
+  Status paths_status_;  // the paths table the manifest promises cannot be read
   Manifest manifest_;
   friend class Reader;
 };

@@ -917,6 +917,45 @@ TEST(Dataset, AnotherProgramsLmdbFileIsNotAStokeDataset) {
   EXPECT_NE(g.status().message().find("'records'"), std::string::npos) << g.status().ToString();
 }
 
+// A dataset whose manifest lists source paths but whose paths table is gone (or is a plain key
+// another program wrote) read as a dataset without paths: every source path came back "" and
+// nothing said why. It still opens (the records are intact), and a source path is an error.
+TEST(Dataset, AMissingPathsTableIsAnErrorNotEmptyPaths) {
+  TempDir dir;
+  for (const bool plain_key : {false, true}) {
+    SCOPED_TRACE(plain_key ? "plain key" : "dropped");
+    const fs::path db = dir / (plain_key ? "p" : "d");
+    WriteDataset(db, 5);
+    {
+      ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(db));
+      ASSERT_TRUE(ds.manifest().has_paths);
+      EXPECT_OK(ds.paths_status());
+    }
+    MDB_env* raw = nullptr;
+    ASSERT_EQ(mdb_env_create(&raw), MDB_SUCCESS);
+    {
+      MdbEnv env(raw);
+      mdb_env_set_maxdbs(raw, 4);
+      ASSERT_EQ(mdb_env_open(raw, db.c_str(), MDB_NOLOCK, 0644), MDB_SUCCESS);
+      MDB_txn* txn = nullptr;
+      ASSERT_EQ(mdb_txn_begin(raw, nullptr, 0, &txn), MDB_SUCCESS);
+      MDB_dbi dbi = 0;
+      ASSERT_EQ(mdb_dbi_open(txn, kPathsDb, 0, &dbi), MDB_SUCCESS);
+      ASSERT_EQ(mdb_drop(txn, dbi, 1), MDB_SUCCESS);  // deletes the table and its entry
+      ASSERT_EQ(mdb_txn_commit(txn), MDB_SUCCESS);
+    }
+    if (plain_key) PutLmdb(db, nullptr, kPathsDb, "not a table");
+    ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(db));
+    EXPECT_EQ(ds.paths_status().code(), StatusCode::kCorrupt);
+    ASSERT_OK_AND_ASSIGN(Reader reader, ds.NewReader());
+    ASSERT_OK(reader.Get(3).status());
+    auto source = reader.SourcePath(3);
+    EXPECT_EQ(source.status().code(), StatusCode::kCorrupt) << source.status().ToString();
+    EXPECT_NE(source.status().message().find("source paths"), std::string::npos) << source.status().ToString();
+    EXPECT_NE(source.status().message().find(db.string()), std::string::npos) << source.status().ToString();
+  }
+}
+
 // A manifest of a newer format (whose fields may have moved) was reported as damaged: "missing
 // field 'class_counts'". Its version is read first.
 TEST(Dataset, NewerFormatIsNamedAsSuchNotAsDamage) {

@@ -127,6 +127,7 @@ Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOp
           fmt::format("payload_bytes is {}, the records hold {}", m.payload_bytes, counted_bytes));
     }
   }
+  if (!ds.paths_status().ok()) report.manifest_problems.push_back(std::string(ds.paths_status().message()));
   nlohmann::json enc_json = nlohmann::json::object(), ch_json = nlohmann::json::object();
   for (auto& [k, v] : encodings) enc_json[k] = v;
   for (auto& [k, v] : channels) ch_json[std::to_string(k)] = v;
