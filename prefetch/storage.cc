@@ -43,6 +43,7 @@ constexpr int64_t kDefaultSegment = 256;
 // Segments built ahead of the decoders, whatever their size (resident ones take no buffer).
 constexpr size_t kMaxSegmentsAhead = 8;
 constexpr uint64_t kPage = 4096;
+constexpr int64_t kReportedReadFailures = 5;
 
 int64_t Nanos(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count();
@@ -152,6 +153,7 @@ struct StorageStage::State {
   int io_count = 0;
   bool io_refused = false;  // the system refused a thread: do not ask again (scheduler only)
 
+  std::atomic<int64_t> failed_reads{0};
   std::atomic<int64_t> bytes_read{0}, read_calls{0}, buffered{0}, mapped{0}, direct{0}, wait_ns{0};
   // Starvation advice: wait_ns at the start of the current window.
   Clock::time_point window_start = Clock::now(), last_advice{};
@@ -162,8 +164,14 @@ struct StorageStage::State {
     if (direct_fd >= 0) ::close(direct_fd);
   }
 
+  // -1 (outside the plan: read by the decoder) for an epoch too far to number its segments.
   int64_t SeqOf(int64_t epoch, int64_t position) const {
-    return (epoch - plan.start_epoch) * segs_per_epoch + position / segment;
+    int64_t seq = 0;
+    if (__builtin_mul_overflow(epoch - plan.start_epoch, segs_per_epoch, &seq) ||
+        __builtin_add_overflow(seq, position / segment, &seq)) {
+      return -1;
+    }
+    return seq;
   }
 
   // Whether every page of [offset, offset + size) of the data file is in the page cache.
@@ -278,7 +286,13 @@ struct StorageStage::State {
                 "loader: the decoders spent {:.0f}% of the last {:.0f} s waiting for records from {}: this storage "
                 "cannot keep up with a full shuffle's random reads ({} in flight); set data.shuffle: block to read "
                 "it in long sequential runs (docs/LARGE_DATASETS.md)",
-                100 * waited / window_s, window_s, file, io_count);
+                100 * waited / window_s, window_s, file, io.size());
+    } else if (mode == dataset::ShuffleMode::kSequential) {
+      STOKE_LOG(WARN,
+                "loader: the decoders spent {:.0f}% of the last {:.0f} s waiting for records from {}: the storage is "
+                "the bottleneck even for sequential reads; more data.io.threads keep more reads in flight and a "
+                "larger data.io.memory_mb reads further ahead (docs/LARGE_DATASETS.md)",
+                100 * waited / window_s, window_s, file);
     } else {
       STOKE_LOG(WARN,
                 "loader: the decoders spent {:.0f}% of the last {:.0f} s waiting for records from {}: the storage is "
@@ -364,8 +378,8 @@ struct StorageStage::State {
       }
       if (s->bytes > 0) {
         if (!s->buffer.Allocate(s->bytes)) {
-          STOKE_LOG(WARN, "loader: no memory for {} MB of read-ahead; its records are read through the map",
-                    s->bytes >> 20);
+          STOKE_LOG(WARN, "loader: no memory for {:.1f} MB of read-ahead; its records are read through the map",
+                    static_cast<double>(s->bytes) / (1 << 20));
           for (Piece& p : s->pieces) p.failed = true;
           std::lock_guard lock(mu);
           Finish(*s);
@@ -428,6 +442,19 @@ struct StorageStage::State {
     }
   }
 
+  // A few warnings, then one saying that the rest are not reported: a failing disk fails every
+  // read. Never throws (memory may be what is short): the segment must still be finished.
+  void ReportFailedRead(const Piece& p, int error) noexcept {
+    const int64_t count = failed_reads.fetch_add(1, std::memory_order_relaxed) + 1;
+    if (count > kReportedReadFailures) return;
+    try {
+      STOKE_LOG(WARN, "loader: reading {} bytes at {} of {} failed ({}); those records are read through the map{}",
+                p.length, p.file_offset, ds->data_file().c_str(), error != 0 ? std::strerror(error) : "end of file",
+                count == kReportedReadFailures ? " (further failed reads are not reported)" : "");
+    } catch (...) {  // the warning is lost, nothing else
+    }
+  }
+
   void ReadPieces() {
     SetThreadName("stoke-read");
     for (;;) {
@@ -458,11 +485,7 @@ struct StorageStage::State {
         if (n <= 0) {
           // A read error or a file shorter than the table says: these records go the reader's
           // way, which reports them.
-          if (!p->failed) {
-            STOKE_LOG(WARN, "loader: reading {} bytes at {} of {} failed ({}); those records are read through the map",
-                      p->length, p->file_offset, ds->data_file().string(),
-                      n < 0 ? std::strerror(errno) : "end of file");
-          }
+          if (!p->failed) ReportFailedRead(*p, n < 0 ? errno : 0);
           p->failed = true;
           break;
         }
@@ -581,7 +604,10 @@ Result<std::unique_ptr<StorageStage>> StorageStage::Create(const dataset::Datase
   st->budget = budget;
   st->segs_per_epoch = (plan.positions_per_epoch + segment - 1) / segment;
   st->first_seq = plan.start_position / segment;
-  st->end_seq = plan.epochs > 0 ? plan.epochs * st->segs_per_epoch : -1;
+  // A count of epochs too large to number its segments is as good as endless.
+  int64_t end_seq = -1;
+  if (plan.epochs > 0 && __builtin_mul_overflow(plan.epochs, st->segs_per_epoch, &end_seq)) end_seq = -1;
+  st->end_seq = end_seq;
   st->next_seq = st->first_seq;
   const uint64_t available = AvailableMemoryBytes();
   st->drop = o.cache == StorageOptions::Cache::kDrop ||
@@ -641,9 +667,14 @@ Result<std::span<const std::byte>> StorageStage::Acquire(int64_t epoch, int64_t 
       st.direct.fetch_add(1, std::memory_order_relaxed);
       return std::span<const std::byte>();
     }
-    st.wanted = std::max(st.wanted, seq);
     waited = true;
-    st.cv.notify_all();  // the scheduler may be holding back for the budget
+    // Only a higher `wanted` can change the scheduler's mind (it may be holding back for the
+    // budget). Notifying on every pass woke the other waiting decoders, which notified in turn:
+    // they spun on the lock for as long as the read took.
+    if (seq > st.wanted) {
+      st.wanted = seq;
+      st.cv.notify_all();
+    }
     st.cv.wait(lock);
   }
   if (waited) st.wait_ns.fetch_add(Nanos(t0, Clock::now()), std::memory_order_relaxed);

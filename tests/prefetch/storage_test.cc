@@ -111,6 +111,26 @@ TEST(Storage, ResumedShardedAndDropLastRunsMatchTheMapPath) {
   }
 }
 
+// A count of epochs so large that numbering its segments overflows is an endless run: the stage
+// still reads ahead (the product wrapped and the stage read nothing, or one epoch only).
+TEST(Storage, AHugeEpochCountStillReadsAhead) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.records = 40}));
+  ASSERT_OK(ds.status());
+  for (int64_t epochs : {int64_t{1} << 61, int64_t{1} << 62, (int64_t{1} << 62) + 1}) {
+    SCOPED_TRACE(fmt::format("epochs {}", epochs));
+    LoaderOptions o = SmallOptions(2);
+    o.epochs = epochs;
+    o.storage = ReadEverything(10);  // 4 segments per epoch
+    auto loader = Loader::Create(*ds, o);
+    ASSERT_OK(loader.status());
+    EXPECT_EQ(Drain(**loader, 10).size(), 10u);  // past the first epoch
+    const StorageStats stats = (*loader)->stats().storage;
+    EXPECT_GE(stats.records_buffered, 60);
+    EXPECT_EQ(stats.records_direct, 0);
+  }
+}
+
 TEST(Storage, ReadAheadStaysWithinTheBudget) {
   testing::TempDir dir;
   auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.records = 60}));
