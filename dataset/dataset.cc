@@ -209,7 +209,11 @@ Result<Dataset> Dataset::Open(const std::filesystem::path& path) {
         where, rc == MDB_NOTFOUND ? "that the manifest lists is missing"
                                   : fmt::format("cannot be opened ({})", mdb_strerror(rc))));
   }
-  d.data_file_ = data_file;
+  // Absolute: the storage stage opens it again later, perhaps after the process changed its
+  // working directory (and a relative name would then find another file, or none).
+  std::error_code abs_ec;
+  d.data_file_ = std::filesystem::absolute(data_file, abs_ec);
+  if (abs_ec) d.data_file_ = data_file;
   if (map_start != nullptr) {
     d.map_ = std::span<const std::byte>(map_start, static_cast<size_t>(std::min<uint64_t>(file_bytes, info.me_mapsize)));
   }

@@ -676,7 +676,7 @@ Result<std::unique_ptr<Loader>> Loader::Create(const dataset::Dataset& ds, Loade
         continue;
       }
       st->bad.emplace(b.index, b.reason);
-      if (st->own_bad.insert(b.index).second) st->bad_count.fetch_add(1);
+      if (b.own && st->own_bad.insert(b.index).second) st->bad_count.fetch_add(1);
     }
     if (outside > 0) {
       STOKE_LOG(WARN, "loader: {} bad record(s) known from earlier in this run are not records of {} ({} records); "
@@ -835,7 +835,7 @@ LoaderStats Loader::stats() const {
 
 std::vector<BadRecord> Loader::bad_records() const {
   std::vector<BadRecord> out;
-  for (const auto& [index, reason] : state_->bad) out.push_back({index, reason});
+  for (const auto& [index, reason] : state_->bad) out.push_back({index, reason, state_->own_bad.count(index) > 0});
   std::sort(out.begin(), out.end(), [](const BadRecord& a, const BadRecord& b) { return a.index < b.index; });
   return out;
 }

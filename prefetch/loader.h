@@ -63,6 +63,9 @@ inline constexpr int kMaxRingSize = 1024;
 struct BadRecord {
   int64_t index = 0;
   std::string reason;  // names the record, its source path when known, and what was wrong
+  // Met at one of this loader's own sample positions, so counted against its skip budget; false:
+  // met only while looking for a stand-in (it may be another rank's sample), listed but not counted.
+  bool own = true;
 };
 
 struct LoaderOptions {
@@ -83,7 +86,8 @@ struct LoaderOptions {
   // again after a break). They count against the budget from the start, as in one uninterrupted
   // run: over it, the run ends at the next bad record it meets (one of these, or a new one), and
   // goes on if none is bad any more (repaired). They are not logged again, never chosen as
-  // stand-ins, and listed by bad_records(); indices past the dataset's records are left out.
+  // stand-ins, and listed by bad_records(); indices past the dataset's records are left out. Only
+  // those marked `own` count at once; the others count when met at one of this loader's samples.
   std::vector<BadRecord> known_bad;
   bool verify_crc = true;     // check every record's CRC-32C (a few % of a decode)
   bool strict_decode = true;  // libjpeg warnings are errors (see decode::DecoderOptions)

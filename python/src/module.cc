@@ -24,6 +24,7 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <fmt/format.h>
@@ -178,7 +179,9 @@ std::shared_ptr<PyDataset> OpenDataset(const py::object& path_like) {
     throw py::type_error(fmt::format("stoke.Dataset: path {}: expected a str or path-like object naming a dataset",
                                      py::repr(path_like).cast<std::string>()));
   }
-  const std::string path = os.attr("fsencode")(fs).cast<std::string>();
+  // Absolute: verify() opens the dataset again, perhaps after the program changed its working
+  // directory (a relative name would then check another dataset, or none).
+  const std::string path = os.attr("fsencode")(os.attr("path").attr("abspath")(fs)).cast<std::string>();
   auto d = std::make_shared<PyDataset>();
   d->ds = std::make_unique<dataset::Dataset>(Take(dataset::Dataset::Open(path)));
   d->reader = std::make_unique<dataset::Reader>(Take(d->ds->NewReader()));
@@ -263,7 +266,7 @@ struct EpochOptions {
   std::string on_error = "skip";
   double max_skip_fraction = 0.01;  // on_error skip: bad records allowed per epoch, as a fraction of its samples
   // Bad records an earlier pipeline of the same run met (LoaderOptions::known_bad).
-  std::vector<std::pair<int64_t, std::string>> known_bad;
+  std::vector<std::tuple<int64_t, std::string, bool>> known_bad;  // index, reason, own
   int rank = 0, world_size = 1;
   int64_t epoch = 0, start_batch = 0;
   int64_t epochs = 1;  // 0: endless (epochs follow each other without draining the pipeline)
@@ -283,7 +286,7 @@ prefetch::LoaderOptions ToLoaderOptions(const EpochOptions& e) {
   o.ring_size = e.ring;
   o.on_error = Take(prefetch::ParseErrorPolicy(e.on_error));
   o.max_skip_fraction = e.max_skip_fraction;
-  for (const auto& [index, reason] : e.known_bad) o.known_bad.push_back({index, reason});
+  for (const auto& [index, reason, own] : e.known_bad) o.known_bad.push_back({index, reason, own});
   o.sampler.seed = e.seed;
   o.sampler.rank = e.rank;
   o.sampler.world_size = e.world_size;
@@ -475,7 +478,7 @@ class EpochLoader {
       GilReleased unlocked;
       loader->Stop();
     }
-    closed_bad_ = BadRecordsOf(*loader);  // still listed after close()
+    closed_bad_ = loader->bad_records();  // still listed after close()
     GilReleased unlocked;
     loader.reset();
   }
@@ -493,19 +496,14 @@ class EpochLoader {
   }
   py::list BadRecords() const {
     py::list out;
-    for (const auto& [index, reason] : loader_ ? BadRecordsOf(*loader_) : closed_bad_) {
-      out.append(py::make_tuple(index, MessageText(reason)));
+    for (const prefetch::BadRecord& r : loader_ ? loader_->bad_records() : closed_bad_) {
+      out.append(py::make_tuple(r.index, MessageText(r.reason), r.own));
     }
     return out;
   }
 
  private:
-  static std::vector<std::pair<int64_t, std::string>> BadRecordsOf(const prefetch::Loader& loader) {
-    std::vector<std::pair<int64_t, std::string>> out;
-    for (const auto& r : loader.bad_records()) out.emplace_back(r.index, r.reason);
-    return out;
-  }
-  std::vector<std::pair<int64_t, std::string>> closed_bad_;  // the pipeline's, once closed
+  std::vector<prefetch::BadRecord> closed_bad_;  // the pipeline's, once closed
 
   // A next()'s reference to the loader: when it is the last one (close() ran meanwhile), the
   // loader's threads are joined with the GIL released.

@@ -70,7 +70,7 @@ def pack(source: _Path, output: _Path, *, list_file: Optional[_Path] = None, val
     their reasons (``bad``).
 
     ``progress(records)`` is called with the records written so far after each commit (every
-    ``commit_every`` records, or sooner once 32 MB are waiting) and once at the end. Ctrl-C stops
+    ``commit_every`` records, or sooner once 32 MB are waiting) and with the total at the end (once). Ctrl-C stops
     at the next commit, leaving a partial dataset that ``resume=True`` continues. Errors raise with
     stoke's message.
     """
@@ -83,7 +83,15 @@ def pack(source: _Path, output: _Path, *, list_file: Optional[_Path] = None, val
         options[name] = _checked(name, value)
     if progress is not None and not callable(progress):
         raise ValueError(f"stoke.pack: progress={progress!r}: expected a callable taking the records written")
-    report = _stoke._pack(_checked("source", source), _checked("output", output), options, progress)
-    if progress is not None:
-        progress(sum(split["records"] for split in report["splits"]))  # and once at the end
+    last = [-1]
+
+    def told(records: int) -> Any:
+        last[0] = records
+        return progress(records)  # type: ignore[misc]
+
+    report = _stoke._pack(_checked("source", source), _checked("output", output), options,
+                          None if progress is None else told)
+    total = sum(split["records"] for split in report["splits"])
+    if progress is not None and total != last[0]:
+        progress(total)  # and once at the end, unless the last commit said it already
     return report

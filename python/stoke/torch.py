@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import numbers
 import os
+import re
 import threading
 import weakref
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Union
@@ -34,16 +35,16 @@ def _rank_and_world(rank: Optional[int], world_size: Optional[int]) -> Tuple[int
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         r, w = torch.distributed.get_rank(), torch.distributed.get_world_size()
     else:
-        def from_env(name: str, default: int) -> int:
+        def from_env(name: str, default: int, wanted: bool) -> int:
             text = os.environ.get(name)
-            if text is None:
+            if text is None or not wanted:  # a value passed wins: the variable is not read
                 return default
-            try:
-                return int(text)
-            except ValueError:
-                raise ValueError(f"stoke.torch.Loader: the environment variable {name}={text!r} is not an int") \
-                    from None
-        r, w = from_env("RANK", 0), from_env("WORLD_SIZE", 1)
+            # Plain decimal digits only (int() would also take "1_0", "+1" or " 1 ").
+            if re.fullmatch(r"[0-9]{1,10}", text) is None or int(text) >= _MAX_RANKS:
+                raise ValueError(f"stoke.torch.Loader: the environment variable {name}={text!r} is not an int in "
+                                 f"[0, {_MAX_RANKS})")
+            return int(text)
+        r, w = from_env("RANK", 0, rank is None), from_env("WORLD_SIZE", 1, world_size is None)
         if rank is None and "RANK" not in os.environ and (w if world_size is None else world_size) > 1:
             # Every process would take rank 0's shard: the same samples on every rank.
             given = f"world_size={world_size} was passed" if world_size is not None else f"WORLD_SIZE={w} is set"
@@ -85,6 +86,10 @@ def _device_index(device: Union[str, "torch.device"]) -> int:
     return index
 
 
+_MAX_RANKS = 2**31  # ranks and world sizes are C ints
+_MAX_EPOCH = 2**62  # epochs are numbered in int64, with room to count past the last
+
+
 def _is_count(v: Any) -> bool:
     """A whole number >= 0: an int or numpy integer (not a bool, a float or a string)."""
     return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np_bool)) and v >= 0
@@ -118,7 +123,7 @@ def _checked_options(**options: Any) -> Dict[str, Any]:
         elif name == "on_error":
             ok, expected = isinstance(value, str), "'skip' or 'fail'"
         elif name in ("rank", "world_size"):
-            ok, expected = value is None or _is_count(value), "None or an int >= 0"
+            ok, expected = value is None or (_is_count(value) and value < _MAX_RANKS), f"None or an int in [0, {_MAX_RANKS})"
             converted = None if value is None or not ok else int(value)
         elif name == "seed":
             ok, expected = _is_count(value) and value < 2**64, "an int in [0, 2**64)"
@@ -165,6 +170,7 @@ class _Epoch:
         self.epoch = epoch
         self.yielded = start  # batches of this epoch handed to the user (resume counts from here)
         self.superseded = False  # a later iter() of the loader started another epoch before this one ended
+        self.counts = True  # its batches move the loader's state_dict() (until set_epoch / load_state_dict)
         self._busy = threading.Lock()  # one next() at a time
 
     def __iter__(self) -> "_Epoch":
@@ -227,7 +233,7 @@ class _Epoch:
         # After the epoch's last batch the pipeline is already on the next epoch: an iter() that
         # comes before this iterator's StopIteration (a loop that counts its batches) goes on with it.
         owner._position = (self.epoch, self.yielded) if self.yielded < len(owner) else (self.epoch + 1, 0)
-        if owner._current() is self:
+        if owner._current() is self and self.counts:
             owner._handed = (self.epoch, self.yielded)
         images = torch.utils.dlpack.from_dlpack(images)
         labels = torch.utils.dlpack.from_dlpack(labels)
@@ -363,7 +369,7 @@ class Loader:
         self._native: Any = None
         # The bad records of this run's pipelines that have ended (and of a loaded state): a new
         # pipeline starts with them, so the skip budget and bad_records() are the run's.
-        self._known_bad: Dict[int, str] = {}
+        self._known_bad: Dict[int, Tuple[str, bool]] = {}  # index: (reason, own)
         self._restart = False  # load_state_dict() chose the known bad records: the next iter() starts anew
         self._position: Tuple[int, int] = (-1, -1)
         # Checks every option now (the error names it) and learns the epoch's length.
@@ -410,11 +416,19 @@ class Loader:
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next ``iter()`` runs (its order and augmentation come from the seed and it)."""
-        if not _is_count(epoch):
-            raise ValueError(f"stoke.torch.Loader.set_epoch: epoch {epoch!r}: expected an int >= 0")
-        self._next_epoch = epoch
+        if not _is_count(epoch) or epoch >= _MAX_EPOCH:
+            raise ValueError(f"stoke.torch.Loader.set_epoch: epoch {epoch!r}: expected an int in [0, 2**62)")
+        self._next_epoch = int(epoch)
         self._start_batch = 0
         self._handed = None
+        self._detach_current()
+
+    def _detach_current(self) -> None:
+        """set_epoch or load_state_dict chose where the next iter() starts: batches the running
+        iterator still hands out no longer move what state_dict() says."""
+        current = self._current()
+        if current is not None:
+            current.counts = False
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         wanted = (self._next_epoch, self._start_batch)
@@ -427,7 +441,7 @@ class Loader:
             self._restart = False
             o = self._options
             o.epoch, o.start_batch, o.epochs = wanted[0], wanted[1], 0
-            o.known_bad = sorted(self._known_bad.items())
+            o.known_bad = [(i, reason, own) for i, (reason, own) in sorted(self._known_bad.items())]
             with self._on_device():
                 self._native = _stoke.EpochLoader(self._dataset, o)
             self._position = wanted
@@ -442,9 +456,14 @@ class Loader:
         pipeline it ran (a break, ``set_epoch`` or a resume starts a new one, which goes on counting
         them against ``max_skip_fraction``) and those of a state given to ``load_state_dict``. They
         may include records of batches read ahead and not yet handed out."""
+        return [(i, reason) for i, reason, _ in self._bad_records()]
+
+    def _bad_records(self) -> list:
+        """(record index, reason, own) of bad_records(): own when met at one of this loader's samples
+        (counted against its budget), not when met only looking for a stand-in (another rank's)."""
         if self._native is not None and not self._restart:
             return self._native.bad_records()  # it started with the known ones
-        return sorted(self._known_bad.items())
+        return [(i, reason, own) for i, (reason, own) in sorted(self._known_bad.items())]
 
     def _identity(self) -> Dict[str, Any]:
         """What a state must match: the dataset (by content, not path) and the batches' order."""
@@ -459,31 +478,52 @@ class Loader:
         if batch >= self._len:
             epoch, batch = epoch + 1, 0
         return {"dataset": self._dataset.path, "rank": self._options.rank, **self._identity(),
-                "epoch": epoch, "batch": batch, "bad_records": [[i, r] for i, r in self.bad_records()]}
+                "epoch": epoch, "batch": batch,
+                "bad_records": [[i, r, own] for i, r, own in self._bad_records()]}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """The next ``iter()`` resumes where ``state`` was taken. Refuses a state of another dataset
         (records, classes, bytes), batch size, seed, world size, mode or ``drop_last``."""
+        def plain(v: Any) -> Any:
+            """numpy's ints and bools (a state through np.savez, say) as Python's; anything else as is."""
+            if isinstance(v, (bool, np_bool)):
+                return bool(v)
+            return int(v) if isinstance(v, numbers.Integral) else v
+
         for key, mine in self._identity().items():
-            if key not in state or state[key] != mine or type(state[key]) is not type(mine):
-                raise ValueError(f"stoke.torch.Loader.load_state_dict: the state has {key}={state.get(key)!r}, "
-                                 f"this loader {key}={mine!r} (a state of another dataset or loader)")
+            theirs = plain(state.get(key))
+            if key not in state or theirs != mine or type(theirs) is not type(mine):
+                raise ValueError(f"stoke.torch.Loader.load_state_dict: the state has {key}={state.get(key)!r} "
+                                 f"({type(state.get(key)).__name__}), this loader {key}={mine!r} "
+                                 f"({type(mine).__name__}) (a state of another dataset or loader)")
         epoch, batch = state.get("epoch"), state.get("batch")
-        if not _is_count(epoch):
-            raise ValueError(f"stoke.torch.Loader.load_state_dict: epoch {epoch!r}: expected an int >= 0")
+        if not _is_count(epoch) or epoch >= _MAX_EPOCH:
+            raise ValueError(f"stoke.torch.Loader.load_state_dict: epoch {epoch!r}: expected an int in [0, 2**62)")
         if not _is_count(batch) or batch > self._len:
             raise ValueError(f"stoke.torch.Loader.load_state_dict: batch {batch!r}: expected an int from 0 to "
                              f"the {self._len} batches of an epoch")
         bad = state.get("bad_records", [])  # a state saved before states carried them has none
         records = len(self._dataset)
+
+        def utf8(text: Any) -> bool:
+            if not isinstance(text, str):
+                return False
+            try:
+                text.encode("utf-8")  # (a lone surrogate, as os.fsdecode makes of odd bytes, is not)
+                return True
+            except UnicodeEncodeError:
+                return False
+
+        # [index, reason, own]; [index, reason] (states of earlier versions) counts as own.
         if not isinstance(bad, (list, tuple)) or not all(
-                isinstance(b, (list, tuple)) and len(b) == 2 and _is_count(b[0]) and b[0] < records
-                and isinstance(b[1], str) for b in bad):
+                isinstance(b, (list, tuple)) and len(b) in (2, 3) and _is_count(b[0]) and b[0] < records
+                and utf8(b[1]) and (len(b) == 2 or isinstance(b[2], (bool, np_bool))) for b in bad):
             raise ValueError("stoke.torch.Loader.load_state_dict: bad_records: expected a list of [record index, "
-                             f"reason] pairs with indices below {records}")
-        self._known_bad = {int(i): r for i, r in bad}
+                             f"reason, own] with indices below {records}, reasons UTF-8 text and own True or False")
+        self._known_bad = {int(b[0]): (b[1], True if len(b) == 2 else bool(b[2])) for b in bad}
+        self._detach_current()
         self._restart = True
-        self._next_epoch, self._start_batch = epoch, batch
+        self._next_epoch, self._start_batch = int(epoch), int(batch)
         if self._start_batch == self._len:
             self._next_epoch, self._start_batch = self._next_epoch + 1, 0
         self._handed = None
@@ -498,8 +538,9 @@ class Loader:
             with self._on_device():
                 native.close()
             if not self._restart:  # a loaded state's bad records replace this run's
-                for index, reason in native.bad_records():  # the native side keeps them once closed
-                    self._known_bad.setdefault(index, reason)
+                for index, reason, own in native.bad_records():  # the native side keeps them once closed
+                    known_reason, known_own = self._known_bad.get(index, (reason, False))
+                    self._known_bad[index] = (known_reason, known_own or own)
 
     def close(self) -> None:
         """Stops the pipeline and joins its threads. Tensors already handed out stay valid."""

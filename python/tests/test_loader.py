@@ -297,7 +297,7 @@ def test_the_skip_budget_and_the_bad_records_are_the_runs_across_breaks_and_resu
         break  # a new pipeline, which starts knowing the record
     assert loader.bad_records() == [bad]
     state = loader.state_dict()
-    assert state["bad_records"] == [list(bad)]
+    assert state["bad_records"] == [[*bad, True]]  # True: one of this loader's own samples
     # A run that met another bad record before this state (record 5 stands for it here) has no
     # budget left for the damaged one: as uninterrupted, the run ends.
     resumed = Loader(data["damaged"], batch_size=8, size=32, train=False, max_skip_fraction=0.01)
@@ -307,7 +307,12 @@ def test_the_skip_budget_and_the_bad_records_are_the_runs_across_breaks_and_resu
         for _ in resumed:
             pass
     assert [i for i, _ in resumed.bad_records()] == sorted([5, bad[0]])
-    for wrong in ([[120, "x"]], [[-1, "x"]], [[1]], [(1, 2)], "1 x"):
+    # A record another rank met (not own) is known, but does not use this loader's budget.
+    other = Loader(data["damaged"], batch_size=8, size=32, train=False, max_skip_fraction=0.01)
+    other.load_state_dict({**state, "epoch": 0, "batch": 0, "bad_records": [[5, "another rank's", False]]})
+    assert sum(b["replaced"] for b in other) == 1
+    assert [i for i, _ in other.bad_records()] == sorted([5, bad[0]])
+    for wrong in ([[120, "x"]], [[-1, "x"]], [[1]], [(1, 2)], "1 x", [[1, "x", "yes"]], [[1, "x\udcff"]]):
         with pytest.raises(ValueError, match="bad_records"):
             resumed.load_state_dict({**state, "bad_records": wrong})
     legacy = {k: v for k, v in state.items() if k != "bad_records"}
@@ -687,6 +692,9 @@ def test_pack_verify_and_progress(data, tmp_path):
     seen.clear()
     stoke.pack(images, str(tmp_path / "c.lmdb"), commit_every=50, index_intervals=2, progress=seen.append)
     assert seen == [50, 100, 120]  # after each commit but the last, then once at the end
+    seen.clear()
+    stoke.pack(images, str(tmp_path / "e.lmdb"), commit_every=60, progress=seen.append)
+    assert seen == [60, 120]  # the last commit gave the total: not said twice
     assert stoke.Dataset(str(tmp_path / "c.lmdb")).verify() == []
     # A source folder and an output whose names are not UTF-8: packed, opened, read and iterated.
     odd_images, odd_out = os.fsencode(tmp_path) + b"/images\xff", os.fsencode(tmp_path) + b"/out\xfe.lmdb"
@@ -945,3 +953,70 @@ def test_the_type_stub_matches_the_native_module():
             if issubclass(cls, BaseException):
                 real -= set(dir(BaseException))  # what every exception has
             assert real <= members, f"{name}: {sorted(real - members)} missing from the stub"
+
+
+def test_set_epoch_or_load_state_dict_inside_a_loop_decides_what_state_dict_says(data):
+    loader = Loader(data["train"], batch_size=8, size=32, train=False)
+    checkpoint = {**loader.state_dict(), "epoch": 5, "batch": 2}
+    for i, _ in enumerate(loader):
+        if i == 3:
+            loader.load_state_dict(checkpoint)
+        if i == 4:
+            break
+    # The batches the old loop took after the load do not move the state: the next iter() is 5, 2.
+    state = loader.state_dict()
+    assert (state["epoch"], state["batch"]) == (5, 2)
+    assert next(iter(loader))["epoch"] == 5
+    for i, _ in enumerate(loader):
+        if i == 1:
+            loader.set_epoch(9)
+        if i == 2:
+            break
+    assert (loader.state_dict()["epoch"], loader.state_dict()["batch"]) == (9, 0)
+
+
+def test_counts_out_of_range_are_value_errors_naming_them(data, monkeypatch):
+    for kw in ({"rank": 0, "world_size": 2**31}, {"rank": 2**31, "world_size": 2**32}):
+        with pytest.raises(ValueError, match="world_size|rank"):
+            Loader(data["train"], batch_size=8, size=32, **kw)
+    loader = Loader(data["train"], batch_size=8, size=32)
+    with pytest.raises(ValueError, match="set_epoch: epoch"):
+        loader.set_epoch(2**64)
+    with pytest.raises(ValueError, match="load_state_dict: epoch"):
+        loader.load_state_dict({**loader.state_dict(), "epoch": 2**63})
+    # A variable that is not read (the value is passed) does not matter; one that is must be digits.
+    monkeypatch.setenv("WORLD_SIZE", "abc")
+    Loader(data["train"], batch_size=8, size=32, rank=0, world_size=1).close()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for text in ("1_0", "+1", "2147483648"):
+        monkeypatch.setenv("RANK", text)
+        with pytest.raises(ValueError, match="RANK"):
+            Loader(data["train"], batch_size=8, size=32)
+
+
+def test_a_state_of_numpy_scalars_loads_and_its_numbers_stay_plain(data):
+    import json
+    loader = Loader(data["train"], batch_size=8, size=32, train=False)
+    state = loader.state_dict()
+    as_numpy = {k: (np.int64(v) if type(v) is int else np.bool_(v) if type(v) is bool else v)
+                for k, v in state.items()}
+    loader.load_state_dict(as_numpy)
+    json.dumps(loader.state_dict())  # plain ints again
+    with pytest.raises(ValueError, match=r"train=1 \(int\), this loader train=False \(bool\)"):
+        loader.load_state_dict({**state, "train": 1})
+
+
+def test_a_relative_path_still_names_the_same_dataset_after_a_chdir(data, tmp_path, monkeypatch):
+    # Both the loader's reads (its storage stage opens the data file at every iter()) and verify()
+    # open the dataset again: a relative name followed the working directory.
+    here = os.path.dirname(data["train"])
+    monkeypatch.chdir(here)
+    ds = stoke.Dataset("train.lmdb")
+    loader = Loader("train.lmdb", batch_size=8, size=32, train=False)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.symlink(data["damaged"], elsewhere / "train.lmdb")  # the same name, another dataset
+    monkeypatch.chdir(elsewhere)
+    assert sum(b["replaced"] for b in loader) == 0
+    assert ds.verify() == []
+    loader.close()

@@ -383,6 +383,45 @@ TEST(Loader, AResumedRunCountsTheBadRecordsMetBeforeIt) {
   }
 }
 
+// A bad record met only on a stand-in walk may be another rank's sample: it is listed, marked not
+// own, and a resumed run that knows it does not count it against its own budget (it counted every
+// known record, so a rank resumed after a break failed where the uninterrupted run went on).
+TEST(Loader, ABadRecordOfAnotherRanksShardIsListedButNotCounted) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.bad = {3, 4}}));
+  ASSERT_OK(ds.status());
+  LoaderOptions o = SmallOptions(2);
+  o.sampler.mode = dataset::ShuffleMode::kSequential;
+  o.sampler.world_size = 2;
+  o.sampler.rank = 1;  // global batches of 4: rank 1 takes records 2, 3, rank 0 records 0, 1, 4, 5, ...
+  o.sampler.sharding = dataset::Sharding::kGlobalBatch;
+  o.sampler.global_batch = 4;
+  o.batch_size = 2;
+  o.max_skip_fraction = 0.05;  // one of rank 1's 20 samples
+  o.epochs = 2;
+  std::vector<BadRecord> met;
+  {
+    auto whole = Loader::Create(*ds, o);
+    ASSERT_OK(whole.status());
+    const Status end = RunToEnd(**whole).second;
+    ASSERT_TRUE(end.ok()) << end.ToString();
+    met = (*whole)->bad_records();
+  }
+  ASSERT_EQ(met.size(), 2u);
+  EXPECT_EQ(met[0].index, 3);
+  EXPECT_TRUE(met[0].own);
+  EXPECT_EQ(met[1].index, 4);  // record 3's stand-in walk went past it: rank 0's sample
+  EXPECT_FALSE(met[1].own);
+  o.start_epoch = 1;
+  o.epochs = 1;
+  o.known_bad = met;
+  auto resumed = Loader::Create(*ds, o);
+  ASSERT_OK(resumed.status());
+  const Status end = RunToEnd(**resumed).second;
+  EXPECT_TRUE(end.ok()) << end.ToString();
+  EXPECT_EQ((*resumed)->stats().bad_records, 1);
+}
+
 // The batches of a resumed run that knows the earlier part's bad records are those of the
 // uninterrupted run: a known bad record is still replaced by the same stand-in.
 TEST(Loader, KnownBadRecordsLeaveTheBatchesAsTheUninterruptedRunMadeThem) {

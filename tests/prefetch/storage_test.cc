@@ -126,7 +126,7 @@ TEST(Storage, AHugeEpochCountStillReadsAhead) {
     ASSERT_OK(loader.status());
     EXPECT_EQ(Drain(**loader, 10).size(), 10u);  // past the first epoch
     const StorageStats stats = (*loader)->stats().storage;
-    EXPECT_GE(stats.records_buffered, 60);
+    EXPECT_GT(stats.records_buffered, 40);  // past the first epoch's 40
     EXPECT_EQ(stats.records_direct, 0);
   }
 }
