@@ -42,7 +42,7 @@ class EpochOptions:
     drop_last: bool
     on_error: str
     max_skip_fraction: float
-    known_bad: List[Tuple[int, str]]
+    known_bad: List[Tuple[int, str, bool]]  # index, reason, own (met at one of this loader's samples)
     rank: int
     world_size: int
     epoch: int
@@ -66,7 +66,7 @@ class EpochLoader:
         and labels (int32) are then device views of the slot."""
     def close(self) -> None: ...
     def stats(self) -> Dict[str, Any]: ...
-    def bad_records(self) -> List[Tuple[int, str]]: ...
+    def bad_records(self) -> List[Tuple[int, str, bool]]: ...  # index, reason, own
 
 def _pack(source: Union[str, bytes], output: Union[str, bytes], options: Dict[str, Any], progress: Optional[Callable[[int], Any]]) -> Dict[str, Any]: ...
 def _verify(path: str, threads: int) -> List[Tuple[int, str, str]]: ...

@@ -1038,40 +1038,144 @@ TEST(Pack, OverwriteLeavesOnlyTheNewDataset) {
   EXPECT_EQ(ds.manifest().packing["options"]["quality"], 50);
   EXPECT_FALSE(fs::exists(dir / "out.partial"));
   EXPECT_FALSE(fs::exists(dir / "out.replaced"));
+  EXPECT_FALSE(fs::exists(dir / "out.publishing"));
   // A replaced dataset left by a stopped pack (a copy of the current one) goes at the next pack.
   fs::copy(dir / "out", dir / "out.replaced", fs::copy_options::recursive);
   o.quality = 60;
   ASSERT_OK(Pack(o).status());
   EXPECT_FALSE(fs::exists(dir / "out.replaced"));
-  // ... but a folder of the user's files under that name is not removed: the pack says why.
-  fs::create_directories(dir / "out.replaced");
-  testing::WriteBytes(dir / "out.replaced" / "notes.txt", std::vector<std::byte>(4, std::byte{'x'}));
-  auto refused = Pack(o);
-  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument) << refused.status().ToString();
-  EXPECT_NE(refused.status().message().find("notes.txt"), std::string::npos) << refused.status().ToString();
-  EXPECT_TRUE(fs::exists(dir / "out.replaced" / "notes.txt"));
-  ASSERT_OK_AND_ASSIGN(Dataset kept, Dataset::Open(dir / "out"));
-  EXPECT_EQ(kept.manifest().packing["options"]["quality"], 60);
+  EXPECT_FALSE(fs::exists(dir / "out.publishing"));
 }
 
-// Stopped inside the publication, right after the exchange: the new dataset is in place and the
-// one it replaced is under the partial name. --resume sees the job done and removes the old one
-// (it used to refuse: the partial dataset "was packed from other inputs or options").
-TEST(Pack, ResumeAfterAnExchangeRemovesTheReplacedDataset) {
+// The journal Publish writes before it exchanges: the new folder's device and inode.
+void WriteJournal(const fs::path& journal, const fs::path& fresh) {
+  struct stat st {};
+  ASSERT_EQ(::stat(fresh.c_str(), &st), 0);
+  const std::string text = fmt::format("{} {}\n", static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino));
+  testing::WriteBytes(journal, std::vector<std::byte>(reinterpret_cast<const std::byte*>(text.data()),
+                                                      reinterpret_cast<const std::byte*>(text.data() + text.size())));
+}
+
+// A pack stopped at each step of the publication resumes to the new dataset in place and nothing
+// else: the journal, not the datasets' fingerprints, says which folder is the new one. (Guessing
+// from fingerprints put the old dataset back when only the images' contents had changed, and
+// removed a finished pack of other options that sat at the partial name.)
+TEST(Pack, APackStoppedWhilePublishingResumesToTheNewDataset) {
   TempDir dir;
   testing::MakeImageTree(dir / "src", kClasses, 3);
   auto o = Options(dir / "src", dir / "old");
   ASSERT_OK(Pack(o).status());
+  // The same names and options, other contents: the same fingerprint.
+  const fs::path changed = dir / "src" / "ant" / fs::directory_iterator(dir / "src" / "ant")->path().filename();
+  testing::WriteBytes(changed, testing::EncodeJpeg(testing::MakeImage(40, 30, 3, 99)));
+  o.output = dir / "new";
+  ASSERT_OK(Pack(o).status());
+  const auto old_bytes = testing::ReadBytes(dir / "old" / "data.mdb");
+  const auto new_bytes = testing::ReadBytes(dir / "new" / "data.mdb");
+  ASSERT_NE(old_bytes, new_bytes);
   o.output = dir / "out";
-  o.quality = 50;
-  ASSERT_OK(Pack(o).status());                    // the new one
-  fs::rename(dir / "old", dir / "out.partial");  // the old one, where the exchange leaves it
   o.resume = true;
-  ASSERT_OK_AND_ASSIGN(PackSummary s, Pack(o));
-  EXPECT_TRUE(s.splits[0].already_complete);
-  EXPECT_FALSE(fs::exists(dir / "out.partial"));
-  ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(dir / "out"));
-  EXPECT_EQ(ds.manifest().packing["options"]["quality"], 50);
+  enum Step { kBeforeTheExchange, kAfterTheExchange, kAfterTheMove, kBetweenTheTwoRenames };
+  for (Step step : {kBeforeTheExchange, kAfterTheExchange, kAfterTheMove, kBetweenTheTwoRenames}) {
+    SCOPED_TRACE(fmt::format("stopped at step {}", static_cast<int>(step)));
+    for (const char* name : {"out", "out.partial", "out.replaced", "out.publishing"}) fs::remove_all(dir / name);
+    fs::copy(dir / "old", dir / "old-copy", fs::copy_options::recursive);
+    fs::copy(dir / "new", dir / "new-copy", fs::copy_options::recursive);
+    switch (step) {
+      case kBeforeTheExchange:
+        fs::rename(dir / "old-copy", dir / "out");
+        fs::rename(dir / "new-copy", dir / "out.partial");
+        WriteJournal(dir / "out.publishing", dir / "out.partial");
+        break;
+      case kAfterTheExchange:
+        fs::rename(dir / "new-copy", dir / "out");
+        fs::rename(dir / "old-copy", dir / "out.partial");
+        WriteJournal(dir / "out.publishing", dir / "out");
+        break;
+      case kAfterTheMove:
+        fs::rename(dir / "new-copy", dir / "out");
+        fs::rename(dir / "old-copy", dir / "out.replaced");
+        WriteJournal(dir / "out.publishing", dir / "out");
+        break;
+      case kBetweenTheTwoRenames:  // a filesystem without the exchange
+        fs::rename(dir / "old-copy", dir / "out.replaced");
+        fs::rename(dir / "new-copy", dir / "out.partial");
+        WriteJournal(dir / "out.publishing", dir / "out.partial");
+        break;
+    }
+    ASSERT_OK_AND_ASSIGN(PackSummary s, Pack(o));
+    EXPECT_TRUE(s.splits[0].already_complete);
+    EXPECT_EQ(testing::ReadBytes(dir / "out" / "data.mdb"), new_bytes);
+    for (const char* name : {"out.partial", "out.replaced", "out.publishing"}) {
+      EXPECT_FALSE(fs::exists(dir / name)) << name;
+    }
+  }
+  // Without a journal, a finished dataset at the partial name that this command did not pack is
+  // not taken for a replaced one: refused, and kept.
+  for (const char* name : {"out", "out.partial", "out.replaced", "out.publishing"}) fs::remove_all(dir / name);
+  o.resume = false;
+  ASSERT_OK(Pack(o).status());
+  auto other = Options(dir / "src", dir / "other");
+  other.quality = 50;
+  ASSERT_OK(Pack(other).status());
+  fs::rename(dir / "other", dir / "out.partial");
+  o.resume = true;
+  auto refused = Pack(o);
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument) << refused.status().ToString();
+  EXPECT_TRUE(fs::exists(dir / "out.partial" / "data.mdb"));
+}
+
+// The splits of a pack are published together, after both are packed: a repack stopped while it
+// packs the validation set leaves both old outputs as they were (it published the new training
+// set beside the old validation set), and --resume publishes both.
+TEST(Pack, ARepackStoppedInItsSecondSplitLeavesBothOldOutputs) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 10);
+  auto o = Options(dir / "src", dir / "train.lmdb");
+  o.val_fraction = 0.5;
+  ASSERT_OK_AND_ASSIGN(PackSummary first, Pack(o));
+  const int64_t train_records = first.splits[0].records;
+  const auto old_train = ReadAll(dir / "train.lmdb");
+  const auto old_val = ReadAll(dir / "train_val.lmdb");
+  o.overwrite = true;
+  o.quality = 50;
+  o.commit_every = 4;
+  std::atomic<bool> stop{false};
+  o.stop = &stop;
+  o.after_commit = [&](int64_t records) {
+    if (records > train_records) stop = true;  // in the validation split
+  };
+  EXPECT_EQ(Pack(o).status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(ReadAll(dir / "train.lmdb"), old_train);
+  EXPECT_EQ(ReadAll(dir / "train_val.lmdb"), old_val);
+  o.overwrite = false;
+  o.resume = true;
+  o.stop = nullptr;
+  o.after_commit = nullptr;
+  ASSERT_OK(Pack(o).status());
+  for (const char* name : {"train.lmdb", "train_val.lmdb"}) {
+    ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(dir / name));
+    EXPECT_EQ(ds.manifest().packing["options"]["quality"], 50) << name;
+  }
+  for (const char* name : {"train.lmdb.partial", "train_val.lmdb.partial", "train.lmdb.replaced",
+                           "train_val.lmdb.replaced", "train.lmdb.publishing"}) {
+    EXPECT_FALSE(fs::exists(dir / name)) << name;
+  }
+}
+
+// A folder of the user's files at OUT.replaced is refused before any image is packed.
+TEST(Pack, AUserFolderAtTheReplacedNameIsRefusedBeforePacking) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 2);
+  auto o = Options(dir / "src", dir / "out");
+  ASSERT_OK(Pack(o).status());
+  fs::create_directories(dir / "out.replaced");
+  testing::WriteBytes(dir / "out.replaced" / "notes.txt", std::vector<std::byte>(4, std::byte{'x'}));
+  o.overwrite = true;
+  auto refused = Pack(o);
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument) << refused.status().ToString();
+  EXPECT_NE(refused.status().message().find("notes.txt"), std::string::npos) << refused.status().ToString();
+  EXPECT_FALSE(fs::exists(dir / "out.partial"));  // nothing packed
 }
 
 TEST(Pack, NonUtf8NamesAreReportedNotFatal) {

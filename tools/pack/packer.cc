@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <cerrno>
+#include <cinttypes>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -706,6 +707,13 @@ fs::path ReplacedPath(const fs::path& output) {
   return p;
 }
 
+// The journal of a publication in progress (see Publish).
+fs::path PublishingPath(const fs::path& output) {
+  fs::path p = output;
+  p += ".publishing";
+  return p;
+}
+
 // A processed input on its way from the pipeline to the writer thread.
 struct Slot {
   size_t index;
@@ -729,12 +737,19 @@ class SplitPacker {
         records_before_(records_before),
         fingerprint_(Fingerprint(job_.inputs, classes_, o, job_.name)) {}
 
+  // Packs the split into its partial dataset and finishes it, but does not publish it: Publish()
+  // does, once every split of the pack is finished, so that a pack stopped before that leaves
+  // every old output as it was (and --resume then publishes them all).
   Result<SplitSummary> Run(PackSummary& total) {
     SplitSummary summary{job_.name, job_.output, static_cast<int64_t>(job_.inputs.size())};
     const fs::path partial = PartialPath(job_.output);
     std::error_code ec;
+    const bool leftovers = fs::exists(fs::symlink_status(PublishingPath(job_.output), ec)) ||
+                           fs::exists(fs::symlink_status(ReplacedPath(job_.output), ec));
     // A finished output and nothing to resume: only read (the output may be on a read-only mount).
-    if (o_.resume && !fs::exists(partial, ec) && fs::exists(job_.output, ec)) return AlreadyComplete(summary, total);
+    if (o_.resume && !fs::exists(partial, ec) && fs::exists(job_.output, ec) && !leftovers) {
+      return AlreadyComplete(summary, total);
+    }
     // One pack at a time per output: a second one would remove or append to the partial
     // dataset the first is writing, and each would then publish over the other's.
     fs::path lock_path = job_.output;
@@ -744,23 +759,19 @@ class SplitPacker {
       if (ec) return IoError(fmt::format("pack: {}: {}", lock_path.parent_path().string(), ec.message()));
     }
     STOKE_ASSIGN_OR_RETURN(FileLock lock, FileLock::TryAcquire(lock_path, "pack: " + job_.output.string()));
+    lock_.emplace(std::move(lock));  // held until this split is published
+    // Before any work: a publication needs OUT.replaced, and a folder of the user's files there
+    // would otherwise be refused only when the pack is done.
+    STOKE_RETURN_IF_ERROR(ReplaceableOutput(ReplacedPath(job_.output)));
+    STOKE_ASSIGN_OR_RETURN(const bool published, FinishInterruptedPublish(partial));
+    if (published && o_.resume) return AlreadyComplete(summary, total);
     const bool have_partial = fs::exists(partial, ec);
     if (o_.resume && have_partial && dataset::Dataset::Open(partial).ok()) {
       // Finished but not renamed (stopped between the last commit and the rename).
-      const Status ours = CheckFingerprint(partial);
-      if (!ours.ok() && fs::exists(job_.output, ec) && CheckFingerprint(job_.output).ok()) {
-        // Stopped inside Publish, right after the exchange: the new dataset is in place and the
-        // one it replaced is still under the partial name.
-        STOKE_LOG(INFO, "pack: {} is complete; removing the dataset it replaced ({})", job_.output.string(),
-                  partial.string());
-        STOKE_RETURN_IF_ERROR(ReplaceableOutput(partial));
-        fs::remove_all(partial, ec);
-        if (ec) return IoError(fmt::format("pack: {}: {}", partial.string(), ec.message()));
-        return AlreadyComplete(summary, total);
-      }
-      STOKE_RETURN_IF_ERROR(ours);
-      STOKE_RETURN_IF_ERROR(Publish(partial));
-      return AlreadyComplete(summary, total);
+      STOKE_RETURN_IF_ERROR(CheckFingerprint(partial));
+      finished_before_ = true;
+      to_publish_ = true;
+      return summary;
     }
     if (fs::exists(job_.output, ec) && !(o_.resume && have_partial)) {
       if (o_.resume) return AlreadyComplete(summary, total);
@@ -830,57 +841,116 @@ class SplitPacker {
           writer_->committed_records(), job_.name, partial.string()));
     }
     STOKE_RETURN_IF_ERROR(writer_->Finish(MakeManifest()));
-    STOKE_RETURN_IF_ERROR(Publish(partial));
-    STOKE_LOG(DEBUG, "pack {}: pipeline {:.3f} s, finish (manifest, sync, rename) {:.3f} s",
+    to_publish_ = true;
+    STOKE_LOG(DEBUG, "pack {}: pipeline {:.3f} s, finish (manifest, sync) {:.3f} s",
               job_.name, std::chrono::duration<double>(t1 - t0).count(),
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count());
     summary.records = writer_->records();
     summary.payload_bytes = state_.payload_bytes;
+    writer_ = nullptr;  // `writer` ends here
+    return summary;
+  }
+
+  // Publishes what Run finished (nothing when the output was complete already). `summary` is Run's.
+  Result<SplitSummary> Publish(SplitSummary summary, PackSummary& total) {
+    if (!to_publish_) return summary;
+    STOKE_RETURN_IF_ERROR(Publish(PartialPath(job_.output)));
+    to_publish_ = false;
+    if (finished_before_) return AlreadyComplete(std::move(summary), total);
     return summary;
   }
 
  private:
-  // Replaces the output (if any) with the finished partial dataset. Readers opening the output see
-  // the old dataset or the new one, never a missing or half-removed one: the two folders are
-  // exchanged in one step (renameat2 RENAME_EXCHANGE; where the filesystem lacks it, two renames
-  // a moment apart), and only then is the old one removed, from under the name ReplacedPath().
-  // Stopped at any point, a rerun with --resume finishes the job (see Run).
+  // Replaces the output (if any) with the finished partial dataset. The old dataset stays whole
+  // until the new one is complete; the two folders are then exchanged in one step (renameat2
+  // RENAME_EXCHANGE), so that a reader opening the output finds one or the other, and the old one
+  // is removed afterwards from ReplacedPath(). Where the filesystem cannot exchange, the old one
+  // is renamed away and the new one into place: for that moment the output is missing.
+  // A journal (PublishingPath(): the new folder's device and inode, which renames keep) says
+  // which folder is the new one if the pack stops in between; FinishInterruptedPublish() reads it.
   Status Publish(const fs::path& partial) const {
     STOKE_RETURN_IF_ERROR(ReplaceableOutput(job_.output));
-    const fs::path replaced = ReplacedPath(job_.output);
     STOKE_RETURN_IF_ERROR(RemoveReplaced());
+    const fs::path replaced = ReplacedPath(job_.output);
     std::error_code ec;
     auto failed = [&](const std::string& why) {
-      return IoError(fmt::format("pack: replace {} with {}: {} (the finished dataset is kept at {})",
+      return IoError(fmt::format("pack: replace {} with {}: {} (the finished dataset is kept at {}; --resume "
+                                 "publishes it)",
                                  job_.output.string(), partial.string(), why, partial.string()));
     };
-    bool had_output = fs::exists(fs::symlink_status(job_.output, ec));
-    if (!had_output) {
+    fs::path named = job_.output;
+    if (!named.has_filename()) named = named.parent_path();  // "out/"
+    const fs::path parent = named.has_parent_path() ? named.parent_path() : fs::path(".");
+    if (!fs::exists(fs::symlink_status(job_.output, ec))) {
       fs::rename(partial, job_.output, ec);
       if (ec) return failed(ec.message());
-    } else if (::renameat2(AT_FDCWD, partial.c_str(), AT_FDCWD, job_.output.c_str(), RENAME_EXCHANGE) == 0) {
+      return SyncDirectory(parent);  // the new name, durable
+    }
+    struct stat fresh {};
+    if (::stat(partial.c_str(), &fresh) != 0) return failed(std::strerror(errno));
+    STOKE_RETURN_IF_ERROR(WriteFileAtomic(PublishingPath(job_.output),
+                                          fmt::format("{} {}\n", static_cast<uint64_t>(fresh.st_dev),
+                                                      static_cast<uint64_t>(fresh.st_ino))));
+    if (::renameat2(AT_FDCWD, partial.c_str(), AT_FDCWD, job_.output.c_str(), RENAME_EXCHANGE) == 0) {
       // The old dataset is at `partial` now: out of the way under its own name.
       fs::rename(partial, replaced, ec);
       if (ec) {
-        return IoError(fmt::format("pack: {} is published; the dataset it replaced is at {} and could not be renamed "
-                                   "to {}: {} (remove it)",
-                                   job_.output.string(), partial.string(), replaced.string(), ec.message()));
+        return IoError(fmt::format("pack: {} is published; the dataset it replaced is at {} and could not be moved "
+                                   "to {}: {} (the next pack of {} removes it)",
+                                   job_.output.string(), partial.string(), replaced.string(), ec.message(),
+                                   job_.output.string()));
       }
     } else if (errno == EINVAL || errno == ENOSYS || errno == ENOTSUP) {  // no exchange on this filesystem
       fs::rename(job_.output, replaced, ec);
       if (!ec) fs::rename(partial, job_.output, ec);
-      if (ec) return failed(ec.message());
     } else {
       return failed(std::strerror(errno));
     }
-    fs::path named = job_.output;
-    if (!named.has_filename()) named = named.parent_path();  // "out/"
-    STOKE_RETURN_IF_ERROR(SyncDirectory(named.has_parent_path() ? named.parent_path() : fs::path(".")));
-    if (had_output) {
-      const Status removed = RemoveReplaced();
-      if (!removed.ok()) STOKE_LOG(WARN, "{} (the new dataset is in place)", removed.message());
-    }
+    if (ec) return failed(ec.message());
+    STOKE_RETURN_IF_ERROR(SyncDirectory(parent));
+    fs::remove(PublishingPath(job_.output), ec);
+    const Status removed = RemoveReplaced();
+    if (!removed.ok()) STOKE_LOG(WARN, "{} (the new dataset is in place)", removed.message());
     return OkStatus();
+  }
+
+  // Finishes what a pack stopped inside Publish left (see there). True when the output already
+  // holds the dataset that was being published; false when that publication did not happen (the
+  // finished dataset is still at `partial`, and is published again) or there was none.
+  Result<bool> FinishInterruptedPublish(const fs::path& partial) const {
+    const fs::path journal = PublishingPath(job_.output);
+    std::error_code ec;
+    bool published = false;
+    if (fs::exists(fs::symlink_status(journal, ec))) {
+      STOKE_ASSIGN_OR_RETURN(const std::vector<std::byte> bytes, ReadFileBytes(journal, 256));
+      const std::string text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+      uint64_t dev = 0, ino = 0;
+      if (std::sscanf(text.c_str(), "%" SCNu64 " %" SCNu64, &dev, &ino) != 2) {
+        return CorruptError(fmt::format("pack: {}: not a publication journal of stoke (expected a device and an "
+                                        "inode number); move it away",
+                                        journal.string()));
+      }
+      auto is_new = [&](const fs::path& p) {
+        struct stat st {};
+        return ::stat(p.c_str(), &st) == 0 && static_cast<uint64_t>(st.st_dev) == dev &&
+               static_cast<uint64_t>(st.st_ino) == ino;
+      };
+      published = is_new(job_.output);
+      if (published && fs::exists(fs::symlink_status(partial, ec))) {
+        // Stopped right after the exchange: the folder at the partial name is the replaced one.
+        STOKE_RETURN_IF_ERROR(RemoveReplaced());
+        STOKE_RETURN_IF_ERROR(ReplaceableOutput(partial));
+        fs::rename(partial, ReplacedPath(job_.output), ec);
+        if (ec) return IoError(fmt::format("pack: {}: {}", partial.string(), ec.message()));
+      }
+      STOKE_LOG(INFO, "pack: {}: {}", job_.output.string(),
+                published ? "the interrupted publication had completed; removing the dataset it replaced"
+                          : "the interrupted publication had not completed; it is done again");
+      fs::remove(journal, ec);
+      if (ec) return IoError(fmt::format("pack: {}: {}", journal.string(), ec.message()));
+    }
+    STOKE_RETURN_IF_ERROR(RemoveReplaced());
+    return published;
   }
 
   // Removes what an earlier Publish left under ReplacedPath() (stopped before it removed it).
@@ -1104,6 +1174,9 @@ class SplitPacker {
   SplitState state_;
   dataset::DatasetWriter* writer_ = nullptr;
   std::atomic<bool> stopped_{false};  // set by the input stage or the writer thread
+  std::optional<FileLock> lock_;      // the output's, from Run to Publish
+  bool to_publish_ = false;           // Run finished the partial dataset
+  bool finished_before_ = false;      // ... an earlier pack had (this one resumed and packed nothing)
 };
 
 Status ValidateOptions(const PackOptions& o) {
@@ -1321,16 +1394,30 @@ Result<PackSummary> Pack(const PackOptions& options) {
   summary.threads = o.threads > 0 ? o.threads : tbb::info::default_concurrency();
   Status failure;
   int64_t records = 0;
+  // Every split is packed before any is published: a pack stopped part-way leaves every old
+  // output as it was, never a new training set beside an old validation set.
+  std::vector<std::unique_ptr<SplitPacker>> packers;
+  std::vector<SplitSummary> packed;
   for (auto& job : jobs) {
-    SplitPacker packer(o, set, std::move(job), summary.threads, records);
-    auto split = packer.Run(summary);
+    packers.push_back(std::make_unique<SplitPacker>(o, set, std::move(job), summary.threads, records));
+    auto split = packers.back()->Run(summary);
     if (!split.ok()) {
       failure = split.status();
       break;
     }
     records += split->records;
+    packed.push_back(*split);
+  }
+  for (size_t i = 0; failure.ok() && i < packed.size(); ++i) {
+    auto split = packers[i]->Publish(packed[i], summary);
+    if (!split.ok()) {
+      failure = split.status();
+      break;
+    }
     summary.splits.push_back(*split);
   }
+  records = 0;
+  for (const SplitSummary& split : summary.splits) records += split.records;
   summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (!o.report_file.empty()) {
     Status s = WriteReport(o.report_file, summary);
