@@ -390,6 +390,12 @@ Status Reader::Scan(int64_t begin, int64_t end,
   return OkStatus();
 }
 
+int Dataset::data_fd() const {
+  mdb_filehandle_t fd = -1;
+  if (!env_ || mdb_env_get_fd(env_.get(), &fd) != MDB_SUCCESS) return -1;
+  return fd;
+}
+
 Result<std::string> Reader::SourcePath(int64_t index) {
   STOKE_RETURN_IF_ERROR(dataset_->paths_status_);
   if (!dataset_->has_paths_dbi_) return std::string();

@@ -54,6 +54,9 @@ class Dataset {
   // The LMDB data file, and the whole of it as mapped read-only (valid while the Dataset lives;
   // touching a page that is not in the page cache reads it from storage).
   const std::filesystem::path& data_file() const { return data_file_; }
+  // LMDB's descriptor of the data file the map shows (-1 when LMDB does not say): that file even
+  // when data_file() names another one by now (the dataset was replaced since it was opened).
+  int data_fd() const;
   std::span<const std::byte> map() const { return map_; }
   // Ok unless the table of source paths that the manifest lists is missing or cannot be opened
   // (Reader::SourcePath then returns this error).

@@ -613,22 +613,44 @@ Result<std::unique_ptr<StorageStage>> StorageStage::Create(const dataset::Datase
   st->drop = o.cache == StorageOptions::Cache::kDrop ||
              (o.cache == StorageOptions::Cache::kAuto && available > 0 && ds.map().size() > available / 2);
 
+  // The file the map shows, not whatever its path names now (`pack --overwrite` may have replaced
+  // the dataset since it was opened, and its records lie elsewhere in the new file): reopened
+  // through LMDB's own descriptor, or by path when it is still the same file.
+  const int lmdb_fd = ds.data_fd();
+  const std::string same_file = lmdb_fd >= 0 ? fmt::format("/proc/self/fd/{}", lmdb_fd) : std::string();
+  auto open_same = [&](int flags) -> int {
+    int fd = same_file.empty() ? -1 : ::open(same_file.c_str(), flags);
+    if (fd >= 0) return fd;
+    fd = ::open(ds.data_file().c_str(), flags);
+    struct stat a {}, b {};
+    if (fd >= 0 && lmdb_fd >= 0 &&
+        (::fstat(fd, &a) != 0 || ::fstat(lmdb_fd, &b) != 0 || a.st_dev != b.st_dev || a.st_ino != b.st_ino)) {
+      ::close(fd);
+      errno = ESTALE;
+      return -1;
+    }
+    return fd;
+  };
+  st->fd = open_same(O_RDONLY | O_CLOEXEC);
+  if (st->fd < 0 && errno == ESTALE) {
+    return UnavailableError(fmt::format("{} is another file than when the dataset was opened (replaced since)",
+                                        ds.data_file().string()));
+  }
+  if (st->fd < 0) {
+    return IoError(fmt::format("loader: {}: cannot open for reading: {}", ds.data_file().string(), std::strerror(errno)));
+  }
   // mincore() answers for a file's pages only to a process that owns the file or may write it
   // (Linux 5.0 on): to others it reports every page resident, and nothing would be read ahead.
   struct stat file {};
-  const bool residency_known = ::stat(ds.data_file().c_str(), &file) == 0 &&
+  const bool residency_known = ::fstat(st->fd, &file) == 0 &&
                                (file.st_uid == ::geteuid() || ::geteuid() == 0 ||
-                                ::access(ds.data_file().c_str(), W_OK) == 0);
+                                ::access(same_file.empty() ? ds.data_file().c_str() : same_file.c_str(), W_OK) == 0);
   if (!residency_known) {
     STOKE_LOG(DEBUG, "loader: {} is not this user's to write: the page cache cannot be asked which records it holds, "
               "so every record is read ahead", ds.data_file().string());
   }
   st->use_map = o.use_map_when_resident && !st->drop && residency_known;
-  st->fd = ::open(ds.data_file().c_str(), O_RDONLY | O_CLOEXEC);
-  if (st->drop) st->direct_fd = ::open(ds.data_file().c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-  if (st->fd < 0) {
-    return IoError(fmt::format("loader: {}: cannot open for reading: {}", ds.data_file().string(), std::strerror(errno)));
-  }
+  if (st->drop) st->direct_fd = open_same(O_RDONLY | O_CLOEXEC | O_DIRECT);
   // The stage says exactly what it needs: the kernel's readahead past a read (up to
   // read_ahead_kb, often megabytes) would only spend the device's time on data read later by
   // another request, or never (the next block of a block shuffle is elsewhere in the file).

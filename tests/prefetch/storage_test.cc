@@ -131,6 +131,26 @@ TEST(Storage, AHugeEpochCountStillReadsAhead) {
   }
 }
 
+// The dataset is replaced on disk while it is open (`pack --overwrite` of a dataset a trainer is
+// reading): the stage reads the file the map shows, not the one its path names now, which holds
+// other records at other offsets (read by path, every record failed its CRC).
+TEST(Storage, ADatasetReplacedOnDiskIsReadFromTheFileItOpened) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.records = 40}));
+  ASSERT_OK(ds.status());
+  LoaderOptions o = SmallOptions(2);
+  o.storage.enabled = false;
+  const auto want = RunLoader(*ds, o);
+  fs::rename(dir.path() / "d", dir.path() / "old");
+  WriteDataset(dir.path() / "d", {.records = 40, .scale = 2});  // the same name, other bytes
+  o.storage = ReadEverything(7);
+  auto loader = Loader::Create(*ds, o);
+  ASSERT_OK(loader.status());
+  EXPECT_EQ(Drain(**loader), want);
+  EXPECT_TRUE((*loader)->bad_records().empty());
+  EXPECT_GT((*loader)->stats().storage.records_buffered, 0);
+}
+
 TEST(Storage, ReadAheadStaysWithinTheBudget) {
   testing::TempDir dir;
   auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.records = 60}));
