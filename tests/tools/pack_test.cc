@@ -1125,6 +1125,53 @@ TEST(Pack, APackStoppedWhilePublishingResumesToTheNewDataset) {
   EXPECT_TRUE(fs::exists(dir / "out.partial" / "data.mdb"));
 }
 
+// Stopped between the two renames of a filesystem without the exchange (the old dataset at
+// OUT.replaced, the new one at OUT.partial, nothing at OUT): whatever the next command, a dataset is
+// at OUT afterwards. The next pack used to remove the old one before publishing the new one, and a
+// rerun without --resume, or with other options, then ended with no dataset at all.
+TEST(Pack, APackStoppedBetweenTheTwoRenamesNeverLeavesTheOutputEmpty) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 3);
+  auto o = Options(dir / "src", dir / "old");
+  ASSERT_OK(Pack(o).status());
+  o.output = dir / "new";
+  o.quality = 70;
+  ASSERT_OK(Pack(o).status());
+  const auto new_bytes = testing::ReadBytes(dir / "new" / "data.mdb");
+  auto stopped = [&] {
+    for (const char* name : {"out", "out.partial", "out.replaced", "out.publishing"}) fs::remove_all(dir / name);
+    fs::copy(dir / "old", dir / "out.replaced", fs::copy_options::recursive);
+    fs::copy(dir / "new", dir / "out.partial", fs::copy_options::recursive);
+    WriteJournal(dir / "out.publishing", dir / "out.partial");
+  };
+  o.output = dir / "out";
+  // Without --resume: the output exists by then, and is not replaced without --overwrite.
+  stopped();
+  o.quality = 70;
+  auto plain = Pack(o);
+  EXPECT_EQ(plain.status().code(), StatusCode::kInvalidArgument) << plain.status().ToString();
+  EXPECT_EQ(testing::ReadBytes(dir / "out" / "data.mdb"), new_bytes);
+  // --resume with other options: refused, the published dataset kept.
+  stopped();
+  o.quality = 50;
+  o.resume = true;
+  auto other = Pack(o);
+  EXPECT_EQ(other.status().code(), StatusCode::kInvalidArgument) << other.status().ToString();
+  EXPECT_EQ(testing::ReadBytes(dir / "out" / "data.mdb"), new_bytes);
+  for (const char* name : {"out.partial", "out.replaced", "out.publishing"}) {
+    EXPECT_FALSE(fs::exists(dir / name)) << name;
+  }
+  // No journal (moved away by hand), nothing at OUT: the replaced dataset is put back, not removed.
+  for (const char* name : {"out", "out.partial", "out.replaced", "out.publishing"}) fs::remove_all(dir / name);
+  fs::copy(dir / "old", dir / "out.replaced", fs::copy_options::recursive);
+  o.quality = 70;
+  o.resume = false;
+  auto again = Pack(o);
+  EXPECT_EQ(again.status().code(), StatusCode::kInvalidArgument) << again.status().ToString();
+  EXPECT_EQ(testing::ReadBytes(dir / "out" / "data.mdb"), testing::ReadBytes(dir / "old" / "data.mdb"));
+  EXPECT_FALSE(fs::exists(dir / "out.replaced"));
+}
+
 // The splits of a pack are published together, after both are packed: a repack stopped while it
 // packs the validation set leaves both old outputs as they were (it published the new training
 // set beside the old validation set), and --resume publishes both.

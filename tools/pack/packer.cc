@@ -878,9 +878,7 @@ class SplitPacker {
                                  "publishes it)",
                                  job_.output.string(), partial.string(), why, partial.string()));
     };
-    fs::path named = job_.output;
-    if (!named.has_filename()) named = named.parent_path();  // "out/"
-    const fs::path parent = named.has_parent_path() ? named.parent_path() : fs::path(".");
+    const fs::path parent = OutputParent();
     if (!fs::exists(fs::symlink_status(job_.output, ec))) {
       fs::rename(partial, job_.output, ec);
       if (ec) return failed(ec.message());
@@ -902,7 +900,11 @@ class SplitPacker {
       }
     } else if (errno == EINVAL || errno == ENOSYS || errno == ENOTSUP) {  // no exchange on this filesystem
       fs::rename(job_.output, replaced, ec);
-      if (!ec) fs::rename(partial, job_.output, ec);
+      if (!ec) {
+        fs::rename(partial, job_.output, ec);
+        std::error_code back;
+        if (ec) fs::rename(replaced, job_.output, back);  // the old one stays in place
+      }
     } else {
       return failed(std::strerror(errno));
     }
@@ -935,6 +937,20 @@ class SplitPacker {
         return ::stat(p.c_str(), &st) == 0 && static_cast<uint64_t>(st.st_dev) == dev &&
                static_cast<uint64_t>(st.st_ino) == ino;
       };
+      if (!fs::exists(fs::symlink_status(job_.output, ec)) && is_new(partial)) {
+        // Stopped between the two renames of a filesystem without the exchange: the old dataset
+        // is at ReplacedPath() and the finished new one at the partial name. The publication is
+        // finished before anything is removed (removing the old one first, as the next pack did,
+        // left no dataset at all when that pack then failed or started over).
+        fs::rename(partial, job_.output, ec);
+        if (ec) {
+          return IoError(fmt::format("pack: finish publishing {} as {}: {} (both datasets are kept: the new one at "
+                                     "{}, the one it replaces at {})",
+                                     partial.string(), job_.output.string(), ec.message(), partial.string(),
+                                     ReplacedPath(job_.output).string()));
+        }
+        STOKE_RETURN_IF_ERROR(SyncDirectory(OutputParent()));
+      }
       published = is_new(job_.output);
       if (published && fs::exists(fs::symlink_status(partial, ec))) {
         // Stopped right after the exchange: the folder at the partial name is the replaced one.
@@ -954,14 +970,30 @@ class SplitPacker {
   }
 
   // Removes what an earlier Publish left under ReplacedPath() (stopped before it removed it).
+  // While nothing is at the output, that is the only dataset there is: it is put back instead.
   Status RemoveReplaced() const {
     const fs::path replaced = ReplacedPath(job_.output);
     std::error_code ec;
     if (!fs::exists(fs::symlink_status(replaced, ec))) return OkStatus();
     STOKE_RETURN_IF_ERROR(ReplaceableOutput(replaced));
+    if (!fs::exists(fs::symlink_status(job_.output, ec))) {
+      fs::rename(replaced, job_.output, ec);
+      if (ec) return IoError(fmt::format("pack: put {} back as {}: {}", replaced.string(), job_.output.string(),
+                                         ec.message()));
+      STOKE_LOG(WARN, "pack: {} was missing; the dataset it had replaced ({}) is put back", job_.output.string(),
+                replaced.string());
+      return SyncDirectory(OutputParent());
+    }
     fs::remove_all(replaced, ec);
     if (ec) return IoError(fmt::format("pack: remove the replaced dataset {}: {}", replaced.string(), ec.message()));
     return OkStatus();
+  }
+
+  // The folder that holds the output (and its partial, replaced and journal names).
+  fs::path OutputParent() const {
+    fs::path named = job_.output;
+    if (!named.has_filename()) named = named.parent_path();  // "out/"
+    return named.has_parent_path() ? named.parent_path() : fs::path(".");
   }
 
   // kInvalidArgument unless the finished dataset at `path` was packed from these inputs and
