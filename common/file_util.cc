@@ -65,8 +65,40 @@ namespace {
 constexpr std::string_view kTemporaryInfix = ".tmp.";  // <target>.tmp.<pid>
 }  // namespace
 
+namespace {
+// The file a write to `path` replaces: the target of a symbolic link (followed as the shell's `>`
+// would, so a link keeps pointing at the new file), `path` itself otherwise. A FIFO, a device or a
+// folder there is refused: renaming over it would put a plain file in its place (the device node
+// gone), and writing into it is not what an atomic file write means.
+Result<std::filesystem::path> WriteTarget(const std::filesystem::path& path) {
+  std::filesystem::path target = path;
+  for (int hops = 0;; ++hops) {
+    struct stat st {};
+    if (::lstat(target.c_str(), &st) != 0) {
+      if (errno == ENOENT) return target;  // a new file (or a dangling link's target)
+      return ErrnoStatus(errno, target, "stat");
+    }
+    if (S_ISREG(st.st_mode)) return target;
+    if (!S_ISLNK(st.st_mode)) {
+      return InvalidArgumentError(fmt::format("{}: exists and is not a regular file ({}); name a file to write",
+                                              target.string(),
+                                              S_ISDIR(st.st_mode)    ? "a folder"
+                                              : S_ISFIFO(st.st_mode) ? "a FIFO"
+                                              : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ? "a device"
+                                                                                           : "a socket or other"));
+    }
+    if (hops == 40) return ErrnoStatus(ELOOP, path, "follow");
+    std::error_code ec;
+    std::filesystem::path next = std::filesystem::read_symlink(target, ec);
+    if (ec) return ErrnoStatus(ec.value(), target, "read the link");
+    target = next.is_absolute() ? next : target.parent_path() / next;
+  }
+}
+}  // namespace
+
 std::filesystem::path AtomicWriteTemporary(const std::filesystem::path& path) {
-  std::filesystem::path tmp = path;
+  auto target = WriteTarget(path);
+  std::filesystem::path tmp = target.ok() ? *target : path;
   tmp += fmt::format("{}{}", kTemporaryInfix, ::getpid());
   return tmp;
 }
@@ -88,7 +120,8 @@ void RemoveStaleAtomicTemporaries(const std::filesystem::path& dir,
   }
 }
 
-Status WriteFileAtomic(const std::filesystem::path& path, std::span<const std::byte> data) {
+Status WriteFileAtomic(const std::filesystem::path& named, std::span<const std::byte> data) {
+  STOKE_ASSIGN_OR_RETURN(const std::filesystem::path path, WriteTarget(named));
   const std::filesystem::path tmp = AtomicWriteTemporary(path);
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return ErrnoStatus(errno, tmp, "create");

@@ -21,7 +21,9 @@ Result<std::vector<std::byte>> ReadFileBytes(const std::filesystem::path& path,
 
 // Writes `data` to `path` atomically: a temporary file in the same directory, fsync, rename,
 // fsync of the directory. Readers see the old file or the new one, never a half-written one, and
-// after a crash or power loss the new one stays once this returned OK.
+// after a crash or power loss the new one stays once this returned OK. A symbolic link at `path` is
+// followed (its target is the file replaced); a folder, FIFO, device or socket there is refused
+// (kInvalidArgument), never replaced by a file.
 Status WriteFileAtomic(const std::filesystem::path& path, std::span<const std::byte> data);
 // The temporary file WriteFileAtomic writes `path` through in this process (removed on failure; a
 // signal handler may remove it too).

@@ -17,6 +17,7 @@
 #include <fmt/format.h>
 
 #include "common/file_util.h"
+#include "common/limits.h"
 #include "common/logging.h"
 #include "tools/bench/bench_commands.h"
 #include "tools/inspect/inspect.h"
@@ -81,6 +82,18 @@ CLI::Validator NumberAtLeast(double least, bool inclusive) {
 }
 const CLI::Validator kPositive = NumberAtLeast(0, false);
 const CLI::Validator kNonNegative = NumberAtLeast(0, true);
+// A thread count: 0 (every core) up to the bound every stage holds (a count past it once reached
+// OpenMP before any check and ended `stoke eval` with SIGSEGV).
+const CLI::Validator kThreads = NumberAtLeast(0, true) & CLI::Validator(
+    [](std::string& text) -> std::string {
+      return std::strtod(text.c_str(), nullptr) <= stoke::kMaxThreads
+                 ? std::string()
+                 : fmt::format("must be at most {} (0 = every core), not {}", stoke::kMaxThreads, text);
+    },
+    "", "");
+const CLI::Validator kFileName = CLI::Validator(
+    [](std::string& v) { return v.empty() ? std::string("expected a file name, got an empty string") : std::string(); },
+    "FILE", "");
 
 int Fail(const stoke::Status& s) {
   std::fprintf(stderr, "stoke: %s\n", s.ToString().c_str());
@@ -112,7 +125,7 @@ int Run(int argc, char** argv) {
   pack_cmd->add_option("--list", pack.list_file, "List file of 'relative/path label' lines")
       ->check(CLI::ExistingFile);
   pack_cmd->add_option("--threads", pack.threads, "Worker threads (0 = all cores)")
-      ->check(kNonNegative);
+      ->check(kThreads);
   pack_cmd->add_option("--max-side", pack.max_side,
                        "Shrink images whose longer side exceeds N pixels (0 = keep)")
       ->check(kNonNegative);
@@ -160,12 +173,12 @@ int Run(int argc, char** argv) {
   inspect_cmd->add_option("DB", inspect_path, "Dataset directory")->required();
   inspect_cmd->add_flag("--verify", inspect.verify, "Check every CRC and decode every record");
   inspect_cmd->add_option("--threads", inspect.threads, "Verify threads (0 = all cores)")
-      ->check(kNonNegative);
+      ->check(kThreads);
   inspect_cmd->add_flag("--json", as_json, "Machine-readable output");
   auto* extract_opt = inspect_cmd->add_option("--extract", extract_index,
                                               "Write the payload of record INDEX to --output")
                           ->check(kNonNegative);
-  inspect_cmd->add_option("--output", extract_output, "File for --extract")->needs(extract_opt);
+  inspect_cmd->add_option("--output", extract_output, "File for --extract")->check(kFileName)->needs(extract_opt);
   extract_opt->needs(inspect_cmd->get_option("--output"));
 
   // ---- bench
@@ -176,7 +189,7 @@ int Run(int argc, char** argv) {
     cmd->add_option("--data", bench.data, "Image folder tree to measure on")
         ->default_str("../shared/data/imagenet_like");
     cmd->add_option("--threads", bench.threads, "Threads for the N-thread runs (0 = all cores)")
-        ->check(CLI::Range(0, 4096));
+        ->check(kThreads);
     cmd->add_option("--repeats", bench.repeats, "Timed runs per figure (median reported)")
         ->check(kPositive);
     cmd->add_option("--seconds", bench.seconds,
@@ -237,7 +250,7 @@ int Run(int argc, char** argv) {
   std::string peer_script;
   bench_train->add_option("--peer-script", peer_script, "The peer (default: bench/peers/torch_train.py of the source tree)");
   bench_train->add_option("--threads", bench.threads, "Compute and loader threads (0 or unset: the config's)")
-      ->check(CLI::Range(0, 4096));
+      ->check(kThreads);
   bench_train->add_option("--repeats", bench.repeats, "Timed runs (median reported)")->check(kPositive);
   bench_train->add_option("--timeline", train_bench.timeline,
                           "After the runs, time N more end-to-end steps and their batches' copies on the GPU's clock "
@@ -298,7 +311,7 @@ int Run(int argc, char** argv) {
   demo_cmd->add_option("--dir", demo_dir, "Working folder: new, empty, or an earlier demo's (its outputs are replaced)")->default_str(demo_dir);
   demo_cmd->add_option("--epochs", demo.epochs, "Training epochs")->check(kPositive);
   demo_cmd->add_option("--per-class", demo.per_class, "Images per class")->check(CLI::Range(20, 100000));
-  demo_cmd->add_option("--threads", demo.threads, "Threads (0 = all cores)")->check(kNonNegative);
+  demo_cmd->add_option("--threads", demo.threads, "Threads (0 = all cores)")->check(kThreads);
 
   // ---- export, eval, predict: a trained model, from its run directory or a checkpoint file
   stoke::train::TrainedModelSource trained;
@@ -317,9 +330,7 @@ int Run(int argc, char** argv) {
   add_model(export_cmd);
   export_cmd->add_option("-o,--output", export_output, "ONNX file to write")
       ->required()
-      ->check(CLI::Validator(
-          [](std::string& v) { return v.empty() ? std::string("expected a file name, got an empty string") : std::string(); },
-          "FILE"));
+      ->check(kFileName);
   export_cmd->add_flag("--uint8-input", export_uint8,
                        "Take uint8 N x H x W x 3 RGB pixels and normalise inside the graph (default: float32 "
                        "N x 3 x H x W, already normalised)");
@@ -332,9 +343,10 @@ int Run(int argc, char** argv) {
   add_model(eval_cmd);
   eval_cmd->add_option("--data", eval.data, "Packed dataset to evaluate on")->required();
   eval_cmd->add_option("--batch", eval.batch, "Samples per batch (default: the config's, at most 64 on the CPU)")->check(kPositive);
-  eval_cmd->add_option("--threads", eval.threads, "Threads (0 = all cores)")->check(kNonNegative);
+  eval_cmd->add_option("--threads", eval.threads, "Threads (0 = all cores)")->check(kThreads);
   eval_cmd->add_option("--backend", eval.backend, "Backend")->check(CLI::IsMember({"cpu", "cuda", "auto"}));
-  eval_cmd->add_option("--classes", eval_max_classes, "Classes listed, least accurate first (0 = all)");
+  eval_cmd->add_option("--classes", eval_max_classes, "Classes listed, least accurate first (0 = all)")
+      ->check(kNonNegative);
   eval_cmd->add_flag("--json", eval_json, "Machine-readable output");
 
   stoke::evaluate::PredictOptions predict;
@@ -344,7 +356,7 @@ int Run(int argc, char** argv) {
   predict_cmd->add_option("IMAGES", predict.inputs, "Image files or folders")->required();
   predict_cmd->add_option("-k,--top", predict.top_k, "Classes per image")->check(kPositive);
   predict_cmd->add_option("--batch", predict.batch, "Images per batch")->check(kPositive);
-  predict_cmd->add_option("--threads", predict.threads, "Threads (0 = all cores)")->check(kNonNegative);
+  predict_cmd->add_option("--threads", predict.threads, "Threads (0 = all cores)")->check(kThreads);
   predict_cmd->add_option("--backend", predict.backend, "Backend")->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   predict_cmd->add_flag("--json", predict_json, "Machine-readable output");
 

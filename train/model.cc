@@ -1,5 +1,6 @@
 #include "train/model.h"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <map>
@@ -324,6 +325,47 @@ std::vector<std::vector<int>> LayerReaders(const ModelSpec& model) {
     index[model.layers[i].name] = i;
   }
   return readers;
+}
+
+namespace {
+std::string DescribeLayer(const LayerSpec& l) {
+  std::string d(LayerTypeName(l.type));
+  switch (l.type) {
+    case LayerType::kConv:
+      d += fmt::format(" out {} kernel {} stride {} pad {}{}", l.out, l.kernel, l.stride, l.pad, l.bias ? "" : " no bias");
+      break;
+    case LayerType::kLinear:
+      d += fmt::format(" out {}{}", l.out, l.bias ? "" : " no bias");
+      break;
+    case LayerType::kMaxPool:
+    case LayerType::kAvgPool:
+      d += fmt::format(" kernel {} stride {} pad {}", l.kernel, l.stride, l.pad);
+      break;
+    case LayerType::kDropout:
+      d += fmt::format(" p {}", l.p);
+      break;
+    default:
+      break;
+  }
+  if (!l.inputs.empty()) d += fmt::format(" of {}", fmt::join(l.inputs, " + "));
+  return d;
+}
+}  // namespace
+
+std::string ModelDifference(const ModelSpec& here, std::string_view here_is, const ModelSpec& other,
+                            std::string_view other_is) {
+  const size_t n = std::min(here.layers.size(), other.layers.size());
+  for (size_t i = 0; i < n; ++i) {
+    const LayerSpec &a = here.layers[i], &b = other.layers[i];
+    const std::string da = DescribeLayer(a), db = DescribeLayer(b);
+    if (a.name != b.name || da != db) {
+      return fmt::format("layer {} is '{}' ({}) in {}, '{}' ({}) in {}", i, a.name, da, here_is, b.name, db, other_is);
+    }
+  }
+  if (here.layers.size() != other.layers.size()) {
+    return fmt::format("{} has {} layers, {} has {}", here_is, here.layers.size(), other_is, other.layers.size());
+  }
+  return std::string();
 }
 
 std::vector<std::pair<std::string, std::vector<int64_t>>> ModelTensors(const ModelSpec& model,

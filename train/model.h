@@ -100,6 +100,13 @@ InitialParameters InitialWeights(const LayerSpec& layer, const std::vector<int64
 std::vector<std::pair<std::string, std::vector<int64_t>>> ModelTensors(const ModelSpec& model,
                                                                       const std::vector<Shape>& shapes, Shape input);
 
+// Empty when two resolved models are the same layers (types, settings and inputs, in order), so
+// that one's parameters mean the same in the other; otherwise the first difference, naming the
+// layer and each model by its `*_is`, e.g. "layer 2 is 'r1' (maxpool kernel 4 stride 4 pad 0) in
+// the config, 'r1' (relu) in the checkpoint".
+std::string ModelDifference(const ModelSpec& here, std::string_view here_is, const ModelSpec& other,
+                            std::string_view other_is);
+
 // Learnable parameters of a resolved model (for reports): weights + biases + BN scale/shift.
 int64_t CountParameters(const ModelSpec& model, const std::vector<Shape>& shapes, Shape input);
 

@@ -118,6 +118,17 @@ Result<std::vector<const NamedTensor*>> FindState(
   return out;
 }
 
+std::string FirstNonFiniteTensor(const std::vector<NamedTensor>& tensors) {
+  for (const NamedTensor& t : tensors) {
+    const auto bad = std::count_if(t.values.begin(), t.values.end(), [](float v) { return !std::isfinite(v); });
+    if (bad > 0) {
+      return fmt::format("tensor '{}' holds {} of {} values that are not finite (NaN or infinity)", t.name, bad,
+                         t.values.size());
+    }
+  }
+  return std::string();
+}
+
 int LabelRank(std::span<const float> logits, int label) {
   const float zy = logits[static_cast<size_t>(label)];
   int ahead = 0;

@@ -153,6 +153,10 @@ struct NamedTensor {
   std::vector<float> values;
 };
 
+// Empty when every value of `tensors` is finite; otherwise the first tensor that is not, e.g.
+// "tensor 'bn1.running_var' holds 1 of 64 values that are not finite (NaN or infinity)".
+std::string FirstNonFiniteTensor(const std::vector<NamedTensor>& tensors);
+
 // A gradient: `count` floats at `offset` in a backend's flat gradient buffer.
 struct GradientSlice {
   size_t offset = 0;

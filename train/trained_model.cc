@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include "common/limits.h"
 #include "dataset/dataset.h"
 #include "train/trainer.h"
 
@@ -81,15 +82,28 @@ Result<TrainedModel> LoadTrainedModel(const TrainedModelSource& source) {
                                             m.checkpoint_path.string(), mismatch));
   }
 
-  // A run that diverged before this checkpoint: its outputs would be NaN, and look like a model.
-  for (const NamedTensor& t : m.checkpoint.tensors) {
-    const auto bad = std::count_if(t.values.begin(), t.values.end(), [](float v) { return !std::isfinite(v); });
-    if (bad > 0) {
-      return InvalidArgumentError(fmt::format(
-          "checkpoint {}: tensor '{}' holds {} of {} values that are not finite (NaN or infinity); the run diverged "
-          "before this step: use an earlier checkpoint",
-          m.checkpoint_path.string(), t.name, bad, t.values.size()));
+  if (!m.config_path.empty() && !m.checkpoint.config_yaml.empty()) {
+    // Tensors of the same names and shapes do not make the same model (a relu given as a max pool
+    // evaluates and exports another function of the same weights).
+    if (auto stored = ParseConfig(m.checkpoint.config_yaml, m.checkpoint_path.string() + " (its stored config)");
+        stored.ok()) {
+      ModelSpec trained = ModelFromConfig(stored->model);
+      const Shape trained_input{3, stored->data.image_size, stored->data.image_size};
+      if (ResolveModel(trained, trained_input).ok()) {
+        if (const std::string d = ModelDifference(model, "the config", trained, "the checkpoint's stored config");
+            !d.empty()) {
+          return InvalidArgumentError(fmt::format(
+              "config {} does not describe the model of checkpoint {}: {}; leave --config out to use the stored one",
+              m.config_path.string(), m.checkpoint_path.string(), d));
+        }
+      }
     }
+  }
+  // A run that diverged before this checkpoint: its outputs would be NaN, and look like a model.
+  if (const std::string bad = FirstNonFiniteTensor(m.checkpoint.tensors); !bad.empty()) {
+    return InvalidArgumentError(fmt::format(
+        "checkpoint {}: {}; the run diverged before this step: use an earlier checkpoint", m.checkpoint_path.string(),
+        bad));
   }
 
   // Class names: the checkpoint's (written since 0.3), else the training dataset's manifest.
@@ -112,6 +126,9 @@ Result<std::unique_ptr<Network>> CreateTrainedNetwork(const TrainedModel& model,
   TrainConfig c = model.config;
   c.data.batch_size = batch;
   if (!backend.empty()) c.backend = backend;
+  if (threads < 0 || threads > kMaxThreads) {
+    return InvalidArgumentError(fmt::format("threads {} (expected 0 to {}; 0 = the model's config)", threads, kMaxThreads));
+  }
   if (threads > 0) c.compute_threads = threads;
   // A model trained in bfloat16 or float16 keeps float32 weights: the CPU backend runs it in float32.
   if (!SelectsCudaBackend(c)) c.data.dtype = "float32";

@@ -7,6 +7,7 @@
 #include <climits>
 #include <chrono>
 #include <fstream>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -71,6 +72,12 @@ Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c, const dist:
                   : c.dist.device_comm == "host" ? DeviceComm::kHost
                                                  : DeviceComm::kAuto;
   o.threads = c.compute_threads;
+  if (const long cores = sysconf(_SC_NPROCESSORS_ONLN); cores > 0 && o.threads > 4 * cores) {
+    // Allowed (up to kMaxThreads), but a team this much larger than the machine makes every step
+    // many times slower, which looks like a hang.
+    STOKE_LOG(WARN, "{}: compute_threads {} on {} cores: every step waits on {} threads taking turns (0 uses "
+              "every core once)", c.source, o.threads, cores, o.threads);
+  }
   if (o.threads == 0 && comm && comm->local_size() > 1) {
     // Ranks sharing a machine share its cores rather than each starting a team of all of them.
     const long cores = sysconf(_SC_NPROCESSORS_ONLN);
@@ -101,7 +108,7 @@ Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c, const dist:
   }
 #endif
   if (o.precision != Precision::kFloat32) {
-    return InvalidArgumentError(fmt::format("{}: data.dtype: the CPU backend trains in float32, not {}", c.source,
+    return InvalidArgumentError(fmt::format("{}: data.normalize.dtype: the CPU backend trains in float32, not {} (use backend: cuda, or dtype: float32)", c.source,
                                             c.data.dtype));
   }
   STOKE_ASSIGN_OR_RETURN(auto net, CpuNetwork::Create(std::move(o)));
@@ -353,11 +360,13 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
             "checkpoint {} is at step {}, past the {} steps this config trains ({} epochs of {}); raise epochs to go on",
             path.string(), ck.step, summary.total_steps, config.epochs, steps_per_epoch));
       }
+      std::optional<TrainConfig> was;  // the checkpoint's stored config, when it holds one
       if (!ck.config_yaml.empty()) {
+        STOKE_ASSIGN_OR_RETURN(was, ParseConfig(ck.config_yaml, path.string() + " (its stored config)"));
+      }
+      if (was) {
         // What decides which samples a step sees: changed, the resumed epoch would skip or repeat
         // records and mix batch sizes in its figures (the steps per epoch can stay equal).
-        auto was = ParseConfig(ck.config_yaml, path.string() + " (its stored config)");
-        if (!was.ok()) return was.status();
         const DataConfig &a = was->data, &b = config.data;
         std::vector<std::string> changed;
         auto differs = [&](const char* key, const auto& then, const auto& now) {
@@ -398,6 +407,21 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
       if (!loaded.ok()) {
         return InvalidArgumentError(fmt::format("checkpoint {} does not fit this model: {}", path.string(),
                                                 loaded.message()));
+      }
+      if (was) {
+        // The same tensors do not make the same model (a relu changed to a max pool would train on
+        // another function of the resumed weights).
+        ModelSpec trained = ModelFromConfig(was->model), now = ModelFromConfig(config.model);
+        const Shape in{3, config.data.image_size, config.data.image_size};
+        if (ResolveModel(trained, in).ok() && ResolveModel(now, in).ok()) {
+          if (const std::string d = ModelDifference(now, "this config", trained, "the checkpoint's stored config");
+              !d.empty()) {
+            return InvalidArgumentError(fmt::format(
+                "checkpoint {} is of another model than this config describes: {}; resume with the config it was "
+                "taken with, or start a new run_dir",
+                path.string(), d));
+          }
+        }
       }
       step = ck.step;
       interval = ck.interval;
@@ -618,11 +642,23 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   };
   int64_t saved_step = kept_metrics.checkpoint_here ? step : -1;  // that step's checkpoint is in run_dir already
   // Every rank averages its running statistics; rank 0 writes; every rank learns whether it did.
+  // A save failed on every rank (agreed): it is not tried again before stopping on that failure
+  // (the same state, the same outcome: a diverged model, a full disk).
+  bool save_failed = false;
   auto save = [&]() -> Status {
     STOKE_RETURN_IF_ERROR(must(net->AverageRunningStats()));
     Status written = CatchExceptions("train: writing a checkpoint", [&]() -> Status {
       if (!lead) return OkStatus();
       STOKE_ASSIGN_OR_RETURN(auto tensors, net->State());
+      // A diverged model (running statistics or weights gone to infinity while the loss stayed
+      // finite) is not saved: it would prune the last good checkpoint, and no command can use it.
+      if (const std::string bad = FirstNonFiniteTensor(tensors); !bad.empty()) {
+        const auto kept = ListCheckpoints(run_dir);
+        return InvalidArgumentError(fmt::format(
+            "step {}: the run diverged: {} (learning rate too high?); its checkpoint is not written, {}", step, bad,
+            kept.empty() ? std::string("and no earlier one is kept")
+                         : fmt::format("the last one kept is {}", kept.back().string())));
+      }
       Checkpoint ck{.step = step, .steps_per_epoch = steps_per_epoch, .seed = config.seed,
                     .backend = summary.backend, .config_yaml = config_yaml,
                     .classes = train_set->manifest().classes, .tensors = std::move(tensors),
@@ -633,7 +669,10 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
       summary.checkpoint = path.string();
       return OkStatus();
     });
-    STOKE_RETURN_IF_ERROR(agree_after_io(written));
+    if (Status agreed = agree_after_io(written); !agreed.ok()) {
+      save_failed = true;
+      return agreed;
+    }
     saved_step = step;
     return OkStatus();
   };
@@ -797,7 +836,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     summary.comm_wait_s = dp.stats().wait_s;
     if (!failure.ok()) {
       // Keep what was learnt: the state after the last good step (every rank reached the same one).
-      if (saved_step != step && step > summary.start_step) {
+      if (saved_step != step && step > summary.start_step && !save_failed) {
         Status s = save();
         if (s.ok()) {
           progress.Message(fmt::format("saved {} before stopping on the error", summary.checkpoint));

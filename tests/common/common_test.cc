@@ -193,6 +193,37 @@ TEST(FileUtil, ReadAndAtomicWrite) {
   EXPECT_EQ(HumanBytes(1500), "1.5 KB");
 }
 
+// An atomic write never puts a plain file where a FIFO, a device or a folder was (`stoke export -o`
+// onto a FIFO replaced it with the model, and as root `-o /dev/null` would have replaced the node);
+// a symbolic link is followed, so it keeps pointing at the file, which holds the new bytes.
+TEST(FileUtil, AtomicWriteRefusesWhatIsNotAFileAndFollowsALink) {
+  testing::TempDir dir;
+  ASSERT_EQ(::mkfifo((dir / "fifo").c_str(), 0600), 0);
+  Status fifo = WriteFileAtomic(dir / "fifo", std::string("model"));
+  EXPECT_EQ(fifo.code(), StatusCode::kInvalidArgument) << fifo.ToString();
+  EXPECT_NE(fifo.message().find("a FIFO"), std::string::npos) << fifo.ToString();
+  EXPECT_TRUE(std::filesystem::is_fifo(dir / "fifo"));
+  std::filesystem::create_directory(dir / "folder");
+  EXPECT_EQ(WriteFileAtomic(dir / "folder", std::string("model")).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(std::filesystem::is_directory(dir / "folder"));
+  // Through a link (relative, and a link to a link) to an existing file, and to one not there yet.
+  ASSERT_OK(WriteFileAtomic(dir / "target.txt", std::string("old")));
+  std::filesystem::create_symlink("target.txt", dir / "link");
+  std::filesystem::create_symlink(dir / "link", dir / "link2");
+  ASSERT_OK(WriteFileAtomic(dir / "link2", std::string("new!")));
+  EXPECT_TRUE(std::filesystem::is_symlink(dir / "link2"));
+  EXPECT_TRUE(std::filesystem::is_symlink(dir / "link"));
+  ASSERT_OK_AND_ASSIGN(auto bytes, ReadFileBytes(dir / "target.txt"));
+  EXPECT_EQ(bytes.size(), 4u);
+  std::filesystem::create_symlink("later.txt", dir / "dangling");
+  ASSERT_OK(WriteFileAtomic(dir / "dangling", std::string("x")));
+  EXPECT_TRUE(std::filesystem::is_regular_file(dir / "later.txt"));
+  EXPECT_TRUE(std::filesystem::is_symlink(dir / "dangling"));
+  std::filesystem::create_symlink("fifo", dir / "to-fifo");
+  EXPECT_EQ(WriteFileAtomic(dir / "to-fifo", std::string("x")).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(std::filesystem::is_fifo(dir / "fifo"));
+}
+
 TEST(FileUtil, FileLockIsExclusiveNamesItsOwnerAndGoesAwayOnRelease) {
   testing::TempDir dir;
   const auto path = dir / "out.lock";

@@ -72,4 +72,16 @@ check eval_config_mismatch 1 "config .*residual_layers.yaml does not match check
 check export_config_mismatch 1 "residual_layers.yaml does not match" -- \
   "$stoke" export --checkpoint "$ck" --config "$src/configs/residual_layers.yaml" -o "$work/x.onnx"
 check export_no_partial_file 1 "" -- test -e "$work/x.onnx"
+
+# A thread count past the bound is refused before anything starts (100000 reached OpenMP and
+# ended eval with SIGSEGV), and so is a negative class count (it wrapped to "all").
+check eval_too_many_threads 105 "must be at most 4096" -- "$stoke" eval --run "$run" --data "$val" --threads 100000
+check eval_negative_classes 105 "must be >= 0, not -1" -- "$stoke" eval --run "$run" --data "$val" --classes -1
+# A FIFO (or a device) at the output is refused and left as it is, not replaced by a file.
+mkfifo "$work/fifo.onnx"
+check export_onto_a_fifo 1 "fifo.onnx: exists and is not a regular file \(a FIFO\)" -- \
+  "$stoke" export --run "$run" -o "$work/fifo.onnx"
+check export_fifo_kept 0 "" -- test -p "$work/fifo.onnx"
+check extract_empty_output 105 "expected a file name, got an empty string" -- \
+  "$stoke" inspect "$val" --extract 0 --output ''
 finish

@@ -273,6 +273,31 @@ TEST(TrainedModel, RefusesAConfigThatDoesNotMatchNamingBothFiles) {
   m = LoadTrainedModel({.checkpoint = run.checkpoint, .config = other});
   ASSERT_FALSE(m.ok());
   EXPECT_NE(m.status().message().find("bn."), std::string::npos) << m.status().message();
+  // The same tensors in another model (a ReLU more, a pooling layer for another): other functions
+  // of the same weights, which evaluated and exported without a word.
+  std::ofstream(other) << "data: {train: none.lmdb, image_size: 16}\nmodel:\n  classes: 3\n  layers:\n"
+                          "    - {name: c, type: conv, out: 4, kernel: 3, pad: 1}\n"
+                          "    - {name: bn, type: batchnorm}\n"
+                          "    - {name: r, type: relu}\n"
+                          "    - {name: gap, type: global_avgpool}\n"
+                          "    - {name: fc, type: linear, out: 3}\n";
+  m = LoadTrainedModel({.checkpoint = run.checkpoint, .config = other});
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(m.status().message().find("layer 2 is 'r' (relu of bn) in the config, 'gap' (global_avgpool of bn)"),
+            std::string::npos)
+      << m.status().message();
+  std::ofstream(other) << "data: {train: none.lmdb, image_size: 16}\nmodel:\n  classes: 3\n  layers:\n"
+                          "    - {name: c, type: conv, out: 4, kernel: 3, pad: 1}\n"
+                          "    - {name: bn, type: batchnorm}\n"
+                          "    - {name: gap, type: maxpool, kernel: 16}\n"
+                          "    - {name: fc, type: linear, out: 3}\n";
+  m = LoadTrainedModel({.checkpoint = run.checkpoint, .config = other});
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("maxpool kernel 16"), std::string::npos) << m.status().message();
+  // The stored config given again is the same model.
+  std::ofstream(other) << ConfigToYaml(run.config);
+  EXPECT_OK(LoadTrainedModel({.checkpoint = run.checkpoint, .config = other}).status());
 }
 
 TEST(TrainedModel, RunDirectoryWithoutCheckpointsIsNotFound) {

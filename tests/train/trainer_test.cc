@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <tuple>
 
 #include <fmt/format.h>
@@ -544,6 +545,67 @@ TEST_F(TrainLoop, ResumingFromAnOlderCheckpointSetsTheLaterOnesAside) {
   ASSERT_OK(Train(Config("branch", 3), again).status());
   EXPECT_TRUE(std::filesystem::exists(run_dir / "checkpoints/after-step-0000000020/step-0000000024.ckpt"));
   EXPECT_TRUE(std::filesystem::exists(run_dir / "checkpoints/after-step-0000000020.2/step-0000000024.ckpt"));
+}
+
+// A model whose running statistics went to infinity while its loss stayed finite (batch norm
+// trains on the batch's statistics) is a diverged run: it ends with an error naming the tensor, and
+// its checkpoint is not written (it pruned the last good one, and eval, predict and export refuse
+// it). The infinity is put into a checkpoint, and the run resumed from it.
+TEST_F(TrainLoop, ADivergedModelEndsTheRunAndKeepsTheLastGoodCheckpoint) {
+  TrainRunOptions quiet;
+  quiet.progress = false;
+  quiet.plot = false;
+  const auto run_dir = dir_->path() / "diverge";
+  ASSERT_OK(Train(Config("diverge", 1), quiet).status());
+  const auto first = ListCheckpoints(run_dir);
+  ASSERT_EQ(first.size(), 1u);
+  ASSERT_OK_AND_ASSIGN(Checkpoint ck, LoadCheckpoint(first.back()));
+  std::string damaged;
+  for (NamedTensor& t : ck.tensors) {
+    if (damaged.empty() && t.name.ends_with(".running_var")) {
+      t.values[0] = std::numeric_limits<float>::infinity();
+      damaged = t.name;
+    }
+  }
+  ASSERT_FALSE(damaged.empty());
+  ASSERT_OK(SaveCheckpoint(first.back(), ck));
+  TrainRunOptions resume = quiet;
+  resume.resume = "latest";
+  auto r = Train(Config("diverge", 2), resume);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find(fmt::format("the run diverged: tensor '{}' holds 1 of", damaged)),
+            std::string::npos)
+      << r.status().message();
+  EXPECT_NE(r.status().message().find(first.back().string()), std::string::npos) << r.status().message();
+  EXPECT_EQ(ListCheckpoints(run_dir), first);
+}
+
+// A resume with a config of another model whose tensors are the same (a ReLU given as a max pool
+// of one pixel) is refused, naming the layer: it trained on another function of the weights.
+TEST_F(TrainLoop, AResumeWithAnotherModelOfTheSameTensorsIsRefused) {
+  TrainRunOptions quiet;
+  quiet.progress = false;
+  quiet.plot = false;
+  quiet.max_steps = 4;
+  ASSERT_OK(Train(Config("arch", 2), quiet).status());
+  TrainConfig other = Config("arch", 2);
+  auto relu = std::find_if(other.model.layers.begin(), other.model.layers.end(),
+                           [](const LayerSpec& l) { return l.type == LayerType::kRelu; });
+  ASSERT_NE(relu, other.model.layers.end());
+  relu->type = LayerType::kMaxPool;
+  relu->kernel = 1;
+  relu->stride = 1;
+  TrainRunOptions resume = quiet;
+  resume.resume = "latest";
+  resume.max_steps = 0;
+  auto r = Train(other, resume);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("is of another model than this config describes: layer 2"), std::string::npos)
+      << r.status().message();
+  EXPECT_NE(r.status().message().find("(maxpool kernel 1 stride 1 pad 0 of "), std::string::npos)
+      << r.status().message();
+  EXPECT_OK(Train(Config("arch", 2), resume).status());
 }
 
 TEST_F(TrainLoop, ACheckpointOrValidationSetOfAnotherDatasetIsRefused) {
