@@ -82,15 +82,19 @@ CLI::Validator NumberAtLeast(double least, bool inclusive) {
 }
 const CLI::Validator kPositive = NumberAtLeast(0, false);
 const CLI::Validator kNonNegative = NumberAtLeast(0, true);
+CLI::Validator NumberAtMost(double most, const std::string& note) {
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        return std::strtod(text.c_str(), nullptr) <= most ? std::string()
+                                                          : fmt::format("must be at most {}{}, not {}", most, note, text);
+      },
+      "", "");
+}
 // A thread count: 0 (every core) up to the bound every stage holds (a count past it once reached
 // OpenMP before any check and ended `stoke eval` with SIGSEGV).
-const CLI::Validator kThreads = NumberAtLeast(0, true) & CLI::Validator(
-    [](std::string& text) -> std::string {
-      return std::strtod(text.c_str(), nullptr) <= stoke::kMaxThreads
-                 ? std::string()
-                 : fmt::format("must be at most {} (0 = every core), not {}", stoke::kMaxThreads, text);
-    },
-    "", "");
+const CLI::Validator kThreads = NumberAtLeast(0, true) & NumberAtMost(stoke::kMaxThreads, " (0 = every core)");
+// A bench run's duration: `inf` and the like ran for ever.
+const CLI::Validator kBenchSeconds = NumberAtLeast(0, false) & NumberAtMost(3600, " seconds per run");
 const CLI::Validator kFileName = CLI::Validator(
     [](std::string& v) { return v.empty() ? std::string("expected a file name, got an empty string") : std::string(); },
     "FILE", "");
@@ -185,28 +189,32 @@ int Run(int argc, char** argv) {
   auto* bench_cmd = app.add_subcommand("bench", "Measure throughput of each stage");
   bench_cmd->require_subcommand(1);
   stoke::bench::BenchOptions bench;
-  auto add_common = [&](CLI::App* cmd) {
-    cmd->add_option("--data", bench.data, "Image folder tree to measure on")
-        ->default_str("../shared/data/imagenet_like");
-    cmd->add_option("--threads", bench.threads, "Threads for the N-thread runs (0 = all cores)")
-        ->check(kThreads);
+  auto add_common = [&](CLI::App* cmd, bool threads) {
+    auto* data = cmd->add_option("--data", bench.data, "Image folder tree to measure on")
+                     ->default_str("../shared/data/imagenet_like");
+    if (threads) {
+      cmd->add_option("--threads", bench.threads, "Threads for the N-thread runs (0 = all cores)")->check(kThreads);
+    }
     cmd->add_option("--repeats", bench.repeats, "Timed runs per figure (median reported)")
         ->check(kPositive);
     cmd->add_option("--seconds", bench.seconds,
                     "Duration of each timed run (default: pack 1, read 0.5, decode 0.5, pipeline 2)")
-        ->check(kPositive);
-    cmd->add_option("--work-dir", bench.work_dir, "Scratch directory for packed datasets");
+        ->check(kBenchSeconds);
+    auto* work = cmd->add_option("--work-dir", bench.work_dir,
+                                 "Where the scratch folder for packed datasets goes (removed at the end)");
     cmd->add_option("--json", bench.json_out, "Also write the results as JSON here");
+    // A given dataset is measured as it is: nothing is packed from --data, nothing made in --work-dir.
+    if (auto* db = cmd->get_option_no_throw("DB")) db->excludes(data)->excludes(work);
   };
   auto* bench_pack = bench_cmd->add_subcommand("pack", "Pack with full validation, 1 and N threads");
-  add_common(bench_pack);
+  add_common(bench_pack, true);
   auto* bench_read = bench_cmd->add_subcommand("read", "Read packed records: sequential and random");
-  add_common(bench_read);
+  add_common(bench_read, true);
   std::string bench_db;
   auto* bench_decode = bench_cmd->add_subcommand(
       "decode", "Full, scaled and region decode, and the whole training sample, on one core");
   bench_decode->add_option("DB", bench_db, "Packed dataset (default: pack --data first)");
-  add_common(bench_decode);
+  add_common(bench_decode, false);  // one core
   stoke::bench::PipelineBenchOptions pipeline;
   auto* bench_pipeline = bench_cmd->add_subcommand(
       "pipeline", "The loader end to end on N threads, beside TurboJPEG full decode");
@@ -230,7 +238,7 @@ int Run(int argc, char** argv) {
   bench_pipeline->add_option("--io-threads", pipeline.io_threads, "Storage run: reads in flight")
       ->check(kPositive);
   bench_pipeline->add_flag("--cold", pipeline.cold, "Storage run: evict the dataset from the page cache before each run");
-  add_common(bench_pipeline);
+  add_common(bench_pipeline, true);
 
   stoke::bench::TrainBenchOptions train_bench;
   std::string train_bench_config;
@@ -240,7 +248,7 @@ int Run(int argc, char** argv) {
   bench_train->add_option("--steps", train_bench.steps, "Timed steps per run (default: as many as fit in --seconds)")
       ->check(kPositive);
   bench_train->add_option("--seconds", bench.seconds, "Duration of each timed run when --steps is not given (default 2)")
-      ->check(kPositive);
+      ->check(kBenchSeconds);
   bench_train->add_option("--warmup", train_bench.warmup, "Untimed steps before each run")->check(kNonNegative);
   std::string model_json;
   bench_train->add_option("--model-json", model_json, "Write the resolved model as JSON (for the PyTorch peer)");

@@ -10,15 +10,29 @@ source "$(dirname "$0")/cli_lib.sh"
 
 "$stoke" synth "$work/src" --classes 3 --per-class 8 >/dev/null
 "$stoke" pack "$work/src" "$work/ds.lmdb" -q >/dev/null
-quick=(--seconds 0.05 --repeats 2 --threads 2 --work-dir "$work/scratch")
+quick=(--seconds 0.05 --repeats 2 --threads 2)
 check bench_pack 0 "pack --validate pixels --index none, 2 threads .* img/s" -- \
-  "$stoke" bench pack --data "$work/src" "${quick[@]}"
+  "$stoke" bench pack --data "$work/src" "${quick[@]}" --work-dir "$work/scratch"
 check bench_read 0 "random \+CRC, 2 threads +[0-9]+ +[0-9.]+" -- \
-  "$stoke" bench read --data "$work/src" "${quick[@]}" --json "$work/read.json"
+  "$stoke" bench read --data "$work/src" "${quick[@]}" --work-dir "$work/scratch" --json "$work/read.json"
 check bench_read_json 0 '"mb_s"' -- cat "$work/read.json"
-check bench_decode 0 "whole sample .* img/s" -- "$stoke" bench decode "$work/ds.lmdb" "${quick[@]}"
+# What a bench packs goes in a folder of its own inside --work-dir, removed at the end (the packed
+# datasets and lists stayed there); what else is in --work-dir stays.
+touch "$work/scratch/mine.txt"
+check bench_work_dir_left_as_it_was 0 "^mine.txt$" -- ls -A "$work/scratch"
+check bench_decode 0 "whole sample .* img/s" -- "$stoke" bench decode "$work/ds.lmdb" --seconds 0.05 --repeats 2
 check bench_pipeline 0 "loader, 2 threads .* img/s" -- \
   "$stoke" bench pipeline "$work/ds.lmdb" --batch 4 "${quick[@]}"
+# Flags that would do nothing are refused: decode runs on one core, a given dataset is not packed
+# from --data or in --work-dir. A run cannot be endless, and a --json that cannot be written is
+# named before anything is measured (it was found after the runs, naming a temporary file).
+check bench_decode_threads 109 "not expected: 2 --threads" -- "$stoke" bench decode "$work/ds.lmdb" --threads 2
+check bench_db_and_data 108 "DB excludes --data" -- "$stoke" bench pipeline "$work/ds.lmdb" --data "$work/src"
+check bench_db_and_work_dir 108 "DB excludes --work-dir" -- "$stoke" bench decode "$work/ds.lmdb" --work-dir "$work/w"
+check bench_seconds_finite 105 "--seconds: must be at most 3600 seconds per run, not inf" -- \
+  "$stoke" bench decode "$work/ds.lmdb" --seconds inf
+check bench_json_folder_missing 1 "--json $work/nowhere/out.json: no folder $work/nowhere" -- \
+  "$stoke" bench decode "$work/ds.lmdb" --seconds 30 --repeats 5 --json "$work/nowhere/out.json"
 check bench_pipeline_epochs 0 "3 epochs per run" -- \
   "$stoke" bench pipeline "$work/ds.lmdb" --batch 4 --epochs 3 --repeats 1 --threads 2
 # Without --seconds a storage run times its whole epochs: 2 x 24 records pass the read-ahead (its

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cerrno>
+#include <cstring>
 #include <ctime>
 #include <fstream>
 #include <functional>
@@ -30,6 +31,7 @@
 #include "common/c_handles.h"
 #include "common/crc32c.h"
 #include "common/file_util.h"
+#include "common/logging.h"
 #include "common/random.h"
 #include "dataset/dataset.h"
 #include "augment/crop_plan.h"
@@ -116,15 +118,17 @@ void RemoveOrphanScratch(const fs::path& tmp) {
 Result<std::unique_ptr<Scratch>> MakeScratch(const BenchOptions& o, bool needed = true) {
   auto s = std::make_unique<Scratch>();
   std::error_code ec;
-  if (!o.work_dir.empty()) {
-    s->dir = o.work_dir;
-  } else {
-    const fs::path tmp = fs::temp_directory_path();
-    RemoveOrphanScratch(tmp);
-    s->dir = tmp / fmt::format("stoke-bench-{}", ::getpid());
-    s->owned = needed;
-  }
+  // A folder of this bench's own, inside --work-dir when given (what else is there is not
+  // touched), and removed at the end: a bench leaves nothing behind.
+  const fs::path parent = o.work_dir.empty() ? fs::temp_directory_path() : o.work_dir;
+  RemoveOrphanScratch(parent);  // a killed bench's (also by a bench that needs no folder itself)
   if (!needed) return s;
+  if (!o.work_dir.empty()) {
+    fs::create_directories(parent, ec);
+    if (ec) return IoError(fmt::format("bench: --work-dir {}: {}", parent.string(), ec.message()));
+  }
+  s->dir = parent / fmt::format("stoke-bench-{}", ::getpid());
+  s->owned = true;
   fs::create_directories(s->dir, ec);
   if (ec) return IoError(fmt::format("bench: {}: {}", s->dir.string(), ec.message()));
   if (s->owned) {
@@ -158,10 +162,40 @@ Status CheckData(const BenchOptions& o) {
   return OkStatus();
 }
 
-Status MaybeWriteJson(const BenchOptions& o, const nlohmann::json& j) {
+}  // namespace
+
+Status CheckJsonOut(const BenchOptions& o) {
   if (o.json_out.empty()) return OkStatus();
-  return WriteFileAtomic(o.json_out,
-                         j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
+  const fs::path folder = o.json_out.has_parent_path() ? o.json_out.parent_path() : fs::path(".");
+  std::error_code ec;
+  if (!fs::is_directory(folder, ec)) {
+    return NotFoundError(fmt::format("bench: --json {}: no folder {} to write it in", o.json_out.string(),
+                                     folder.string()));
+  }
+  if (::access(folder.c_str(), W_OK) != 0) {
+    return IoError(fmt::format("bench: --json {}: cannot write in {}: {}", o.json_out.string(), folder.string(),
+                               std::strerror(errno)));
+  }
+  const auto st = fs::status(o.json_out, ec);
+  if (fs::exists(st) && !fs::is_regular_file(st)) {
+    return InvalidArgumentError(fmt::format("bench: --json {}: exists and is not a file", o.json_out.string()));
+  }
+  return OkStatus();
+}
+
+namespace {
+
+// The table, once the JSON copy is written; when it cannot be, the table is printed all the same
+// (the figures cost the run) before the error.
+Result<std::string> WithJson(const BenchOptions& o, const nlohmann::json& j, std::string table) {
+  if (o.json_out.empty()) return table;
+  Status written = WriteFileAtomic(o.json_out,
+                                   j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
+  if (written.ok()) return table;
+  std::fputs(table.c_str(), stdout);
+  std::fflush(stdout);
+  return Status(written.code(), fmt::format("bench: --json {}: {} (the figures are printed above)",
+                                            o.json_out.string(), written.message()));
 }
 
 nlohmann::json MachineJson(int threads) {
@@ -186,17 +220,35 @@ bool TurboJpegFullDecode(tjhandle tj, std::span<const std::byte> jpeg, std::vect
 }
 
 // Views into the map of every JPEG record of `ds`, valid while `reader` lives.
-Result<std::vector<std::span<const std::byte>>> JpegViews(const dataset::Dataset& ds, dataset::Reader& reader) {
-  std::vector<std::span<const std::byte>> jpegs;
+// The JPEG records of a dataset whose CRC holds, as views into its map, with their record indices.
+// A damaged record is left out with a warning naming it (the loader skips it in the same way), so
+// that a yardstick does not time or count it.
+struct JpegRecords {
+  std::vector<std::span<const std::byte>> views;
+  std::vector<int64_t> index;  // the record of each view
+  std::vector<decode::RestartIndex> restart;  // each view's restart index (entry_bytes 0: none)
+  int64_t damaged = 0;
+};
+Result<JpegRecords> JpegViews(const dataset::Dataset& ds, dataset::Reader& reader) {
+  JpegRecords out;
   STOKE_RETURN_IF_ERROR(reader.Scan(0, ds.size(), [&](const dataset::RecordView& r) {
-    if (r.header.encoding == dataset::PayloadEncoding::kJpeg ||
-        r.header.encoding == dataset::PayloadEncoding::kJpegIndexed) {
-      jpegs.push_back(r.image);
+    if (r.header.encoding != dataset::PayloadEncoding::kJpeg &&
+        r.header.encoding != dataset::PayloadEncoding::kJpegIndexed) {
+      return OkStatus();
     }
+    if (Status crc = dataset::CheckCrc(r); !crc.ok()) {
+      if (out.damaged++ == 0) STOKE_LOG(WARN, "bench: {}: {}; left out of the figures", ds.path().string(), crc.message());
+      return OkStatus();
+    }
+    out.views.push_back(r.image);
+    out.index.push_back(r.index);
+    const dataset::JpegIndexView& x = r.jpeg_index;
+    out.restart.push_back({x.restart_mcus, x.mcus_per_row, x.mcu_rows, x.entry_bytes, x.intervals, x.entries});
     return OkStatus();
   }));
-  if (jpegs.empty()) return InvalidArgumentError("bench: " + ds.path().string() + ": no JPEG records");
-  return jpegs;
+  if (out.damaged > 1) STOKE_LOG(WARN, "bench: {}: {} damaged records left out", ds.path().string(), out.damaged);
+  if (out.views.empty()) return InvalidArgumentError("bench: " + ds.path().string() + ": no intact JPEG records");
+  return out;
 }
 
 // Packs `o.data` (or the inputs of `list`, a list file) into `out`; returns images/s.
@@ -253,6 +305,7 @@ Result<fs::path> WriteSubsetList(const std::vector<fs::path>& files, int64_t cou
 }  // namespace
 
 Result<std::string> BenchPack(const BenchOptions& o) {
+  STOKE_RETURN_IF_ERROR(CheckJsonOut(o));  // before the runs, not after them
   STOKE_RETURN_IF_ERROR(CheckData(o));
   const int n = o.threads > 0 ? o.threads : tbb::info::default_concurrency();
   const double seconds = SecondsOr(o, 1.0);
@@ -327,7 +380,9 @@ Result<std::string> BenchPack(const BenchOptions& o) {
   std::vector<double> tj_rates;
   for (int r = 1; r <= o.repeats; ++r) {
     progress.Run("TurboJPEG full decode, 1 core", r, o.repeats);
-    tj_rates.push_back(static_cast<double>(tj_count) / Time([&] { decode_n(tj_count); }));
+    const int failed_before = failures;  // a file TurboJPEG refuses is timed, not counted
+    const double secs = Time([&] { decode_n(tj_count); });
+    tj_rates.push_back(static_cast<double>(tj_count - (failures - failed_before)) / secs);
     for (auto& row : rows) {
       progress.Run(row.Label(), r, o.repeats);
       STOKE_ASSIGN_OR_RETURN(double rate, PackOnce(o, out, row.threads, row.mode, row.list, row.index));
@@ -348,7 +403,7 @@ Result<std::string> BenchPack(const BenchOptions& o) {
                    seconds);
   t += fmt::format("machine: {}, {} cores, {}\n", CpuModel(), std::thread::hardware_concurrency(), Today());
   t += fmt::format("  TurboJPEG full decode, 1 core                {:8.1f} img/s  ({} images per run){}\n", tj_rate,
-                   tj_count, failures ? fmt::format(" ({} failed)", failures / o.repeats) : "");
+                   tj_count, failures ? fmt::format(" ({} failed, not counted)", failures / o.repeats) : "");
   t += "  targets at N threads: --index restart >= 0.5 x N x TurboJPEG, --index none >= 0.9 x N x TurboJPEG\n";
   for (const auto& row : rows) {
     const double rate = Median(row.rates);
@@ -358,11 +413,11 @@ Result<std::string> BenchPack(const BenchOptions& o) {
                      row.target > 0 ? (ratio >= row.target ? "  (target met)" : "  (target NOT met)") : "");
     j["results"][row.Label()] = {{"img_s", rate}, {"ratio_vs_threads_x_turbojpeg", ratio}, {"images_per_run", row.images}};
   }
-  STOKE_RETURN_IF_ERROR(MaybeWriteJson(o, j));
-  return t;
+  return WithJson(o, j, std::move(t));
 }
 
 Result<std::string> BenchRead(const BenchOptions& o) {
+  STOKE_RETURN_IF_ERROR(CheckJsonOut(o));  // before the runs, not after them
   STOKE_RETURN_IF_ERROR(CheckData(o));
   const int n = o.threads > 0 ? o.threads : tbb::info::default_concurrency();
   const double seconds = SecondsOr(o, 0.5);
@@ -487,27 +542,20 @@ Result<std::string> BenchRead(const BenchOptions& o) {
       }
     }
   }
-  STOKE_RETURN_IF_ERROR(MaybeWriteJson(o, j));
-  return t;
+  return WithJson(o, j, std::move(t));
 }
 
 Result<std::string> BenchDecode(const BenchOptions& o, const fs::path& dataset_path) {
+  STOKE_RETURN_IF_ERROR(CheckJsonOut(o));  // before the runs, not after them
   if (o.repeats < 1) return InvalidArgumentError("bench: --repeats must be >= 1");
   STOKE_ASSIGN_OR_RETURN(auto scratch, MakeScratch(o, dataset_path.empty()));
   STOKE_ASSIGN_OR_RETURN(const fs::path db, DatasetOrPack(o, dataset_path, scratch->dir / "bench_decode.lmdb"));
   STOKE_ASSIGN_OR_RETURN(dataset::Dataset ds, dataset::Dataset::Open(db));
   STOKE_ASSIGN_OR_RETURN(auto reader, ds.NewReader({.verify_crc = false}));
-  STOKE_ASSIGN_OR_RETURN(auto jpegs, JpegViews(ds, reader));  // views into the map
+  STOKE_ASSIGN_OR_RETURN(const JpegRecords records, JpegViews(ds, reader));
+  const auto& jpegs = records.views;  // views into the map
   // The restart index of each JPEG record, when it has one: region decodes use it as the loader does.
-  std::vector<decode::RestartIndex> indexes;
-  STOKE_RETURN_IF_ERROR(reader.Scan(0, ds.size(), [&](const dataset::RecordView& r) {
-    if (r.header.encoding == dataset::PayloadEncoding::kJpeg ||
-        r.header.encoding == dataset::PayloadEncoding::kJpegIndexed) {
-      const dataset::JpegIndexView& x = r.jpeg_index;
-      indexes.push_back({x.restart_mcus, x.mcus_per_row, x.mcu_rows, x.entry_bytes, x.intervals, x.entries});
-    }
-    return OkStatus();
-  }));
+  const auto& indexes = records.restart;
   auto IndexOf = [&](size_t i) -> const decode::RestartIndex* {
     return indexes[i].entry_bytes != 0 ? &indexes[i] : nullptr;
   };
@@ -519,9 +567,11 @@ Result<std::string> BenchDecode(const BenchOptions& o, const fs::path& dataset_p
   Image image;
   std::vector<uint8_t> slot(kOut * kOut * 3);  // one batch slot
   augment::RandomResizedCropOptions rrc;  // torchvision defaults, size 224, flip p=0.5
-  Status failure;
-  auto note = [&](const Status& s) {
-    if (!s.ok() && failure.ok()) failure = s;
+  Status failure;  // the first, naming its record
+  auto note = [&](size_t i, const Status& s) {
+    if (!s.ok() && failure.ok()) {
+      failure = Status(s.code(), fmt::format("bench decode: {}: record {}: {}", db.string(), records.index[i], s.message()));
+    }
   };
   // Plans are made from the header (as prefetch will), keyed by (seed, epoch, index), and snapped
   // to the DCT scale the region will be decoded at.
@@ -547,28 +597,28 @@ Result<std::string> BenchDecode(const BenchOptions& o, const fs::path& dataset_p
     std::vector<double> rates;
   };
   std::vector<Stage> stages = {
-      {"full decode (strict, RGB)", [&](size_t i, int64_t) { note(decoder.Decode(jpegs[i], &image)); }, {}},
+      {"full decode (strict, RGB)", [&](size_t i, int64_t) { note(i, decoder.Decode(jpegs[i], &image)); }, {}},
       {"scaled decode (whole image, >= 224)",
        [&](size_t i, int64_t) {
          auto info = decoder.ReadHeader(jpegs[i]);
-         if (!info.ok()) return note(info.status());
-         note(decoder.DecodeRegion(jpegs[i], {0, 0, info->width, info->height}, kOut, kOut, &image).status());
+         if (!info.ok()) return note(i, info.status());
+         note(i, decoder.DecodeRegion(jpegs[i], {0, 0, info->width, info->height}, kOut, kOut, &image).status());
        }, {}},
       {"region decode (RandomResizedCrop)",
        [&](size_t i, int64_t epoch) {
          auto p = plan_for(i, epoch);
-         if (!p.ok()) return note(p.status());
-         note(decoder.DecodeRegion(jpegs[i], region_of(p->plan), kOut, kOut, &image, p->scale, IndexOf(i)).status());
+         if (!p.ok()) return note(i, p.status());
+         note(i, decoder.DecodeRegion(jpegs[i], region_of(p->plan), kOut, kOut, &image, p->scale, IndexOf(i)).status());
        }, {}},
       {"whole sample (plan+region+resize+flip)",
        [&](size_t i, int64_t epoch) {
          auto p = plan_for(i, epoch);
-         if (!p.ok()) return note(p.status());
+         if (!p.ok()) return note(i, p.status());
          auto where = decoder.DecodeRegion(jpegs[i], region_of(p->plan), kOut, kOut, &image, p->scale, IndexOf(i));
-         if (!where.ok()) return note(where.status());
+         if (!where.ok()) return note(i, where.status());
          augment::ImageView view{image.pixels.data(), image.width, image.height, image.channels,
                                  image.row_bytes()};
-         note(augment::ApplyPlan(view, {where->x, where->y, where->width, where->height}, p->plan, slot));
+         note(i, augment::ApplyPlan(view, {where->x, where->y, where->width, where->height}, p->plan, slot));
        }, {}},
   };
   // Every stage runs over the same images, as many as a full decode gets through in `seconds`
@@ -607,8 +657,7 @@ Result<std::string> BenchDecode(const BenchOptions& o, const fs::path& dataset_p
   }
   const double whole = Median(stages.back().rates) / full;
   t += fmt::format("  target: whole sample >= 1.15x full decode: {}\n", whole >= 1.15 ? "met" : "NOT met");
-  STOKE_RETURN_IF_ERROR(MaybeWriteJson(o, j));
-  return t;
+  return WithJson(o, j, std::move(t));
 }
 
 namespace {
@@ -658,18 +707,23 @@ Result<LoaderRun> RunLoader(const dataset::Dataset& ds, int threads, const Pipel
   const Clock::time_point begin = Clock::now();
   Clock::time_point timed_from{}, last_receipt = begin;
   bool timing = false;
-  double wait_at_timed = 0;
+  // The consumer's wait is counted over the same receipts as the samples: from the wait of the
+  // first timed receipt (taken before its Next(), which the timed span holds) to that of the last
+  // (the wait for the end of the run comes after it).
+  double wait_at_timed = 0, wait_before_next = 0, wait_at_receipt = 0;
   int64_t timed_samples = 0, epoch = 0;
   int quarter = 0;
   auto start_timing = [&] {
     timing = true;
     timed_from = last_receipt;
-    wait_at_timed = loader->stats().consumer_wait_s;
+    wait_at_timed = wait_before_next;
     run.rss_mib.push_back(RssMiB());
   };
   for (;;) {
+    wait_before_next = loader->stats().consumer_wait_s;
     STOKE_ASSIGN_OR_RETURN(prefetch::BatchLease lease, loader->Next());
     const auto now = Clock::now();
+    const double wait_now = loader->stats().consumer_wait_s;
     if (epochs > 0) {
       if (!lease || lease->epoch != epoch) {  // `epoch` ended with the previous receipt
         if (timing) run.rss_mib.push_back(RssMiB());
@@ -689,19 +743,21 @@ Result<LoaderRun> RunLoader(const dataset::Dataset& ds, int threads, const Pipel
         if (quarter >= 4) {
           timed_samples += lease->size;
           last_receipt = now;
+          wait_at_receipt = wait_now;
           break;
         }
       }
     }
     if (timing) timed_samples += lease->size;
     last_receipt = now;
+    wait_at_receipt = wait_now;
   }
   loader->Stop();
   run.stats = loader->stats();
   const double secs = secs_between(timed_from, last_receipt);
   if (timing && secs > 0) {
     run.img_s = static_cast<double>(timed_samples) / secs;
-    run.wait_fraction = std::min(1.0, (run.stats.consumer_wait_s - wait_at_timed) / secs);
+    run.wait_fraction = std::min(1.0, (wait_at_receipt - wait_at_timed) / secs);
   } else {
     run.img_s = run.stats.images_per_s;
     run.wait_fraction = run.stats.elapsed_s > 0 ? run.stats.consumer_wait_s / run.stats.elapsed_s : 0;
@@ -709,23 +765,30 @@ Result<LoaderRun> RunLoader(const dataset::Dataset& ds, int threads, const Pipel
   return run;
 }
 
-// Plain TurboJPEG full decode of `count` JPEGs (cycling through them) on `threads` threads; img/s.
-double TurboJpegRate(const std::vector<std::span<const std::byte>>& jpegs, int threads, int64_t count) {
+// Plain TurboJPEG full decode of `count` JPEGs (cycling through them) on `threads` threads: the
+// images decoded per second (a JPEG TurboJPEG refuses is timed but not counted) and how many failed.
+struct DecodeRate {
+  double img_s = 0;
+  int64_t failed = 0;
+};
+DecodeRate TurboJpegRate(const std::vector<std::span<const std::byte>>& jpegs, int threads, int64_t count) {
   std::vector<std::thread> pool;
-  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> next{0}, failed{0};
   const double secs = Time([&] {
     for (int t = 0; t < threads; ++t) {
       pool.emplace_back([&] {
         TjHandle tj(tjInitDecompress());
         std::vector<unsigned char> rgb;
         for (int64_t i; (i = next.fetch_add(1)) < count;) {
-          TurboJpegFullDecode(tj.get(), jpegs[static_cast<size_t>(i) % jpegs.size()], rgb);
+          if (!TurboJpegFullDecode(tj.get(), jpegs[static_cast<size_t>(i) % jpegs.size()], rgb)) {
+            failed.fetch_add(1, std::memory_order_relaxed);
+          }
         }
       });
     }
     for (auto& th : pool) th.join();
   });
-  return static_cast<double>(count) / secs;
+  return {static_cast<double>(count - failed.load()) / secs, failed.load()};
 }
 
 }  // namespace
@@ -849,14 +912,14 @@ Result<std::string> BenchStorage(const BenchOptions& o, const fs::path& db, cons
     t += "  read-ahead: off (decoders read each record through the map)\n";
   }
   t += fmt::format("  peak RSS {:.1f} MiB\n", PeakRssMiB());
-  STOKE_RETURN_IF_ERROR(MaybeWriteJson(o, j));
-  return t;
+  return WithJson(o, j, std::move(t));
 }
 
 }  // namespace
 
 Result<std::string> BenchPipeline(const BenchOptions& o, const fs::path& dataset_path,
                                   const PipelineBenchOptions& p) {
+  STOKE_RETURN_IF_ERROR(CheckJsonOut(o));  // before the runs, not after them
   if (o.repeats < 1) return InvalidArgumentError("bench: --repeats must be >= 1");
   if (!p.shuffle.empty()) {
     if (p.batch < 1) return InvalidArgumentError("bench pipeline: --batch must be >= 1");
@@ -881,22 +944,26 @@ Result<std::string> BenchPipeline(const BenchOptions& o, const fs::path& dataset
   STOKE_ASSIGN_OR_RETURN(const fs::path db, DatasetOrPack(o, dataset_path, scratch->dir / "bench_pipeline.lmdb"));
   STOKE_ASSIGN_OR_RETURN(dataset::Dataset ds, dataset::Dataset::Open(db));
   STOKE_ASSIGN_OR_RETURN(auto reader, ds.NewReader({.verify_crc = false}));
-  STOKE_ASSIGN_OR_RETURN(auto jpegs, JpegViews(ds, reader));  // for the TurboJPEG runs
+  STOKE_ASSIGN_OR_RETURN(const JpegRecords records, JpegViews(ds, reader));
+  const auto& jpegs = records.views;  // for the TurboJPEG runs
 
   // The TurboJPEG yardstick decodes as many images as it gets through in `seconds`, from a short
   // warm-up's rate (which also pulls the records into the page cache).
   const std::string tj_name = fmt::format("TurboJPEG full decode, {} threads", n);
   progress.Run(tj_name, 0, o.repeats);
   const auto all = static_cast<int64_t>(jpegs.size());
-  const double warm_rate = TurboJpegRate(jpegs, n, std::min<int64_t>(all, 64 * n));
+  const double warm_rate = std::max(1.0, TurboJpegRate(jpegs, n, std::min<int64_t>(all, 64 * n)).img_s);
   const int64_t tj_count = ItemsForSeconds(warm_rate, seconds, 8 * n);
   // Interleaved repeats, so that the machine's drift hits every figure alike.
   std::vector<double> tj_n, loader_n, loader_1, wait_n;
+  int64_t tj_failed = 0;
   LoaderRun last_n;
   const std::string loader_name = fmt::format("loader, {} threads", n);
   for (int r = 1; r <= o.repeats; ++r) {
     progress.Run(tj_name, r, o.repeats);
-    tj_n.push_back(TurboJpegRate(jpegs, n, tj_count));
+    const DecodeRate tj_run = TurboJpegRate(jpegs, n, tj_count);
+    tj_n.push_back(tj_run.img_s);
+    tj_failed = std::max(tj_failed, tj_run.failed);
     progress.Run(loader_name, r, o.repeats);
     STOKE_ASSIGN_OR_RETURN(LoaderRun run, RunLoader(ds, n, p, p.epochs, seconds));
     loader_n.push_back(run.img_s);
@@ -926,6 +993,8 @@ Result<std::string> BenchPipeline(const BenchOptions& o, const fs::path& dataset
                   {"loader_1_thread_img_s", ld1},
                   {"parallel_efficiency", efficiency},
                   {"turbojpeg_full_decode_img_s", tj},
+                  {"turbojpeg_failed_per_run", tj_failed},
+                  {"loader_bad_records", last_n.stats.bad_records},
                   {"vs_turbojpeg", ld / tj},
                   {"consumer_wait_fraction", Median(wait_n)},
                   {"rss_mib", rss},
@@ -941,7 +1010,12 @@ Result<std::string> BenchPipeline(const BenchOptions& o, const fs::path& dataset
       Today(), n);
   t += fmt::format("  {:<44} {:9.1f} img/s  ({:.1f} per thread)\n", loader_name, ld, ld / n);
   if (n > 1) t += fmt::format("  {:<44} {:9.1f} img/s\n", "loader, 1 thread", ld1);
-  t += fmt::format("  {:<44} {:9.1f} img/s  ({} images per run)\n", tj_name, tj, tj_count);
+  t += fmt::format("  {:<44} {:9.1f} img/s  ({} images per run{})\n", tj_name, tj, tj_count,
+                   tj_failed > 0 ? fmt::format(", {} failed and not counted", tj_failed) : std::string());
+  if (last_n.stats.bad_records > 0) {
+    t += fmt::format("  bad records: {} skipped by the loader (each replaced by another record, as in training)\n",
+                     last_n.stats.bad_records);
+  }
   t += fmt::format("  loader / TurboJPEG full decode: {:.2f}x (target >= 1.15x: {})\n", ld / tj,
                    ld / tj >= 1.15 ? "met" : "NOT met");
   if (n > 1) {
@@ -960,8 +1034,7 @@ Result<std::string> BenchPipeline(const BenchOptions& o, const fs::path& dataset
   for (double r : rss) t += fmt::format(" {:.1f}", r);
   t += fmt::format("\n  RSS drift over the timed part: {:.2f}% (target <= 2%: {}); peak RSS {:.1f} MiB\n",
                    100 * drift, drift <= 0.02 ? "met" : "NOT met", PeakRssMiB());
-  STOKE_RETURN_IF_ERROR(MaybeWriteJson(o, j));
-  return t;
+  return WithJson(o, j, std::move(t));
 }
 
 }  // namespace stoke::bench

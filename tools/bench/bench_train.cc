@@ -187,7 +187,7 @@ Result<TrainBenchReport> RunTrainBench(const BenchOptions& o, const TrainBenchOp
       if (!held) return InternalError("bench train: the loader gave no batch");
       const prefetch::Batch& fixed = *held;
       double last_warm_s = 0;
-      for (int i = 0; i < std::max(1, t.warmup); ++i) {
+      for (int i = 0; i < t.warmup; ++i) {
         const auto warm = Clock::now();
         STOKE_RETURN_IF_ERROR(net->TrainStep(fixed, lr, c.optimizer.sgd, step++).status());
         last_warm_s = Since(warm);
@@ -376,7 +376,11 @@ Result<TrainBenchReport> RunTrainBench(const BenchOptions& o, const TrainBenchOp
 
 }  // namespace
 
-Result<TrainBenchReport> BenchTrain(const BenchOptions& o, const TrainBenchOptions& t) {
+Result<TrainBenchReport> BenchTrain(const BenchOptions& o, const TrainBenchOptions& options) {
+  STOKE_RETURN_IF_ERROR(CheckJsonOut(o));  // before the runs, not after them
+  // At least one warm-up step (the first builds kernels), the same for stoke's runs and the peer's.
+  TrainBenchOptions t = options;
+  t.warmup = std::max(1, t.warmup);
   STOKE_ASSIGN_OR_RETURN(train::TrainConfig c, train::LoadConfig(t.config.string()));
   if (o.threads > 0) c.compute_threads = o.threads, c.data.threads = o.threads;
   // Under mpirun or srun: one rank of a data-parallel step (the same as `stoke train` takes).
