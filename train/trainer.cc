@@ -108,8 +108,9 @@ Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c, const dist:
   }
 #endif
   if (o.precision != Precision::kFloat32) {
-    return InvalidArgumentError(fmt::format("{}: data.normalize.dtype: the CPU backend trains in float32, not {} (use backend: cuda, or dtype: float32)", c.source,
-                                            c.data.dtype));
+    return InvalidArgumentError(fmt::format(
+        "{}: data.normalize.dtype: the CPU backend trains in float32, not {} (use backend: cuda, or dtype: float32)",
+        c.source, c.data.dtype));
   }
   STOKE_ASSIGN_OR_RETURN(auto net, CpuNetwork::Create(std::move(o)));
   return std::unique_ptr<Network>(std::move(net));

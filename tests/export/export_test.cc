@@ -254,11 +254,13 @@ TEST(TrainedModel, RefusesAConfigThatDoesNotMatchNamingBothFiles) {
   ASSERT_NO_FATAL_FAILURE(SaveRun(run, kLayers));
   // Wider convolution: the checkpoint's c.weight is 4 x 3 x 3 x 3, this config wants 8 x ...
   const std::string other = (run.dir / "other.yaml").string();
-  std::ofstream(other) << "data: {train: none.lmdb, image_size: 16}\nmodel:\n  classes: 3\n  layers:\n"
-                          "    - {name: c, type: conv, out: 8, kernel: 3, pad: 1}\n"
-                          "    - {name: bn, type: batchnorm}\n"
-                          "    - {name: gap, type: global_avgpool}\n"
-                          "    - {name: fc, type: linear, out: 3}\n";
+  auto write_layers = [&](const std::string& layers) {  // a config of this model's data and classes
+    std::ofstream(other) << "data: {train: none.lmdb, image_size: 16}\nmodel:\n  classes: 3\n  layers:\n" << layers;
+  };
+  write_layers("    - {name: c, type: conv, out: 8, kernel: 3, pad: 1}\n"
+               "    - {name: bn, type: batchnorm}\n"
+               "    - {name: gap, type: global_avgpool}\n"
+               "    - {name: fc, type: linear, out: 3}\n");
   auto m = LoadTrainedModel({.checkpoint = run.checkpoint, .config = other});
   ASSERT_FALSE(m.ok());
   EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
@@ -266,32 +268,29 @@ TEST(TrainedModel, RefusesAConfigThatDoesNotMatchNamingBothFiles) {
     EXPECT_NE(m.status().message().find(needle), std::string::npos) << m.status().message();
   }
   // One layer fewer: the checkpoint holds a tensor the model has no place for.
-  std::ofstream(other) << "data: {train: none.lmdb, image_size: 16}\nmodel:\n  classes: 3\n  layers:\n"
-                          "    - {name: c, type: conv, out: 4, kernel: 3, pad: 1}\n"
-                          "    - {name: gap, type: global_avgpool}\n"
-                          "    - {name: fc, type: linear, out: 3}\n";
+  write_layers("    - {name: c, type: conv, out: 4, kernel: 3, pad: 1}\n"
+               "    - {name: gap, type: global_avgpool}\n"
+               "    - {name: fc, type: linear, out: 3}\n");
   m = LoadTrainedModel({.checkpoint = run.checkpoint, .config = other});
   ASSERT_FALSE(m.ok());
   EXPECT_NE(m.status().message().find("bn."), std::string::npos) << m.status().message();
   // The same tensors in another model (a ReLU more, a pooling layer for another): other functions
   // of the same weights, which evaluated and exported without a word.
-  std::ofstream(other) << "data: {train: none.lmdb, image_size: 16}\nmodel:\n  classes: 3\n  layers:\n"
-                          "    - {name: c, type: conv, out: 4, kernel: 3, pad: 1}\n"
-                          "    - {name: bn, type: batchnorm}\n"
-                          "    - {name: r, type: relu}\n"
-                          "    - {name: gap, type: global_avgpool}\n"
-                          "    - {name: fc, type: linear, out: 3}\n";
+  write_layers("    - {name: c, type: conv, out: 4, kernel: 3, pad: 1}\n"
+               "    - {name: bn, type: batchnorm}\n"
+               "    - {name: r, type: relu}\n"
+               "    - {name: gap, type: global_avgpool}\n"
+               "    - {name: fc, type: linear, out: 3}\n");
   m = LoadTrainedModel({.checkpoint = run.checkpoint, .config = other});
   ASSERT_FALSE(m.ok());
   EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(m.status().message().find("layer 2 is 'r' (relu of bn) in the config, 'gap' (global_avgpool of bn)"),
             std::string::npos)
       << m.status().message();
-  std::ofstream(other) << "data: {train: none.lmdb, image_size: 16}\nmodel:\n  classes: 3\n  layers:\n"
-                          "    - {name: c, type: conv, out: 4, kernel: 3, pad: 1}\n"
-                          "    - {name: bn, type: batchnorm}\n"
-                          "    - {name: gap, type: maxpool, kernel: 16}\n"
-                          "    - {name: fc, type: linear, out: 3}\n";
+  write_layers("    - {name: c, type: conv, out: 4, kernel: 3, pad: 1}\n"
+               "    - {name: bn, type: batchnorm}\n"
+               "    - {name: gap, type: maxpool, kernel: 16}\n"
+               "    - {name: fc, type: linear, out: 3}\n");
   m = LoadTrainedModel({.checkpoint = run.checkpoint, .config = other});
   ASSERT_FALSE(m.ok());
   EXPECT_NE(m.status().message().find("maxpool kernel 16"), std::string::npos) << m.status().message();

@@ -15,19 +15,11 @@
 #include "prefetch/loader.h"
 #include "prefetch/storage.h"
 #include "tests/prefetch/loader_test_util.h"
+#include "tests/prefetch/storage_test_util.h"
 #include "tests/testing/test_util.h"
 
 namespace stoke::prefetch {
 namespace {
-
-// Drops the data file's pages from the page cache (they are clean once a pack has committed).
-void Evict(const dataset::Dataset& ds) {
-  const int fd = ::open(ds.data_file().c_str(), O_RDONLY);
-  ASSERT_GE(fd, 0);
-  ::fdatasync(fd);
-  ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
-  ::close(fd);
-}
 
 // Fraction of the data file's pages in the page cache.
 double ResidentFraction(const dataset::Dataset& ds) {
@@ -38,25 +30,6 @@ double ResidentFraction(const dataset::Dataset& ds) {
   size_t in = 0;
   for (unsigned char v : vec) in += v & 1;
   return static_cast<double>(in) / static_cast<double>(pages);
-}
-
-// Every record through the read path, in small segments, so that a 40-record dataset spans
-// several segments and reads.
-StorageOptions ReadEverything(int64_t segment = 7) {
-  StorageOptions s;
-  s.use_map_when_resident = false;
-  s.segment_positions = segment;
-  s.io_threads = 3;
-  return s;
-}
-
-std::vector<Seen> RunLoader(const dataset::Dataset& ds, const LoaderOptions& o, StorageStats* stats = nullptr) {
-  auto loader = Loader::Create(ds, o);
-  EXPECT_TRUE(loader.ok()) << loader.status().ToString();
-  if (!loader.ok()) return {};
-  auto seen = Drain(**loader);
-  if (stats) *stats = (*loader)->stats().storage;
-  return seen;
 }
 
 TEST(Storage, BatchesMatchTheMapPathInEveryOrder) {
