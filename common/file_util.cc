@@ -124,7 +124,7 @@ Status WriteFileAtomic(const std::filesystem::path& named, std::span<const std::
   STOKE_ASSIGN_OR_RETURN(const std::filesystem::path path, WriteTarget(named));
   const std::filesystem::path tmp = AtomicWriteTemporary(path);
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return ErrnoStatus(errno, tmp, "create");
+  if (fd < 0) return ErrnoStatus(errno, path, "create");  // the file asked for, not the temporary one
   size_t put = 0;
   while (put < data.size()) {
     ssize_t n = ::write(fd, data.data() + put, data.size() - put);

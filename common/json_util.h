@@ -16,6 +16,41 @@
 
 namespace stoke {
 
+// Whether `text` is well-formed UTF-8 (JSON text is; nlohmann's dump replaces what is not with
+// U+FFFD, so two names that differ only in such bytes would be stored as one).
+inline bool IsUtf8(std::string_view text) {
+  size_t i = 0;
+  while (i < text.size()) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    int more = 0;
+    uint32_t cp = 0;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if (c >= 0xC2 && c <= 0xDF) {
+      more = 1, cp = c & 0x1F;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      more = 2, cp = c & 0x0F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      more = 3, cp = c & 0x07;
+    } else {
+      return false;
+    }
+    if (i + static_cast<size_t>(more) >= text.size()) return false;  // cut short
+    for (int k = 1; k <= more; ++k) {
+      const auto n = static_cast<unsigned char>(text[i + k]);
+      if ((n & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (n & 0x3F);
+    }
+    // Overlong forms, surrogates and code points past U+10FFFF.
+    if ((more == 2 && cp < 0x800) || (more == 3 && (cp < 0x10000 || cp > 0x10FFFF)) || (cp >= 0xD800 && cp <= 0xDFFF)) {
+      return false;
+    }
+    i += static_cast<size_t>(more) + 1;
+  }
+  return true;
+}
+
 // j[key] as an integer in [lo, hi]; kCorrupt naming `what` and the key otherwise (missing, not an
 // integer, out of range).
 inline Result<int64_t> JsonInt(const nlohmann::json& j, std::string_view key, int64_t lo, int64_t hi,

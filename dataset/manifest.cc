@@ -40,7 +40,14 @@ Result<Manifest> Manifest::FromJson(const nlohmann::json& j) {
     Manifest m;
     m.format_version = static_cast<uint32_t>(version);
     STOKE_ASSIGN_OR_RETURN(m.records, JsonInt(j, "records", 0, kMaxRecords, "manifest"));
-    m.classes = j.at("classes").get<std::vector<std::string>>();
+    const nlohmann::json& classes = j.at("classes");
+    if (!classes.is_array()) return CorruptError("manifest: 'classes' is not a list");
+    for (size_t i = 0; i < classes.size(); ++i) {
+      if (!classes[i].is_string()) {
+        return CorruptError(fmt::format("manifest: classes[{}] is {}, not a name (a string)", i, classes[i].type_name()));
+      }
+      m.classes.push_back(classes[i].get<std::string>());
+    }
     const nlohmann::json& counts = j.at("class_counts");
     if (!counts.is_array()) return CorruptError("manifest: 'class_counts' is not a list");
     for (size_t i = 0; i < counts.size(); ++i) {
@@ -49,10 +56,16 @@ Result<Manifest> Manifest::FromJson(const nlohmann::json& j) {
                                      fmt::format("manifest: class_counts[{}]", i)));
       m.class_counts.push_back(count);
     }
-    if (j.contains("payload_bytes")) {
+    m.payload_bytes_stored = j.contains("payload_bytes");
+    if (m.payload_bytes_stored) {
       STOKE_ASSIGN_OR_RETURN(m.payload_bytes, JsonInt(j, "payload_bytes", 0, INT64_MAX / 2, "manifest"));
     }
-    m.has_paths = j.value("has_paths", false);
+    if (const auto paths = j.find("has_paths"); paths != j.end()) {
+      if (!paths->is_boolean()) {
+        return CorruptError(fmt::format("manifest: 'has_paths' is {}, not true or false", paths->type_name()));
+      }
+      m.has_paths = paths->get<bool>();
+    }
     if (j.contains("packing")) m.packing = j.at("packing");
     if (!m.packing.is_object()) return CorruptError("manifest: 'packing' is not an object");
     if (m.class_counts.size() != m.classes.size()) {

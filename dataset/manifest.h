@@ -18,6 +18,7 @@ struct Manifest {
   std::vector<std::string> classes;   // class names in label order
   std::vector<int64_t> class_counts;  // records per label, same length as classes
   int64_t payload_bytes = 0;          // sum of payload sizes
+  bool payload_bytes_stored = true;   // false: read from a manifest without the field (older writers)
   bool has_paths = false;             // the "paths" sub-database maps index -> source path
   // How it was packed: tool version, options, seed, date, source. Free-form but always an object.
   nlohmann::json packing = nlohmann::json::object();

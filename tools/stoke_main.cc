@@ -184,6 +184,8 @@ int Run(int argc, char** argv) {
                           ->check(kNonNegative);
   inspect_cmd->add_option("--output", extract_output, "File for --extract")->check(kFileName)->needs(extract_opt);
   extract_opt->needs(inspect_cmd->get_option("--output"));
+  // An extract writes one record and prints nothing to verify or as JSON: those flags would do nothing.
+  extract_opt->excludes(inspect_cmd->get_option("--verify"))->excludes(inspect_cmd->get_option("--json"));
 
   // ---- bench
   auto* bench_cmd = app.add_subcommand("bench", "Measure throughput of each stage");
@@ -275,7 +277,7 @@ int Run(int argc, char** argv) {
   synth_cmd->add_option("--classes", synth.classes, "Number of classes")->check(kPositive);
   synth_cmd->add_option("--per-class", synth.per_class, "Images per class")
       ->check(kPositive);
-  synth_cmd->add_option("--seed", synth.seed, "Seed");
+  synth_cmd->add_option("--seed", synth.seed, "Seed")->check(kNonNegative);
   std::string synth_style = "stripes";
   synth_cmd->add_option("--style", synth_style, "stripes (colour + stripe angle per class) or shapes (a shape per class)")
       ->check(CLI::IsMember({"stripes", "shapes"}));
@@ -596,11 +598,24 @@ int Run(int argc, char** argv) {
     std::signal(SIGINT, OnInterrupt);
     std::signal(SIGTERM, OnInterrupt);
     auto result = stoke::demo::RunDemo(demo);
-    if (!result.ok()) return Fail(result.status());
+    if (!result.ok()) {
+      Fail(result.status());
+      return g_stop.load() ? 128 + g_stop_signal.load() : 1;  // as for pack and train
+    }
     std::fputs(result->report.c_str(), stdout);
     return 0;
   }
   if (synth_cmd->parsed()) {
+    // Into a folder holding files, the tree would be mixed with them (an earlier synth's classes
+    // and images stayed, and a pack of it counted them): refused.
+    std::error_code ec;
+    if (std::filesystem::exists(synth_dir, ec) &&
+        (!std::filesystem::is_directory(synth_dir, ec) || !std::filesystem::is_empty(synth_dir, ec))) {
+      return Fail(stoke::InvalidArgumentError(
+          fmt::format("synth: {}: exists and is not an empty folder (the images would be mixed with what is there); "
+                      "give a new or empty folder",
+                      synth_dir)));
+    }
     synth.style = synth_style == "shapes" ? stoke::synth::SynthStyle::kShapes : stoke::synth::SynthStyle::kStripes;
     stoke::Status s = stoke::synth::WriteSyntheticTree(synth_dir, synth);
     if (!s.ok()) return Fail(s);

@@ -19,6 +19,7 @@
 
 #include "common/c_handles.h"
 #include "common/crc32c.h"
+#include "common/json_util.h"
 #include "common/random.h"
 #include "dataset/dataset.h"
 #include "dataset/manifest.h"
@@ -215,6 +216,35 @@ TEST(Manifest, NumbersMustBeIntegersInRange) {
   ASSERT_FALSE(counts.ok());
   EXPECT_NE(counts.status().message().find("class_counts[1]"), std::string::npos) << counts.status().ToString();
   ASSERT_OK(Manifest::Parse(base + "4}").status());
+}
+
+// A class name or has_paths of the wrong type is an error naming the key (it was nlohmann's
+// "type must be string, but is number", naming nothing).
+TEST(Manifest, FieldsOfTheWrongTypeAreNamed) {
+  const std::string head = R"({"format_version":1,"class_counts":[2,2],"records":4,)";
+  for (const auto& [body, key] : std::vector<std::pair<std::string, std::string>>{
+           {R"("classes":["a",5]})", "classes[1] is number"},
+           {R"("classes":"ab"})", "'classes' is not a list"},
+           {R"("classes":["a","b"],"has_paths":"yes"})", "'has_paths' is string, not true or false"}}) {
+    auto m = Manifest::Parse(head + body);
+    ASSERT_FALSE(m.ok()) << body;
+    EXPECT_EQ(m.status().code(), StatusCode::kCorrupt) << body;
+    EXPECT_NE(m.status().message().find(key), std::string::npos) << m.status().ToString();
+  }
+  ASSERT_OK_AND_ASSIGN(Manifest ok, Manifest::Parse(head + R"("classes":["a","b"],"has_paths":true})"));
+  EXPECT_TRUE(ok.has_paths);
+  EXPECT_FALSE(ok.payload_bytes_stored);  // left out by older writers
+}
+
+// IsUtf8: what JSON text holds, and what it does not (stored, such bytes become U+FFFD).
+TEST(Json, IsUtf8) {
+  for (const char* good : {"", "plain", "caf\xC3\xA9", "\xE2\x82\xAC", "\xF0\x9F\x98\x80", "\xEF\xBF\xBD"}) {
+    EXPECT_TRUE(IsUtf8(good)) << good;
+  }
+  for (const char* bad : {"\xFF", "\xFE", "caf\xE9", "\xC3", "\xE2\x82", "\xC0\xAF", "\xED\xA0\x80", "\xF4\x90\x80\x80",
+                          "\x80"}) {
+    EXPECT_FALSE(IsUtf8(bad)) << bad;
+  }
 }
 
 // A raw record's size check multiplied width * height * channels in 64 bits, which wraps:

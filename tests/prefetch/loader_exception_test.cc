@@ -37,16 +37,12 @@ std::atomic<bool> fail_storage_thread{false};  // armed: every allocation of the
 std::atomic<int> failed_allocations{0};
 std::thread::id test_thread;
 
-[[maybe_unused]] bool OnStorageScheduler() {  // unused where a sanitizer owns operator new
-  char name[16] = {};  // pthread_getname_np on the calling thread allocates nothing
-  return ::pthread_getname_np(::pthread_self(), name, sizeof(name)) == 0 && std::strcmp(name, "stoke-storage") == 0;
-}
 }  // namespace
 
 #if !STOKE_SANITIZED_NEW
 void* operator new(size_t n) {
   if ((n > fail_above.load(std::memory_order_relaxed) && std::this_thread::get_id() != test_thread) ||
-      (fail_storage_thread.load(std::memory_order_relaxed) && OnStorageScheduler())) {
+      (fail_storage_thread.load(std::memory_order_relaxed) && stoke::testing::CurrentThreadIs("stoke-storage"))) {
     failed_allocations.fetch_add(1);
     throw std::bad_alloc();
   }

@@ -39,16 +39,12 @@ std::atomic<ReadFault> read_fault{ReadFault::kNone};
 std::atomic<int> io_reads{0};
 std::atomic<bool> fail_io_allocations{false};
 
-bool OnIoThread() {
-  char name[16] = {};  // pthread_getname_np on the calling thread allocates nothing
-  return ::pthread_getname_np(::pthread_self(), name, sizeof(name)) == 0 && std::strcmp(name, "stoke-read") == 0;
-}
 }  // namespace
 
 #if !STOKE_SANITIZED_IO
 extern "C" ssize_t pread(int fd, void* buf, size_t n, off_t offset) {
   const ReadFault fault = read_fault.load();
-  if (fault != ReadFault::kNone && OnIoThread()) {
+  if (fault != ReadFault::kNone && stoke::testing::CurrentThreadIs("stoke-read")) {
     const int call = io_reads.fetch_add(1);
     if (fault == ReadFault::kAllFail || (fault == ReadFault::kEveryThirdFails && call % 3 == 2)) {
       errno = EIO;
@@ -61,7 +57,7 @@ extern "C" ssize_t pread(int fd, void* buf, size_t n, off_t offset) {
 }
 
 void* operator new(size_t n) {
-  if (fail_io_allocations.load(std::memory_order_relaxed) && OnIoThread()) {
+  if (fail_io_allocations.load(std::memory_order_relaxed) && stoke::testing::CurrentThreadIs("stoke-read")) {
     throw std::bad_alloc();
   }
   if (void* p = std::malloc(n == 0 ? 1 : n)) return p;

@@ -3,9 +3,11 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <pthread.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <optional>
 #include <string>
@@ -35,6 +37,13 @@
   lhs = std::move(tmp).value()
 
 namespace stoke::testing {
+
+// Whether the calling thread carries the name `name` (pthread_setname_np; stoke names its threads,
+// e.g. "stoke-read"). Allocates nothing, so a replaced operator new may call it.
+inline bool CurrentThreadIs(const char* name) {
+  char current[16] = {};
+  return ::pthread_getname_np(::pthread_self(), current, sizeof(current)) == 0 && std::strcmp(current, name) == 0;
+}
 
 // A fresh directory under the system temp dir, removed (recursively) on destruction.
 class TempDir {

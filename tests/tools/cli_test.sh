@@ -7,6 +7,11 @@ source "$(dirname "$0")/cli_lib.sh"
 
 check synth 0 "wrote 3 classes" -- "$stoke" synth "$work/src" --classes 3 --per-class 10
 printf 'not a jpeg' >"$work/src/class_01/broken.jpg"
+# Into a folder holding files the images would be mixed with them (an earlier synth's classes
+# stayed, and were packed): refused. A negative seed wrapped to 2^64 - 1.
+check synth_into_a_used_folder 1 "src: exists and is not an empty folder" -- \
+  "$stoke" synth "$work/src" --classes 2 --per-class 2
+check synth_negative_seed 105 "--seed: must be >= 0, not -1" -- "$stoke" synth "$work/neg" --seed -1
 check synth_shapes_limit 1 "at most 20 distinct classes" -- "$stoke" synth "$work/shapes" --style shapes --classes 21 \
   --per-class 1
 check pack 0 "train: 30 records" -- "$stoke" pack "$work/src" "$work/ds.lmdb" --threads 2 -q \
@@ -73,6 +78,10 @@ check inspect 0 "records +30" -- "$stoke" inspect "$work/ds.lmdb"
 check inspect_json 0 '"records": 30' -- "$stoke" inspect "$work/ds.lmdb" --json
 check inspect_verify 0 "30 records checked, 0 bad" -- "$stoke" inspect "$work/ds.lmdb" --verify
 check extract 0 "record 4 ->" -- "$stoke" inspect "$work/ds.lmdb" --extract 4 --output "$work/r4.jpg"
+check extract_with_verify 108 "--verify excludes --extract" -- \
+  "$stoke" inspect "$work/ds.lmdb" --extract 4 --output "$work/r4v.jpg" --verify
+check extract_into_no_folder 1 "nodir/r4.jpg: create: No such file or directory" -- \
+  "$stoke" inspect "$work/ds.lmdb" --extract 4 --output "$work/nodir/r4.jpg"
 check extract_range 1 "record 99 out of range" -- \
   "$stoke" inspect "$work/ds.lmdb" --extract 99 --output "$work/r99.jpg"
 check inspect_missing 1 "no-such.lmdb: no such file" -- "$stoke" inspect "$work/no-such.lmdb"

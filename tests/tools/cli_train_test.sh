@@ -24,6 +24,26 @@ check demo_odd_folder 0 "demo: validation top-1" -- "$stoke" demo --dir "$odd" -
 echo mine >"$odd/notes.txt"
 check demo_again 0 "demo: validation top-1" -- "$stoke" demo --dir "$odd" --per-class 20 --epochs 1 --threads 2
 check demo_again_kept_notes 0 "mine" -- cat "$odd/notes.txt"
+# Ctrl-C while a demo replaces an earlier one: exit 130, the earlier demo's outputs as they were
+# (they were removed first, and every later demo then stopped at the partial pack left behind).
+demo_interrupted() {
+  "$stoke" demo --dir "$odd" --per-class 5000 --epochs 1 --threads 2 >"$work/demo_int.out" 2>&1 &
+  local pid=$!
+  sleep 1
+  kill -INT "$pid"
+  wait "$pid"
+  local rc=$?
+  cat "$work/demo_int.out"
+  return "$rc"
+}
+check demo_interrupted 130 "interrupted while generating the images; the earlier demo's outputs in .* are as they were" -- \
+  demo_interrupted
+check demo_interrupted_kept_the_run 0 "curves.svg" -- ls "$odd/run"
+check demo_interrupted_kept_the_config 0 "epochs: 1" -- cat "$odd/demo.yaml"
+check demo_interrupted_left_nothing 0 "" -- test ! -e "$odd/.stoke-demo-previous"
+check demo_after_an_interrupted_one 0 "demo: validation top-1" -- \
+  "$stoke" demo --dir "$odd" --per-class 20 --epochs 1 --threads 2
+check demo_not_utf8 1 "the name is not UTF-8" -- "$stoke" demo --dir "$work/bad"$'\xff'"dir" --per-class 20 --epochs 1
 cfg=$work/demo/demo.yaml
 check print_config 0 "momentum: 0.9" -- "$stoke" train --config "$cfg" --print-config
 "$stoke" train --config "$cfg" --print-config >"$work/resolved.yaml"

@@ -1316,6 +1316,65 @@ TEST(Inspect, AManifestWhoseTotalsDisagreeWithTheRecordsIsReported) {
     EXPECT_EQ(inspect::ReportJson(report)["manifest_problems"].size(), 3u);
     EXPECT_NE(inspect::FormatReport(report).find("manifest       class_counts[1]"), std::string::npos);
   }
+  // A total of 0 is a total, not "left out" (it passed unreported, and 0 B was printed); the
+  // summary gives what the records hold.
+  fs::remove_all(dir / "copy");
+  ASSERT_OK_AND_ASSIGN(auto again, dataset::DatasetWriter::Create(dir / "copy", {}));
+  for (int64_t i = 0; i < ds.size(); ++i) {
+    ASSERT_OK_AND_ASSIGN(RecordView r, reader.Get(i));
+    again.Append(r.header, std::vector<std::byte>(r.payload.begin(), r.payload.end()), "");
+  }
+  dataset::Manifest zero = ds.manifest();
+  zero.payload_bytes = 0;
+  ASSERT_OK(again.Finish(zero));
+  ASSERT_OK_AND_ASSIGN(auto report, inspect::Inspect(dir / "copy", {.progress = false}));
+  ASSERT_EQ(report.manifest_problems.size(), 1u);
+  EXPECT_NE(report.manifest_problems[0].find("payload_bytes is 0, the records hold"), std::string::npos)
+      << report.manifest_problems[0];
+  EXPECT_EQ(report.summary["payload_bytes"], ds.manifest().payload_bytes);
+}
+
+// Records whose header cannot be read are in --json too (the text listed them; the JSON, without
+// --verify, said nothing of why inspect exited 3).
+TEST(Inspect, UnreadableRecordsAreInTheJsonAsInTheText) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", kClasses, 3);
+  ASSERT_OK(Pack(Options(dir / "src", dir / "out")).status());
+  ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(dir / "out"));
+  ASSERT_OK_AND_ASSIGN(auto reader, ds.NewReader());
+  ASSERT_OK_AND_ASSIGN(auto writer, dataset::DatasetWriter::Create(dir / "copy", {}));
+  for (int64_t i = 0; i < ds.size(); ++i) {
+    ASSERT_OK_AND_ASSIGN(RecordView r, reader.Get(i));
+    dataset::RecordHeader h = r.header;
+    if (i == 5) h.encoding = static_cast<dataset::PayloadEncoding>(77);  // no such encoding
+    writer.Append(h, std::vector<std::byte>(r.payload.begin(), r.payload.end()), "");
+  }
+  ASSERT_OK(writer.Finish(ds.manifest()));
+  ASSERT_OK_AND_ASSIGN(auto report, inspect::Inspect(dir / "copy", {.progress = false}));
+  ASSERT_EQ(report.bad.size(), 1u);
+  EXPECT_NE(inspect::FormatReport(report).find("bad record 5"), std::string::npos) << inspect::FormatReport(report);
+  const auto j = inspect::ReportJson(report);
+  ASSERT_EQ(j["unreadable"].size(), 1u) << j.dump();
+  EXPECT_EQ(j["unreadable"][0]["index"], 5);
+}
+
+// Class folders whose names are not UTF-8 are stored with U+FFFD for their odd bytes: two that
+// become one name are refused (two classes no reader could tell apart), one alone is packed.
+TEST(Pack, ClassFoldersThatWouldBeStoredUnderOneNameAreRefused) {
+  TempDir dir;
+  for (const char* name : {"\xFF", "\xFE", "fine"}) {
+    fs::create_directories(dir / "src" / name);
+    testing::WriteBytes(dir / "src" / name / "a.jpg", testing::EncodeJpeg(testing::MakeImage(16, 16, 3, 1)));
+  }
+  auto refused = Pack(Options(dir / "src", dir / "out"));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("would both be stored as the class"), std::string::npos)
+      << refused.status().ToString();
+  fs::remove_all(dir / "src" / "\xFE");
+  ASSERT_OK(Pack(Options(dir / "src", dir / "out")).status());
+  ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(dir / "out"));
+  EXPECT_EQ(ds.manifest().classes.size(), 2u);
 }
 
 TEST(Inspect, AVerifyStoppedEarlySaysSoAndBadThreadCountsAreRefused) {

@@ -121,8 +121,8 @@ Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOp
             "class_counts[{}] ('{}') is {}, the records hold {}", c, m.classes[c], m.class_counts[c], counted[c]));
       }
     }
-    // payload_bytes is optional (0 when an older writer left it out).
-    if (m.payload_bytes != 0 && m.payload_bytes != counted_bytes) {
+    // payload_bytes is optional (an older writer left it out).
+    if (m.payload_bytes_stored && m.payload_bytes != counted_bytes) {
       report.manifest_problems.push_back(
           fmt::format("payload_bytes is {}, the records hold {}", m.payload_bytes, counted_bytes));
     }
@@ -137,7 +137,9 @@ Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOp
                     {"classes", m.classes.size()},
                     {"class_names", m.classes},
                     {"class_counts", m.class_counts},
-                    {"payload_bytes", m.payload_bytes},
+                    // What the records hold when every header was read (a wrong manifest total is
+                    // a manifest problem above), else what the manifest says.
+                    {"payload_bytes", report.bad.empty() ? counted_bytes : m.payload_bytes},
                     {"payload_size", payload.Json()},
                     {"width", width.Json()},
                     {"height", height.Json()},
@@ -230,12 +232,14 @@ Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOp
 
 nlohmann::json ReportJson(const InspectReport& report) {
   nlohmann::json j = report.summary;
+  nlohmann::json bad = nlohmann::json::array();
+  for (const auto& b : report.bad) {
+    bad.push_back({{"index", b.index}, {"path", b.source_path}, {"reason", b.reason}});
+  }
   if (report.verified) {
-    nlohmann::json bad = nlohmann::json::array();
-    for (const auto& b : report.bad) {
-      bad.push_back({{"index", b.index}, {"path", b.source_path}, {"reason", b.reason}});
-    }
     j["verify"] = {{"checked", report.summary["records"]}, {"bad", bad}};
+  } else {
+    j["unreadable"] = bad;  // records whose header could not be read (the text lists them too)
   }
   return j;
 }

@@ -37,6 +37,7 @@
 
 #include "common/digest.h"
 #include "common/file_util.h"
+#include "common/json_util.h"
 #include "common/limits.h"
 #include "common/logging.h"
 #include "common/progress.h"
@@ -104,6 +105,22 @@ Result<InputSet> ListFolderTree(const fs::path& root) {
     return InvalidArgumentError(
         fmt::format("pack: {}: no class sub-folders (expected SRC/<class>/<image>, or pass --list)",
                     root.string()));
+  }
+  // The manifest is UTF-8 JSON: a name that is not UTF-8 is stored with U+FFFD for its odd bytes,
+  // and two such names could become one (two classes no reader could tell apart).
+  std::map<std::string, fs::path> stored_as;
+  for (const fs::path& d : class_dirs) {
+    const std::string name = d.filename().string();
+    if (IsUtf8(name)) continue;
+    const std::string stored = nlohmann::json(name).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    auto [it, fresh] = stored_as.emplace(stored, d);
+    if (!fresh) {
+      return InvalidArgumentError(fmt::format(
+          "pack: class folders {} and {} would both be stored as the class {} (their names are not UTF-8, and the "
+          "manifest is UTF-8 JSON); rename one of them",
+          it->second.string(), d.string(), stored));
+    }
+    STOKE_LOG(WARN, "pack: class folder {}: its name is not UTF-8; the manifest stores it as {}", d.string(), stored);
   }
   for (size_t label = 0; label < class_dirs.size(); ++label) {
     set.classes.push_back(class_dirs[label].filename().string());

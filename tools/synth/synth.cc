@@ -129,6 +129,7 @@ Status WriteSyntheticTree(const std::filesystem::path& out_dir, const SynthOptio
     const double r0 = 128 + 100 * std::cos(hue), g0 = 128 + 100 * std::cos(hue - 2.1),
                  b0 = 128 + 100 * std::cos(hue + 2.1);
     for (int i = 0; i < o.per_class; ++i) {
+      if (o.stop && o.stop->load()) return UnavailableError("synth: interrupted");
       const int span = o.max_side - o.min_side + 1;
       const int w = o.min_side + static_cast<int>(rng.Below(static_cast<uint64_t>(span)));
       const int h = o.min_side + static_cast<int>(rng.Below(static_cast<uint64_t>(span)));

@@ -7,6 +7,7 @@
 //    slight rotation, with noise: only the shape tells the classes apart.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <filesystem>
 
@@ -23,6 +24,7 @@ struct SynthOptions {
   int min_side = 48;        // image sides vary in [min_side, max_side]
   int max_side = 96;
   uint64_t seed = 0;
+  const std::atomic<bool>* stop = nullptr;  // set: WriteSyntheticTree ends at the next image (kUnavailable)
 };
 
 // Writes out_dir/class_<k>/img_<i>.jpg. kInvalidArgument for bad options, kIoError when a file
