@@ -88,6 +88,16 @@ Result<std::filesystem::path> WriteTarget(const std::filesystem::path& path) {
                                                                                            : "a socket or other"));
     }
     if (hops == 40) return ErrnoStatus(ELOOP, path, "follow");
+    // /dev/stdout and the like lead to /proc/self/fd/N: a descriptor this process has open. A
+    // file there replaced by a rename keeps the descriptor on the old one (what is printed after
+    // it is lost); a pipe's link names no file at all ("pipe:[N]").
+    const std::string hop = target.lexically_normal().string();
+    if (hop.starts_with("/proc/") || hop.starts_with("/dev/fd/")) {
+      return InvalidArgumentError(fmt::format(
+          "{}: names an open descriptor ({}), such as standard output, which a file cannot be written over; "
+          "give a file name",
+          path.string(), hop));
+    }
     std::error_code ec;
     std::filesystem::path next = std::filesystem::read_symlink(target, ec);
     if (ec) return ErrnoStatus(ec.value(), target, "read the link");

@@ -328,6 +328,8 @@ std::vector<std::vector<int>> LayerReaders(const ModelSpec& model) {
 }
 
 namespace {
+// What makes a layer compute what it computes. A dropout's p is left out: evaluation and export
+// skip dropout, and a resumed run may change it as it may change the learning rate.
 std::string DescribeLayer(const LayerSpec& l) {
   std::string d(LayerTypeName(l.type));
   switch (l.type) {
@@ -340,9 +342,6 @@ std::string DescribeLayer(const LayerSpec& l) {
     case LayerType::kMaxPool:
     case LayerType::kAvgPool:
       d += fmt::format(" kernel {} stride {} pad {}", l.kernel, l.stride, l.pad);
-      break;
-    case LayerType::kDropout:
-      d += fmt::format(" p {}", l.p);
       break;
     default:
       break;

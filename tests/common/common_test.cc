@@ -1,5 +1,6 @@
 // Tests for common/: Status/Result, CRC-32C, deterministic random numbers, JSON nesting,
 // progress lines.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -222,6 +223,21 @@ TEST(FileUtil, AtomicWriteRefusesWhatIsNotAFileAndFollowsALink) {
   std::filesystem::create_symlink("fifo", dir / "to-fifo");
   EXPECT_EQ(WriteFileAtomic(dir / "to-fifo", std::string("x")).code(), StatusCode::kInvalidArgument);
   EXPECT_TRUE(std::filesystem::is_fifo(dir / "fifo"));
+  // /dev/stdout (through /proc/self/fd/1) onto a file this process has open: a rename would leave
+  // the descriptor on the old file, and what is printed next would be lost. Refused, unchanged.
+  const int fd = ::open((dir / "out.txt").c_str(), O_WRONLY | O_CREAT, 0644);
+  ASSERT_GE(fd, 0);
+  const auto fd_link = std::filesystem::path("/proc/self/fd") / std::to_string(fd);
+  std::filesystem::create_symlink(fd_link, dir / "stdout-like");
+  for (const auto& through : {fd_link, dir / "stdout-like"}) {
+    Status s = WriteFileAtomic(through, std::string("report"));
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+    EXPECT_NE(s.message().find("names an open descriptor"), std::string::npos) << s.ToString();
+  }
+  EXPECT_EQ(::write(fd, "x", 1), 1);
+  ::close(fd);
+  ASSERT_OK_AND_ASSIGN(auto kept, ReadFileBytes(dir / "out.txt"));
+  EXPECT_EQ(kept.size(), 1u);
 }
 
 TEST(FileUtil, FileLockIsExclusiveNamesItsOwnerAndGoesAwayOnRelease) {

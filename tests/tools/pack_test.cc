@@ -1161,15 +1161,25 @@ TEST(Pack, APackStoppedBetweenTheTwoRenamesNeverLeavesTheOutputEmpty) {
   for (const char* name : {"out.partial", "out.replaced", "out.publishing"}) {
     EXPECT_FALSE(fs::exists(dir / name)) << name;
   }
-  // No journal (moved away by hand), nothing at OUT: the replaced dataset is put back, not removed.
-  for (const char* name : {"out", "out.partial", "out.replaced", "out.publishing"}) fs::remove_all(dir / name);
-  fs::copy(dir / "old", dir / "out.replaced", fs::copy_options::recursive);
+  // The journal, nothing at OUT, and the new folder moved away from the partial name by hand: the
+  // dataset being replaced is put back, not removed.
+  stopped();
+  fs::rename(dir / "out.partial", dir / "elsewhere");
   o.quality = 70;
   o.resume = false;
   auto again = Pack(o);
   EXPECT_EQ(again.status().code(), StatusCode::kInvalidArgument) << again.status().ToString();
   EXPECT_EQ(testing::ReadBytes(dir / "out" / "data.mdb"), testing::ReadBytes(dir / "old" / "data.mdb"));
   EXPECT_FALSE(fs::exists(dir / "out.replaced"));
+  // No journal: a leftover OUT.replaced is removed, even with nothing at OUT (the user removed the
+  // dataset since), and the pack goes on; it is not brought back.
+  for (const char* name : {"out", "out.partial", "out.replaced", "out.publishing", "elsewhere"}) {
+    fs::remove_all(dir / name);
+  }
+  fs::copy(dir / "old", dir / "out.replaced", fs::copy_options::recursive);
+  ASSERT_OK(Pack(o).status());
+  EXPECT_FALSE(fs::exists(dir / "out.replaced"));
+  EXPECT_OK(Dataset::Open(dir / "out").status());
 }
 
 // The splits of a pack are published together, after both are packed: a repack stopped while it

@@ -580,6 +580,24 @@ TEST_F(TrainLoop, ADivergedModelEndsTheRunAndKeepsTheLastGoodCheckpoint) {
   EXPECT_EQ(ListCheckpoints(run_dir), first);
 }
 
+// What ModelDifference compares: the layers' kinds, settings and inputs, not a dropout's p (it does
+// nothing in evaluation, export removes it, and a resumed run may change it like the learning rate).
+TEST(ModelDifference, ComparesWhatTheLayersComputeNotDropoutsP) {
+  ModelSpec a;
+  a.layers = {{.name = "c", .type = LayerType::kConv, .out = 4, .kernel = 3, .pad = 1},
+              {.name = "d", .type = LayerType::kDropout, .p = 0.5},
+              {.name = "fc", .type = LayerType::kLinear, .out = 3}};
+  ModelSpec b = a;
+  b.layers[1].p = 0.2;
+  EXPECT_EQ(ModelDifference(a, "a", b, "b"), "");
+  b.layers[0].stride = 2;
+  EXPECT_EQ(ModelDifference(a, "a", b, "b"),
+            "layer 0 is 'c' (conv out 4 kernel 3 stride 1 pad 1) in a, 'c' (conv out 4 kernel 3 stride 2 pad 1) in b");
+  b = a;
+  b.layers.pop_back();
+  EXPECT_EQ(ModelDifference(a, "a", b, "b"), "a has 3 layers, b has 2");
+}
+
 // A resume with a config of another model whose tensors are the same (a ReLU given as a max pool
 // of one pixel) is refused, naming the layer: it trained on another function of the weights.
 TEST_F(TrainLoop, AResumeWithAnotherModelOfTheSameTensorsIsRefused) {

@@ -22,9 +22,17 @@ constexpr const char* kOwnEntries[] = {
     "images", "train.lmdb", "train_val.lmdb", "run", "demo.yaml", "train.lmdb.partial", "train_val.lmdb.partial",
     "train.lmdb.lock", "train_val.lmdb.lock", "train.lmdb.publishing", "train_val.lmdb.publishing",
     "train.lmdb.replaced", "train_val.lmdb.replaced"};
-// Where an earlier demo's outputs wait while a new one runs: put back if it fails or is stopped,
-// removed once it has finished.
+// An earlier demo's outputs are replaced in steps that a stop, a failure or a kill at any point is
+// recovered from (by this demo, or by the next one in the folder). The earlier outputs wait in
+// kPrevious; the step under way is kept in kState:
+//   aside:      moving the earlier outputs into kPrevious (some may still be in the folder);
+//   running:    all of them are in kPrevious; the new demo writes its own;
+//   cleaning:   removing what the new demo wrote (it failed or was stopped);
+//   restoring:  moving the earlier outputs back (the folder holds none of the new ones);
+//   discarding: the new demo finished; kPrevious goes.
+// No state file: no replacement under way.
 constexpr const char* kPrevious = ".stoke-demo-previous";
+constexpr const char* kState = ".stoke-demo-state";
 
 // `text` as a YAML double-quoted scalar (yaml-cpp's emitter escapes it): any folder name (spaces,
 // '#', ': ', brackets) stays one string.
@@ -34,43 +42,72 @@ std::string YamlQuoted(const std::string& text) {
   return e.c_str();
 }
 
-// Moves each of the demo's entries present in `from` to `to` (created), after removing what `to`
-// holds of them.
-Status MoveEntries(const std::filesystem::path& from, const std::filesystem::path& to) {
+Status SetState(const std::filesystem::path& dir, const char* state) {
+  return WriteFileAtomic(dir / kState, std::string(state) + "\n");
+}
+
+// Moves each of the demo's entries that is in `from` and not in `to` (renames: a stop between two
+// leaves each entry whole on one side). Returns how many it moved.
+Result<int> MoveAbsent(const std::filesystem::path& from, const std::filesystem::path& to) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  fs::create_directories(to, ec);
-  if (ec) return IoError(fmt::format("demo: {}: {}", to.string(), ec.message()));
+  int moved = 0;
   for (const char* entry : kOwnEntries) {
-    if (!fs::exists(fs::symlink_status(from / entry, ec))) continue;
-    fs::remove_all(to / entry, ec);
-    if (!ec) fs::rename(from / entry, to / entry, ec);
+    if (!fs::exists(fs::symlink_status(from / entry, ec)) || fs::exists(fs::symlink_status(to / entry, ec))) continue;
+    fs::rename(from / entry, to / entry, ec);
     if (ec) return IoError(fmt::format("demo: move {} to {}: {}", (from / entry).string(), to.string(), ec.message()));
+    ++moved;
   }
+  STOKE_RETURN_IF_ERROR(SyncDirectory(to));
+  STOKE_RETURN_IF_ERROR(SyncDirectory(from));
+  return moved;
+}
+
+Status RemoveTree(const std::filesystem::path& path) {
+  std::error_code ec;
+  std::filesystem::remove_all(path, ec);
+  if (ec) return IoError(fmt::format("demo: remove {}: {}", path.string(), ec.message()));
   return OkStatus();
 }
 
-// Puts an earlier demo's outputs set aside in `dir` back in place of whatever a later demo left
-// (stopped, failed, or killed before it could do it itself).
-Status RestorePrevious(const std::filesystem::path& dir) {
+// Ends whatever replacement the state file says is under way in `dir`: a finished demo's earlier
+// outputs are removed; otherwise the earlier outputs are put back whole and the new ones removed.
+Status Recover(const std::filesystem::path& dir) {
   namespace fs = std::filesystem;
-  std::error_code ec;
   const fs::path previous = dir / kPrevious;
-  if (!fs::is_directory(previous, ec)) return OkStatus();
-  for (const char* entry : kOwnEntries) {
-    fs::remove_all(dir / entry, ec);
-    if (ec) return IoError(fmt::format("demo: {}: {}", (dir / entry).string(), ec.message()));
+  std::error_code ec;
+  std::string state;
+  if (fs::exists(fs::symlink_status(dir / kState, ec))) {
+    STOKE_ASSIGN_OR_RETURN(const auto bytes, ReadFileBytes(dir / kState, 64));
+    state.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    while (!state.empty() && state.back() == '\n') state.pop_back();
   }
-  STOKE_RETURN_IF_ERROR(MoveEntries(previous, dir));
-  fs::remove_all(previous, ec);
-  if (ec) return IoError(fmt::format("demo: {}: {}", previous.string(), ec.message()));
+  if (state.empty() || state == "discarding") {
+    STOKE_RETURN_IF_ERROR(RemoveTree(previous));
+  } else if (state == "aside") {  // the new demo had not begun: what was moved goes back
+    STOKE_RETURN_IF_ERROR(MoveAbsent(previous, dir).status());
+    STOKE_RETURN_IF_ERROR(RemoveTree(previous));
+  } else if (state == "running" || state == "cleaning" || state == "restoring") {
+    if (state != "restoring") {
+      STOKE_RETURN_IF_ERROR(SetState(dir, "cleaning"));
+      for (const char* entry : kOwnEntries) STOKE_RETURN_IF_ERROR(RemoveTree(dir / entry));
+      STOKE_RETURN_IF_ERROR(SetState(dir, "restoring"));
+    }
+    STOKE_RETURN_IF_ERROR(MoveAbsent(previous, dir).status());
+    STOKE_RETURN_IF_ERROR(RemoveTree(previous));
+  } else {
+    return CorruptError(fmt::format("demo: {}: not a state this demo writes ('{}'); move it away",
+                                    (dir / kState).string(), state));
+  }
+  fs::remove(dir / kState, ec);
+  if (ec) return IoError(fmt::format("demo: remove {}: {}", (dir / kState).string(), ec.message()));
   return SyncDirectory(dir);
 }
 
-// Makes `dir` ready for a demo: created when missing; a previous demo's outputs set aside (see
-// kPrevious); any other non-empty folder refused, so that `--dir .` or `--dir ~` can never touch
-// what is there.
-Status PrepareFolder(const std::filesystem::path& dir) {
+// Makes `dir` ready for a demo: created when missing; an interrupted replacement ended (Recover);
+// a previous demo's outputs set aside in kPrevious. Any other non-empty folder is refused, so that
+// `--dir .` or `--dir ~` can never touch what is there. True when there were earlier outputs.
+Result<bool> PrepareFolder(const std::filesystem::path& dir) {
   namespace fs = std::filesystem;
   std::error_code ec;
   if (fs::exists(dir, ec)) {
@@ -85,13 +122,16 @@ Status PrepareFolder(const std::filesystem::path& dir) {
           "its folder's contents, so give a new or empty folder",
           dir.string(), kMarker));
     }
-    STOKE_RETURN_IF_ERROR(RestorePrevious(dir));  // a demo killed while it ran
-    STOKE_RETURN_IF_ERROR(MoveEntries(dir, dir / kPrevious));
+    STOKE_RETURN_IF_ERROR(Recover(dir));  // a demo killed while it replaced another
   }
-  fs::create_directories(dir, ec);
+  fs::create_directories(dir / kPrevious, ec);
   if (ec) return IoError(fmt::format("demo: {}: {}", dir.string(), ec.message()));
-  return WriteFileAtomic(dir / kMarker, std::string("written by stoke demo: the demo may replace this folder's "
-                                                    "images, datasets, config and run\n"));
+  STOKE_RETURN_IF_ERROR(WriteFileAtomic(dir / kMarker, std::string("written by stoke demo: the demo may replace this "
+                                                                    "folder's images, datasets, config and run\n")));
+  STOKE_RETURN_IF_ERROR(SetState(dir, "aside"));
+  STOKE_ASSIGN_OR_RETURN(const int earlier, MoveAbsent(dir, dir / kPrevious));
+  STOKE_RETURN_IF_ERROR(SetState(dir, "running"));
+  return earlier > 0;
 }
 
 Result<DemoResult> RunSteps(const DemoOptions& o, std::chrono::steady_clock::time_point start) {
@@ -199,17 +239,14 @@ Result<DemoResult> RunDemo(const DemoOptions& o) {
                                             "give a folder whose path is",
                                             o.dir.string()));
   }
-  STOKE_RETURN_IF_ERROR(PrepareFolder(o.dir));
+  STOKE_ASSIGN_OR_RETURN(const bool had_previous, PrepareFolder(o.dir));
   auto r = RunSteps(o, start);
-  const bool had_previous = std::filesystem::is_directory(o.dir / kPrevious);
   if (!r.ok()) {
-    // Stopped or failed: the earlier demo's outputs come back (a first demo's own are left for the
-    // next one to replace).
-    if (Status restored = RestorePrevious(o.dir); !restored.ok()) {
-      return Status(r.status().code(), fmt::format("{} (and the earlier demo's outputs could not be put back from "
-                                                   "{}: {})",
-                                                   r.status().message(), (o.dir / kPrevious).string(),
-                                                   restored.message()));
+    // Stopped or failed: what it wrote goes, and the earlier demo's outputs come back.
+    if (Status restored = Recover(o.dir); !restored.ok()) {
+      return Status(r.status().code(), fmt::format("{} (and the folder could not be put back as it was: {}; the next "
+                                                   "demo there finishes it)",
+                                                   r.status().message(), restored.message()));
     }
     if (had_previous) {
       return Status(r.status().code(),
@@ -218,8 +255,8 @@ Result<DemoResult> RunDemo(const DemoOptions& o) {
     }
     return r.status();
   }
-  std::error_code ec;
-  std::filesystem::remove_all(o.dir / kPrevious, ec);
+  STOKE_RETURN_IF_ERROR(SetState(o.dir, "discarding"));
+  STOKE_RETURN_IF_ERROR(Recover(o.dir));
   return r;
 }
 

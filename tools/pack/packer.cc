@@ -967,6 +967,20 @@ class SplitPacker {
                                      ReplacedPath(job_.output).string()));
         }
         STOKE_RETURN_IF_ERROR(SyncDirectory(OutputParent()));
+      } else if (!fs::exists(fs::symlink_status(job_.output, ec)) &&
+                 fs::exists(fs::symlink_status(ReplacedPath(job_.output), ec))) {
+        // A publication under way, OUT missing and the new folder gone from the partial name
+        // (moved by hand): the dataset it was replacing is the only one there is, and is put back
+        // rather than removed below.
+        STOKE_RETURN_IF_ERROR(ReplaceableOutput(ReplacedPath(job_.output)));
+        fs::rename(ReplacedPath(job_.output), job_.output, ec);
+        if (ec) {
+          return IoError(fmt::format("pack: put {} back as {}: {}", ReplacedPath(job_.output).string(),
+                                     job_.output.string(), ec.message()));
+        }
+        STOKE_LOG(WARN, "pack: {}: the interrupted publication's new dataset is not at {}; the dataset it was "
+                  "replacing is put back", job_.output.string(), partial.string());
+        STOKE_RETURN_IF_ERROR(SyncDirectory(OutputParent()));
       }
       published = is_new(job_.output);
       if (published && fs::exists(fs::symlink_status(partial, ec))) {
@@ -987,20 +1001,11 @@ class SplitPacker {
   }
 
   // Removes what an earlier Publish left under ReplacedPath() (stopped before it removed it).
-  // While nothing is at the output, that is the only dataset there is: it is put back instead.
   Status RemoveReplaced() const {
     const fs::path replaced = ReplacedPath(job_.output);
     std::error_code ec;
     if (!fs::exists(fs::symlink_status(replaced, ec))) return OkStatus();
     STOKE_RETURN_IF_ERROR(ReplaceableOutput(replaced));
-    if (!fs::exists(fs::symlink_status(job_.output, ec))) {
-      fs::rename(replaced, job_.output, ec);
-      if (ec) return IoError(fmt::format("pack: put {} back as {}: {}", replaced.string(), job_.output.string(),
-                                         ec.message()));
-      STOKE_LOG(WARN, "pack: {} was missing; the dataset it had replaced ({}) is put back", job_.output.string(),
-                replaced.string());
-      return SyncDirectory(OutputParent());
-    }
     fs::remove_all(replaced, ec);
     if (ec) return IoError(fmt::format("pack: remove the replaced dataset {}: {}", replaced.string(), ec.message()));
     return OkStatus();
