@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <random>
 #include <set>
@@ -1295,6 +1296,20 @@ TEST(Inspect, SummaryVerifyAndExtract) {
   EXPECT_EQ(inspect::ExtractRecord(dir / "out", 20, dir / "x.jpg").code(), StatusCode::kInvalidArgument);
 }
 
+// A copy of `ds`'s records at `dest` under the manifest `m`, each header first passed to `edit`.
+void CopyUnderManifest(const Dataset& ds, const fs::path& dest, const dataset::Manifest& m,
+                       const std::function<void(int64_t, dataset::RecordHeader&)>& edit = {}) {
+  ASSERT_OK_AND_ASSIGN(auto reader, ds.NewReader());
+  ASSERT_OK_AND_ASSIGN(auto writer, dataset::DatasetWriter::Create(dest, {}));
+  for (int64_t i = 0; i < ds.size(); ++i) {
+    ASSERT_OK_AND_ASSIGN(RecordView r, reader.Get(i));
+    dataset::RecordHeader h = r.header;
+    if (edit) edit(i, h);
+    writer.Append(h, std::vector<std::byte>(r.payload.begin(), r.payload.end()), "");
+  }
+  ASSERT_OK(writer.Finish(m));
+}
+
 TEST(Inspect, AManifestWhoseTotalsDisagreeWithTheRecordsIsReported) {
   TempDir dir;
   testing::MakeImageTree(dir / "src", kClasses, 3);
@@ -1302,17 +1317,11 @@ TEST(Inspect, AManifestWhoseTotalsDisagreeWithTheRecordsIsReported) {
   // The same records under a manifest that moves one record between classes (the sum, which
   // opening checks, still holds) and miscounts the bytes by one.
   ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(dir / "out"));
-  ASSERT_OK_AND_ASSIGN(auto reader, ds.NewReader());
-  ASSERT_OK_AND_ASSIGN(auto writer, dataset::DatasetWriter::Create(dir / "copy", {}));
-  for (int64_t i = 0; i < ds.size(); ++i) {
-    ASSERT_OK_AND_ASSIGN(RecordView r, reader.Get(i));
-    writer.Append(r.header, std::vector<std::byte>(r.payload.begin(), r.payload.end()), "");
-  }
   dataset::Manifest m = ds.manifest();
   m.class_counts[0] += 1;
   m.class_counts[1] -= 1;
   m.payload_bytes += 1;
-  ASSERT_OK(writer.Finish(m));
+  ASSERT_NO_FATAL_FAILURE(CopyUnderManifest(ds, dir / "copy", m));
   for (bool verify : {false, true}) {
     SCOPED_TRACE(verify);
     ASSERT_OK_AND_ASSIGN(auto report, inspect::Inspect(dir / "copy", {.verify = verify, .progress = false}));
@@ -1328,16 +1337,10 @@ TEST(Inspect, AManifestWhoseTotalsDisagreeWithTheRecordsIsReported) {
   }
   // A total of 0 is a total, not "left out" (it passed unreported, and 0 B was printed); the
   // summary gives what the records hold.
-  fs::remove_all(dir / "copy");
-  ASSERT_OK_AND_ASSIGN(auto again, dataset::DatasetWriter::Create(dir / "copy", {}));
-  for (int64_t i = 0; i < ds.size(); ++i) {
-    ASSERT_OK_AND_ASSIGN(RecordView r, reader.Get(i));
-    again.Append(r.header, std::vector<std::byte>(r.payload.begin(), r.payload.end()), "");
-  }
   dataset::Manifest zero = ds.manifest();
   zero.payload_bytes = 0;
-  ASSERT_OK(again.Finish(zero));
-  ASSERT_OK_AND_ASSIGN(auto report, inspect::Inspect(dir / "copy", {.progress = false}));
+  ASSERT_NO_FATAL_FAILURE(CopyUnderManifest(ds, dir / "zero", zero));
+  ASSERT_OK_AND_ASSIGN(auto report, inspect::Inspect(dir / "zero", {.progress = false}));
   ASSERT_EQ(report.manifest_problems.size(), 1u);
   EXPECT_NE(report.manifest_problems[0].find("payload_bytes is 0, the records hold"), std::string::npos)
       << report.manifest_problems[0];
@@ -1351,15 +1354,9 @@ TEST(Inspect, UnreadableRecordsAreInTheJsonAsInTheText) {
   testing::MakeImageTree(dir / "src", kClasses, 3);
   ASSERT_OK(Pack(Options(dir / "src", dir / "out")).status());
   ASSERT_OK_AND_ASSIGN(Dataset ds, Dataset::Open(dir / "out"));
-  ASSERT_OK_AND_ASSIGN(auto reader, ds.NewReader());
-  ASSERT_OK_AND_ASSIGN(auto writer, dataset::DatasetWriter::Create(dir / "copy", {}));
-  for (int64_t i = 0; i < ds.size(); ++i) {
-    ASSERT_OK_AND_ASSIGN(RecordView r, reader.Get(i));
-    dataset::RecordHeader h = r.header;
+  ASSERT_NO_FATAL_FAILURE(CopyUnderManifest(ds, dir / "copy", ds.manifest(), [](int64_t i, dataset::RecordHeader& h) {
     if (i == 5) h.encoding = static_cast<dataset::PayloadEncoding>(77);  // no such encoding
-    writer.Append(h, std::vector<std::byte>(r.payload.begin(), r.payload.end()), "");
-  }
-  ASSERT_OK(writer.Finish(ds.manifest()));
+  }));
   ASSERT_OK_AND_ASSIGN(auto report, inspect::Inspect(dir / "copy", {.progress = false}));
   ASSERT_EQ(report.bad.size(), 1u);
   EXPECT_NE(inspect::FormatReport(report).find("bad record 5"), std::string::npos) << inspect::FormatReport(report);
