@@ -28,8 +28,13 @@ check demo_again_kept_notes 0 "mine" -- cat "$odd/notes.txt"
 # (they were removed first, and every later demo then stopped at the partial pack left behind).
 demo_interrupted() {
   "$stoke" demo --dir "$odd" --per-class 5000 --epochs 1 --threads 2 >"$work/demo_int.out" 2>&1 &
-  local pid=$!
-  sleep 1
+  local pid=$! waited=0
+  # Once it is generating images (its handler is set by then), however slow the build.
+  until grep -q "^== 1\." "$work/demo_int.out" 2>/dev/null || ((waited >= 300)); do
+    sleep 0.1
+    waited=$((waited + 1))
+  done
+  sleep 0.2
   kill -INT "$pid"
   wait "$pid"
   local rc=$?
@@ -40,7 +45,7 @@ check demo_interrupted 130 "interrupted while generating the images; the earlier
   demo_interrupted
 check demo_interrupted_kept_the_run 0 "curves.svg" -- ls "$odd/run"
 check demo_interrupted_kept_the_config 0 "epochs: 1" -- cat "$odd/demo.yaml"
-check demo_interrupted_left_nothing 0 "" -- test ! -e "$odd/.stoke-demo-previous"
+check demo_interrupted_left_nothing 0 "" -- test ! -e "$odd/.stoke-demo-previous" -a ! -e "$odd/.stoke-demo-state"
 check demo_after_an_interrupted_one 0 "demo: validation top-1" -- \
   "$stoke" demo --dir "$odd" --per-class 20 --epochs 1 --threads 2
 check demo_not_utf8 1 "the name is not UTF-8" -- "$stoke" demo --dir "$work/bad"$'\xff'"dir" --per-class 20 --epochs 1
