@@ -63,9 +63,7 @@ Result<std::vector<std::byte>> ReadFileBytes(const std::filesystem::path& path,
 
 namespace {
 constexpr std::string_view kTemporaryInfix = ".tmp.";  // <target>.tmp.<pid>
-}  // namespace
 
-namespace {
 // The file a write to `path` replaces: the target of a symbolic link (followed as the shell's `>`
 // would, so a link keeps pointing at the new file), `path` itself otherwise. A FIFO, a device or a
 // folder there is refused: renaming over it would put a plain file in its place (the device node
@@ -104,13 +102,18 @@ Result<std::filesystem::path> WriteTarget(const std::filesystem::path& path) {
     target = next.is_absolute() ? next : target.parent_path() / next;
   }
 }
+
+// The temporary beside a write target already resolved by WriteTarget.
+std::filesystem::path TemporaryFor(const std::filesystem::path& target) {
+  std::filesystem::path tmp = target;
+  tmp += fmt::format("{}{}", kTemporaryInfix, ::getpid());
+  return tmp;
+}
 }  // namespace
 
 std::filesystem::path AtomicWriteTemporary(const std::filesystem::path& path) {
   auto target = WriteTarget(path);
-  std::filesystem::path tmp = target.ok() ? *target : path;
-  tmp += fmt::format("{}{}", kTemporaryInfix, ::getpid());
-  return tmp;
+  return TemporaryFor(target.ok() ? *target : path);
 }
 
 void RemoveStaleAtomicTemporaries(const std::filesystem::path& dir,
@@ -132,7 +135,7 @@ void RemoveStaleAtomicTemporaries(const std::filesystem::path& dir,
 
 Status WriteFileAtomic(const std::filesystem::path& named, std::span<const std::byte> data) {
   STOKE_ASSIGN_OR_RETURN(const std::filesystem::path path, WriteTarget(named));
-  const std::filesystem::path tmp = AtomicWriteTemporary(path);
+  const std::filesystem::path tmp = TemporaryFor(path);
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return ErrnoStatus(errno, path, "create");  // the file asked for, not the temporary one
   size_t put = 0;

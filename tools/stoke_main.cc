@@ -104,6 +104,13 @@ int Fail(const stoke::Status& s) {
   return 1;
 }
 
+// Fail, for a command a signal can stop: 128 + the signal (130 for Ctrl-C, 143 for SIGTERM), as
+// shells report a command a signal ended, when one did: a script can tell "resume me" from a failure.
+int FailOrStopped(const stoke::Status& s) {
+  Fail(s);
+  return g_stop.load() ? 128 + g_stop_signal.load() : 1;
+}
+
 int Run(int argc, char** argv) {
   // Image-sized buffers (100 KB - 10 MB) are allocated and freed per image on several threads.
   // glibc would serve each from a fresh mmap and trim freed heap back to the kernel, and the page
@@ -386,12 +393,7 @@ int Run(int argc, char** argv) {
     std::signal(SIGINT, OnInterrupt);
     std::signal(SIGTERM, OnInterrupt);
     auto summary = stoke::pack::Pack(pack);
-    if (!summary.ok()) {
-      Fail(summary.status());
-      // 128 + the signal (130 for Ctrl-C, 143 for SIGTERM), as shells report a command a signal
-      // ended: a script can tell "resume me" from a failure.
-      return g_stop.load() ? 128 + g_stop_signal.load() : 1;
-    }
+    if (!summary.ok()) return FailOrStopped(summary.status());
     std::fputs(stoke::pack::FormatSummary(*summary).c_str(), stdout);
     return 0;
   }
@@ -598,10 +600,7 @@ int Run(int argc, char** argv) {
     std::signal(SIGINT, OnInterrupt);
     std::signal(SIGTERM, OnInterrupt);
     auto result = stoke::demo::RunDemo(demo);
-    if (!result.ok()) {
-      Fail(result.status());
-      return g_stop.load() ? 128 + g_stop_signal.load() : 1;  // as for pack and train
-    }
+    if (!result.ok()) return FailOrStopped(result.status());
     std::fputs(result->report.c_str(), stdout);
     return 0;
   }

@@ -724,6 +724,16 @@ ModelSpec ModelFromConfig(const ModelConfig& m) {
   return spec;
 }
 
+std::string ConfigModelDifference(const TrainConfig& here, std::string_view here_is, const TrainConfig& other,
+                                  std::string_view other_is) {
+  ModelSpec a = ModelFromConfig(here.model), b = ModelFromConfig(other.model);
+  if (!ResolveModel(a, {3, here.data.image_size, here.data.image_size}).ok() ||
+      !ResolveModel(b, {3, other.data.image_size, other.data.image_size}).ok()) {
+    return std::string();
+  }
+  return ModelDifference(a, here_is, b, other_is);
+}
+
 double ScaledLr(const TrainConfig& c) {
   if (c.optimizer.base_batch <= 0) return c.optimizer.lr;
   return c.optimizer.lr * c.data.batch_size / c.optimizer.base_batch;

@@ -129,6 +129,10 @@ prefetch::LoaderOptions ValLoaderOptions(const TrainConfig& config, int rank = 0
 dist::ReducerOptions ReducerOptionsFromConfig(const TrainConfig& config);
 augment::NormalizeOptions NormalizeFromConfig(const DataConfig& data);
 ModelSpec ModelFromConfig(const ModelConfig& model);
+// ModelDifference of the two configs' models, each resolved at its own image size: empty when
+// they are the same layers, or when either does not resolve (its own checks report that).
+std::string ConfigModelDifference(const TrainConfig& here, std::string_view here_is, const TrainConfig& other,
+                                  std::string_view other_is);
 // The learning rate after the linear scaling rule.
 double ScaledLr(const TrainConfig& config);
 

@@ -87,15 +87,11 @@ Result<TrainedModel> LoadTrainedModel(const TrainedModelSource& source) {
     // evaluates and exports another function of the same weights).
     if (auto stored = ParseConfig(m.checkpoint.config_yaml, m.checkpoint_path.string() + " (its stored config)");
         stored.ok()) {
-      ModelSpec trained = ModelFromConfig(stored->model);
-      const Shape trained_input{3, stored->data.image_size, stored->data.image_size};
-      if (ResolveModel(trained, trained_input).ok()) {
-        if (const std::string d = ModelDifference(model, "the config", trained, "the checkpoint's stored config");
-            !d.empty()) {
-          return InvalidArgumentError(fmt::format(
-              "config {} does not describe the model of checkpoint {}: {}; leave --config out to use the stored one",
-              m.config_path.string(), m.checkpoint_path.string(), d));
-        }
+      if (const std::string d = ConfigModelDifference(m.config, "the config", *stored, "the checkpoint's stored config");
+          !d.empty()) {
+        return InvalidArgumentError(fmt::format(
+            "config {} does not describe the model of checkpoint {}: {}; leave --config out to use the stored one",
+            m.config_path.string(), m.checkpoint_path.string(), d));
       }
     }
   }

@@ -412,16 +412,13 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
       if (was) {
         // The same tensors do not make the same model (a relu changed to a max pool would train on
         // another function of the resumed weights).
-        ModelSpec trained = ModelFromConfig(was->model), now = ModelFromConfig(config.model);
-        const Shape in{3, config.data.image_size, config.data.image_size};
-        if (ResolveModel(trained, in).ok() && ResolveModel(now, in).ok()) {
-          if (const std::string d = ModelDifference(now, "this config", trained, "the checkpoint's stored config");
-              !d.empty()) {
-            return InvalidArgumentError(fmt::format(
-                "checkpoint {} is of another model than this config describes: {}; resume with the config it was "
-                "taken with, or start a new run_dir",
-                path.string(), d));
-          }
+        if (const std::string d =
+                ConfigModelDifference(config, "this config", *was, "the checkpoint's stored config");
+            !d.empty()) {
+          return InvalidArgumentError(fmt::format(
+              "checkpoint {} is of another model than this config describes: {}; resume with the config it was "
+              "taken with, or start a new run_dir",
+              path.string(), d));
         }
       }
       step = ck.step;
