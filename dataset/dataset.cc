@@ -53,6 +53,53 @@ Status MapFault(const std::filesystem::path& path, const std::string& what) {
   return detail::GuardedFault(path, what);
 }
 
+// What a records table whose entry count is not the manifest's record count lacks or holds beyond
+// it, read off its keys (leaf pages only): "record 37 is missing" says what to restore or repack,
+// where the counts alone do not. Empty when the keys cannot be walked or show nothing amiss (the
+// count field itself is then what is damaged).
+std::string DescribeRecordKeys(MDB_txn* txn, MDB_dbi records_dbi, int64_t records) {
+  MDB_cursor* raw = nullptr;
+  if (mdb_cursor_open(txn, records_dbi, &raw) != MDB_SUCCESS) return {};
+  MdbCursor cursor(raw);
+  MDB_val k, v;
+  GuardedRead read{.cursor = raw, .op = MDB_FIRST, .key = &k, .value = &v, .touch_value = false};
+  constexpr size_t kNamed = 3;
+  std::vector<int64_t> missing, beyond;
+  int64_t missing_count = 0, beyond_count = 0, next = 0;
+  auto note = [&](std::vector<int64_t>& named, int64_t& count, int64_t first, int64_t n) {
+    for (int64_t i = first; i < first + n && named.size() < kNamed; ++i) named.push_back(i);
+    count += n;
+  };
+  for (;;) {
+    if (!RunGuarded(read) || (read.rc != MDB_SUCCESS && read.rc != MDB_NOTFOUND)) return {};
+    if (read.rc == MDB_NOTFOUND) break;
+    read.op = MDB_NEXT;
+    if (k.mv_size != 8) continue;
+    const uint64_t key = DecodeKey(std::span<const std::byte, 8>(static_cast<const std::byte*>(k.mv_data), 8));
+    const int64_t index = key > static_cast<uint64_t>(INT64_MAX) ? INT64_MAX : static_cast<int64_t>(key);
+    if (index >= records) {
+      note(beyond, beyond_count, index, 1);
+      continue;
+    }
+    if (index > next) note(missing, missing_count, next, index - next);
+    next = std::max(next, index + 1);
+  }
+  if (next < records) note(missing, missing_count, next, records - next);
+  auto list = [](const std::vector<int64_t>& named, int64_t count) {
+    std::string text = count == 1 ? "record " : "records ";
+    for (size_t i = 0; i < named.size(); ++i) text += (i ? ", " : "") + std::to_string(named[i]);
+    if (count > static_cast<int64_t>(named.size())) text += fmt::format(" and {} more", count - static_cast<int64_t>(named.size()));
+    return text;
+  };
+  std::string text;
+  if (missing_count > 0) text += fmt::format("; {} {} missing", list(missing, missing_count), missing_count == 1 ? "is" : "are");
+  if (beyond_count > 0) {
+    text += fmt::format("; {} {} beyond the manifest's {}", list(beyond, beyond_count), beyond_count == 1 ? "is" : "are",
+                        records);
+  }
+  return text;
+}
+
 // The entry count LMDB reports is a field of the records table's entry in the main table, not a
 // count of anything: damaged (with a manifest to match), it would have readers walk, and the
 // sampler allocate for, records that are not there. Each entry takes at least 18 bytes of a leaf
@@ -194,8 +241,9 @@ Result<Dataset> Dataset::Open(const std::filesystem::path& path) {
   rc = mdb_stat(txn.get(), d.records_dbi_, &rs);
   if (rc != MDB_SUCCESS) return MdbStatus(rc, where + ": stat records");
   if (static_cast<int64_t>(rs.ms_entries) != d.manifest_.records) {
-    return CorruptError(fmt::format("{}: records table holds {} records, manifest says {}", where,
-                                    rs.ms_entries, d.manifest_.records));
+    return CorruptError(fmt::format("{}: records table holds {} records, manifest says {}{}", where,
+                                    rs.ms_entries, d.manifest_.records,
+                                    DescribeRecordKeys(txn.get(), d.records_dbi_, d.manifest_.records)));
   }
   STOKE_RETURN_IF_ERROR(
       CheckRecordKeys(txn.get(), d.records_dbi_, d.manifest_.records, file_bytes, path));

@@ -4,11 +4,13 @@
 
 #include <unistd.h>
 
+#include <charconv>
 #include <csignal>
 #include <cstring>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -76,7 +78,14 @@ CLI::Validator NumberAtLeast(double least, bool inclusive) {
         char* end = nullptr;
         const double v = std::strtod(text.c_str(), &end);
         if (end == text.c_str() || *end != '\0') return fmt::format("expected a number {}, not '{}'", want, text);
-        return (inclusive ? v >= least : v > least) ? std::string() : fmt::format("must be {}, not {}", want, text);
+        if (!(inclusive ? v >= least : v > least)) return fmt::format("must be {}, not {}", want, text);
+        // An integer too large for any count or index: CLI11 would read it as the largest int64.
+        int64_t whole = 0;
+        const char* first = text.c_str() + (text[0] == '+' ? 1 : 0);
+        const auto [at, error] = std::from_chars(first, text.c_str() + text.size(), whole);
+        if (error == std::errc::result_out_of_range && at == text.c_str() + text.size())
+          return fmt::format("{} is too large (at most {})", text, std::numeric_limits<int64_t>::max());
+        return std::string();
       },
       "NUMBER " + want, "");
 }

@@ -895,6 +895,62 @@ TEST(Dataset, RecordCountBeyondTheStoredKeysIsCorrupt) {
   EXPECT_EQ(ds.size(), 30);
 }
 
+// Deletes the records `gone` from the records table and stores a copy of record 0 as each of
+// `added`, as a damaged or hand-edited file would have them.
+void EditRecordKeys(const fs::path& dir, std::initializer_list<uint64_t> gone, std::initializer_list<uint64_t> added) {
+  MDB_env* raw = nullptr;
+  ASSERT_EQ(mdb_env_create(&raw), MDB_SUCCESS);
+  MdbEnv env(raw);
+  mdb_env_set_maxdbs(raw, 4);
+  ASSERT_EQ(mdb_env_open(raw, dir.c_str(), MDB_NOLOCK, 0644), MDB_SUCCESS);
+  MDB_txn* txn = nullptr;
+  ASSERT_EQ(mdb_txn_begin(raw, nullptr, 0, &txn), MDB_SUCCESS);
+  MDB_dbi dbi = 0;
+  ASSERT_EQ(mdb_dbi_open(txn, kRecordsDb, 0, &dbi), MDB_SUCCESS);
+  std::array<std::byte, 8> key;
+  MDB_val k{key.size(), key.data()}, first;
+  EncodeKey(0, key);
+  ASSERT_EQ(mdb_get(txn, dbi, &k, &first), MDB_SUCCESS);
+  const std::vector<std::byte> copy(static_cast<const std::byte*>(first.mv_data),
+                                    static_cast<const std::byte*>(first.mv_data) + first.mv_size);
+  for (uint64_t i : gone) {
+    EncodeKey(i, key);
+    ASSERT_EQ(mdb_del(txn, dbi, &k, nullptr), MDB_SUCCESS) << i;
+  }
+  for (uint64_t i : added) {
+    EncodeKey(i, key);
+    MDB_val v{copy.size(), const_cast<std::byte*>(copy.data())};
+    ASSERT_EQ(mdb_put(txn, dbi, &k, &v, 0), MDB_SUCCESS) << i;
+  }
+  ASSERT_EQ(mdb_txn_commit(txn), MDB_SUCCESS);
+}
+
+// A records table with records deleted (or others added) gave only the two counts: which record
+// to restore or repack was not said. The open error now names them.
+TEST(Dataset, MissingOrExtraRecordsAreNamedWhenTheCountsDisagree) {
+  TempDir dir;
+  WriteDataset(dir / "d", 30);
+  const std::vector<std::byte> good = testing::ReadBytes(dir / "d" / "data.mdb");
+  struct Case {
+    std::initializer_list<uint64_t> gone, added;
+    std::string says;
+  };
+  for (const Case& c : {Case{{17}, {}, "holds 29 records, manifest says 30; record 17 is missing"},
+                        Case{{0, 29}, {}, "records 0, 29 are missing"},
+                        Case{{3, 4, 5, 6, 7}, {}, "records 3, 4, 5 and 2 more are missing"},
+                        Case{{}, {30, 1000}, "holds 32 records, manifest says 30; records 30, 1000 are beyond the manifest's 30"},
+                        Case{{12}, {40}, "its last key is record 40, not record 29"}}) {
+    SCOPED_TRACE(c.says);
+    testing::WriteBytes(dir / "d" / "data.mdb", good);
+    EditRecordKeys(dir / "d", c.gone, c.added);
+    auto r = Dataset::Open(dir / "d");
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kCorrupt) << r.status().ToString();
+    // (With as many added as deleted the counts agree: the last key is what differs.)
+    EXPECT_NE(r.status().message().find(c.says), std::string::npos) << r.status().ToString();
+  }
+}
+
 // A folder whose data.mdb cannot be looked at was called "not a stoke dataset (no data.mdb
 // inside)": the error the system gave was dropped.
 TEST(Dataset, UnreadableDataFileIsAnIoErrorNotNotADataset) {

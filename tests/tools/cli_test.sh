@@ -84,6 +84,9 @@ check extract_into_no_folder 1 "nodir/r4.jpg: create: No such file or directory"
   "$stoke" inspect "$work/ds.lmdb" --extract 4 --output "$work/nodir/r4.jpg"
 check extract_range 1 "record 99 out of range" -- \
   "$stoke" inspect "$work/ds.lmdb" --extract 99 --output "$work/r99.jpg"
+# Past int64 the index was once read as 9223372036854775807 and reported as that record.
+check extract_past_int64 105 "99999999999999999999 is too large" -- \
+  "$stoke" inspect "$work/ds.lmdb" --extract 99999999999999999999 --output "$work/rbig.jpg"
 check inspect_missing 1 "no-such.lmdb: no such file" -- "$stoke" inspect "$work/no-such.lmdb"
 mkdir -p "$work/garbage.lmdb" && head -c 100000 /dev/urandom >"$work/garbage.lmdb/data.mdb"
 check inspect_garbage 1 "garbage.lmdb" -- "$stoke" inspect "$work/garbage.lmdb"
