@@ -48,6 +48,48 @@ check demo_interrupted_kept_the_config 0 "epochs: 1" -- cat "$odd/demo.yaml"
 check demo_interrupted_left_nothing 0 "" -- test ! -e "$odd/.stoke-demo-previous" -a ! -e "$odd/.stoke-demo-state"
 check demo_after_an_interrupted_one 0 "demo: validation top-1" -- \
   "$stoke" demo --dir "$odd" --per-class 20 --epochs 1 --threads 2
+# A demo killed (-9) at any step of replacing an earlier one: the next demo in the folder puts the
+# earlier outputs back first. Each step's leftovers are made by hand (and once by a real kill -9);
+# the next demo is then stopped with Ctrl-C, so what it restored is what is left to look at.
+echo original >"$odd/run/original.txt"
+own=(images train.lmdb train_val.lmdb run demo.yaml)
+killed_demo() {  # a real kill -9 while it generates images
+  "$stoke" demo --dir "$odd" --per-class 5000 --epochs 1 --threads 2 >"$work/demo_kill.out" 2>&1 &
+  local pid=$! waited=0
+  until grep -q "^== 1\." "$work/demo_kill.out" 2>/dev/null || ((waited >= 300)); do
+    sleep 0.1
+    waited=$((waited + 1))
+  done
+  sleep 0.2
+  kill -9 "$pid"
+  wait "$pid" 2>/dev/null
+  cat "$odd/.stoke-demo-state"
+}
+left_as_killed_in() {  # the folder as a demo killed in step $1 leaves it
+  local p="$odd/.stoke-demo-previous"
+  mkdir -p "$p"
+  case $1 in
+    aside) mv "$odd/run" "$odd/demo.yaml" "$p/" ;;  # killed between two of its moves
+    cleaning)
+      for e in "${own[@]}"; do mv "$odd/$e" "$p/"; done
+      mkdir -p "$odd/images/new" "$odd/train.lmdb.partial" ;;  # the new demo's, half removed
+    restoring)
+      for e in "${own[@]}"; do mv "$odd/$e" "$p/"; done
+      mv "$p/run" "$odd/" ;;  # killed between two moves back
+    discarding) mkdir -p "$p/run/old" ;;  # the new demo finished; its predecessor's remains
+  esac
+  echo "$1" >"$odd/.stoke-demo-state"
+}
+check demo_killed 0 "^running$" -- killed_demo
+for step in killed aside cleaning restoring discarding; do
+  [[ $step == killed ]] || left_as_killed_in "$step"
+  check "demo_after_kill_in_${step}_recovers" 130 "earlier demo's outputs in .* are as they were" -- demo_interrupted
+  check "demo_after_kill_in_${step}_kept_the_run" 0 "original" -- cat "$odd/run/original.txt"
+  check "demo_after_kill_in_${step}_kept_the_rest" 0 "" -- \
+    test -d "$odd/images" -a -d "$odd/train.lmdb" -a -d "$odd/train_val.lmdb" -a -f "$odd/demo.yaml" \
+    -a ! -e "$odd/train.lmdb.partial" -a ! -e "$odd/images/new" -a ! -e "$odd/.stoke-demo-previous" \
+    -a ! -e "$odd/.stoke-demo-state"
+done
 check demo_not_utf8 1 "the name is not UTF-8" -- "$stoke" demo --dir "$work/bad"$'\xff'"dir" --per-class 20 --epochs 1
 cfg=$work/demo/demo.yaml
 check print_config 0 "momentum: 0.9" -- "$stoke" train --config "$cfg" --print-config
