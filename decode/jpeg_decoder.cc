@@ -27,7 +27,11 @@ namespace detail {
 void OnMessage(j_common_ptr cinfo, int msg_level) {
   if (msg_level >= 0) return;  // trace messages
   auto* err = reinterpret_cast<ErrorManager*>(cinfo->err);
-  if (err->allow_extraneous && cinfo->err->msg_code == JWRN_EXTRANEOUS_DATA) return;
+  if (err->allow_extraneous > 0 && cinfo->err->msg_code == JWRN_EXTRANEOUS_DATA) {
+    const int skipped = cinfo->err->msg_parm.i[0], marker = cinfo->err->msg_parm.i[1];
+    const bool restart = marker >= 0xD0 && marker <= 0xD7;
+    if ((restart && skipped == err->allow_extraneous) || (marker == 0xD9 && skipped <= err->allow_extraneous)) return;
+  }
   if (!err->strict) {
     if (err->warnings++ == 0) (*cinfo->err->format_message)(cinfo, err->message);
     return;
@@ -174,6 +178,12 @@ void ReadHeaderInto(jpeg_decompress_struct* cinfo, const std::byte* data, size_t
   jpeg_mem_src(cinfo, reinterpret_cast<const unsigned char*>(data), static_cast<unsigned long>(size));
   jpeg_save_markers(cinfo, JPEG_APP0 + 1, 0xFFFF);
   jpeg_read_header(cinfo, TRUE);
+  // A progressive file may leave coefficients out (no last refinement scan, chroma DC only); by
+  // default libjpeg then smooths each block with its neighbours. That depends on which blocks are
+  // decoded, so a crop differed from the same rows of a full decode, and neither matched the
+  // record stoke packs (the coefficients, transcoded to sequential, which nothing smooths). stoke
+  // decodes the coefficients as they are, whichever way it is asked to.
+  cinfo->do_block_smoothing = FALSE;
   info->width = static_cast<int>(cinfo->image_width);
   info->height = static_cast<int>(cinfo->image_height);
   info->components = cinfo->num_components;
@@ -248,7 +258,7 @@ JpegDecoder::JpegDecoder(DecoderOptions options)
   s->err.pub.emit_message = OnMessage;
   s->err.strict = options_.strict;
   s->err.warnings = 0;
-  s->err.allow_extraneous = false;
+  s->err.allow_extraneous = 0;
   // Creation can fail too (out of memory, library/header mismatch); it reports through OnError.
   if (setjmp(s->err.jump)) {
     s->broken = true;
@@ -421,9 +431,9 @@ Result<DecodedRegion> JpegDecoder::DecodeRegion(std::span<const std::byte> jpeg,
   DecodedRegion result;
   jpeg_decompress_struct* cinfo = &s->cinfo;
   s->err.warnings = 0;
-  s->err.allow_extraneous = false;
+  s->err.allow_extraneous = 0;
   if (setjmp(s->err.jump)) {
-    s->err.allow_extraneous = false;
+    s->err.allow_extraneous = 0;
     jpeg_abort_decompress(cinfo);
     return Status(s->err.code, s->err.message);
   }
@@ -543,7 +553,7 @@ Result<DecodedRegion> JpegDecoder::DecodeRegion(std::span<const std::byte> jpeg,
     // The padding before each marker keeps libjpeg-turbo's fast Huffman path (which reads a few
     // bytes ahead, and falls back to the slow path for the rest of an interval when it meets a
     // marker) running to the end of every interval; libjpeg skips it as extraneous data.
-    s->err.allow_extraneous = true;
+    s->err.allow_extraneous = static_cast<int>(kPadding);
     jpeg_mem_src(cinfo, reinterpret_cast<const unsigned char*>(b.data()), static_cast<unsigned long>(b.size()));
     jpeg_read_header(cinfo, TRUE);
     cinfo->out_color_space = JCS_RGB;
@@ -560,7 +570,7 @@ Result<DecodedRegion> JpegDecoder::DecodeRegion(std::span<const std::byte> jpeg,
       jpeg_read_scanlines(cinfo, rows, static_cast<JDIMENSION>(m));
     }
     jpeg_finish_decompress(cinfo);
-    s->err.allow_extraneous = false;
+    s->err.allow_extraneous = 0;
     result.scale_denom = d;
     result.x = static_cast<double>(x0 - sx) / d;
     result.y = static_cast<double>(y0 - sy) / d;

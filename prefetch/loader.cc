@@ -6,8 +6,10 @@
 #include <cmath>
 #include <condition_variable>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string_view>
 #include <thread>
 #include <tuple>
@@ -62,6 +64,40 @@ using Clock = std::chrono::steady_clock;
 int64_t Nanos(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count();
 }
+
+// TBB caps its workers at the core count and, of several live max_allowed_parallelism controls,
+// applies the smallest: one control per loader let a loader of 3 threads hold another of 6 (and
+// its own arena) to 3, with a warning on stderr. The process keeps one control, at the largest
+// count any live loader asked for; a loader holds its request (the handle) for its lifetime.
+class ParallelismRequests {
+ public:
+  static std::shared_ptr<void> Hold(size_t threads) {
+    static ParallelismRequests* const requests = new ParallelismRequests;  // never destroyed: loaders may outlive statics
+    std::lock_guard lock(requests->mu_);
+    const auto at = requests->wanted_.insert(threads);
+    requests->Apply();
+    return std::shared_ptr<void>(nullptr, [at](void*) {
+      std::lock_guard lock(requests->mu_);
+      requests->wanted_.erase(at);
+      requests->Apply();
+    });
+  }
+
+ private:
+  void Apply() {  // under mu_
+    const size_t want = wanted_.empty() ? 0 : *wanted_.rbegin();
+    if (want == applied_) return;
+    // The new control first: until the old one goes, the smaller of the two holds.
+    auto next = want == 0 ? nullptr
+                          : std::make_unique<tbb::global_control>(tbb::global_control::max_allowed_parallelism, want);
+    control_ = std::move(next);
+    applied_ = want;
+  }
+  std::mutex mu_;
+  std::multiset<size_t> wanted_;
+  std::unique_ptr<tbb::global_control> control_;
+  size_t applied_ = 0;
+};
 
 constexpr size_t kAlign = 64;
 size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
@@ -152,7 +188,7 @@ struct LoaderState {
   tbb::concurrent_unordered_set<int64_t> own_bad;
   std::atomic<int64_t> bad_count{0};
 
-  std::unique_ptr<tbb::global_control> allow_threads;  // when asked for more threads than cores
+  std::shared_ptr<void> allow_threads;  // when asked for more threads than cores: ParallelismRequests
   std::unique_ptr<tbb::task_arena> arena;
   tbb::enumerable_thread_specific<std::unique_ptr<Worker>> workers;
   std::thread driver;
@@ -736,8 +772,7 @@ Result<std::unique_ptr<Loader>> Loader::Create(const dataset::Dataset& ds, Loade
   augment::UseCallerThreadsOnly();  // OpenCV must not fan out inside our workers
   if (st->threads > tbb::this_task_arena::max_concurrency()) {
     // TBB caps its workers at the core count; honour an explicit larger request.
-    st->allow_threads = std::make_unique<tbb::global_control>(
-        tbb::global_control::max_allowed_parallelism, static_cast<size_t>(st->threads));
+    st->allow_threads = detail::ParallelismRequests::Hold(static_cast<size_t>(st->threads));
   }
   st->arena = std::make_unique<tbb::task_arena>(st->threads);
   st->started = detail::Clock::now();

@@ -27,8 +27,11 @@ struct ErrorManager {
   bool strict;   // warnings are errors
   int warnings;  // warnings seen by the current call (lenient mode)
   // Set while decoding a stream stoke assembled itself (DecodeRegion with a restart index): the
-  // padding it puts before each marker is expected, not damage.
-  bool allow_extraneous;
+  // zero bytes it puts before each marker. Exactly that many skipped before a restart marker (the
+  // Huffman decoder counts the whole bytes left in its bit buffer as skipped too), and at most
+  // that many before EOI (its read-ahead is not counted there), are expected; any other count is
+  // an interval that ends early or runs on, and is damage. 0 outside such streams.
+  int allow_extraneous;
 };
 
 struct ProgressManager {

@@ -32,6 +32,7 @@
 #include "augment/transform.h"
 #include "common/status.h"
 #include "dataset/dataset.h"
+#include "dataset/sampler.h"
 #include "prefetch/batch_memory.h"
 #include "prefetch/device_batch.h"
 #include "prefetch/loader.h"
@@ -278,7 +279,7 @@ struct EpochOptions {
   int device = -1;  // >= 0: batches are copied to this GPU (see EpochLoader::Next)
 };
 
-prefetch::LoaderOptions ToLoaderOptions(const EpochOptions& e) {
+prefetch::LoaderOptions ToLoaderOptions(const EpochOptions& e, int64_t records) {
   prefetch::LoaderOptions o;
   o.batch_size = e.batch_size;
   o.drop_last_batch = e.drop_last;
@@ -296,6 +297,12 @@ prefetch::LoaderOptions ToLoaderOptions(const EpochOptions& e) {
     // [kG + rB, kG + (r+1)B) of the epoch order, G = B x world.
     o.sampler.sharding = dataset::Sharding::kGlobalBatch;
     o.sampler.global_batch = int64_t{e.batch_size} * e.world_size;
+    // The bad-record budget is a fraction of the global epoch, as `stoke train` under mpirun holds
+    // it: this rank's share of the epoch may hold all of the run's bad records (a rank that held
+    // it to its own share ended where one process with the same fraction would go on).
+    if (auto sampler = dataset::Sampler::Create(records, o.sampler); sampler.ok()) {
+      o.skip_budget_samples = sampler->samples_per_rank() * e.world_size;
+    }  // (invalid options: Loader::Create says why)
   }
   if (e.train) {
     o.sampler.mode = dataset::ShuffleMode::kFull;
@@ -339,7 +346,7 @@ class EpochLoader {
       normalize_->layout = augment::Layout::kNHWC;  // viewed as [N, 3, H, W] channels-last
       normalize_->dtype = e.dtype == "float16" ? augment::DType::kFloat16 : augment::DType::kFloat32;
     }
-    const prefetch::LoaderOptions options = ToLoaderOptions(e);
+    const prefetch::LoaderOptions options = ToLoaderOptions(e, ds_->ds->size());
     std::optional<Result<std::unique_ptr<prefetch::Loader>>> created;
     {
       GilReleased unlocked;  // the ring's allocation can take a while
@@ -687,14 +694,14 @@ py::list Verify(const std::string& path, int threads) {
   py::list bad;
   for (const auto& b : report.bad) bad.append(py::make_tuple(b.index, PathText(b.source_path), MessageText(b.reason)));
   // A manifest whose totals disagree with the records is listed under index -1.
-  for (const auto& p : report.manifest_problems) bad.append(py::make_tuple(-1, std::string("manifest"), p));
+  for (const auto& p : report.manifest_problems) bad.append(py::make_tuple(-1, std::string("manifest"), MessageText(p)));
   return bad;
 }
 
 // The C++ loader's batches consumed directly (copied out), for the tests that compare the
 // zero-copy path with it: a list of (images bytes, labels, indices).
 py::list ReferenceBatches(const std::shared_ptr<PyDataset>& ds, const EpochOptions& e, int max_batches) {
-  auto loader = Take(prefetch::Loader::Create(*ds->ds, ToLoaderOptions(e)));
+  auto loader = Take(prefetch::Loader::Create(*ds->ds, ToLoaderOptions(e, ds->ds->size())));
   py::list out;
   for (int i = 0; i < max_batches; ++i) {
     auto lease = Take(loader->Next());

@@ -6,6 +6,7 @@ iteration with ``.clone()``. torch is imported when this module is.
 """
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import numbers
 import os
@@ -415,9 +416,14 @@ class Loader:
         return self._len
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch the next ``iter()`` runs (its order and augmentation come from the seed and it)."""
+        """The epoch the next ``iter()`` runs (its order and augmentation come from the seed and it),
+        from its first batch; after ``load_state_dict``, the epoch of the state keeps the state's batch."""
         if not _is_count(epoch) or epoch >= _MAX_EPOCH:
             raise ValueError(f"stoke.torch.Loader.set_epoch: epoch {epoch!r}: expected an int in [0, 2**62)")
+        if self._restart and int(epoch) == self._next_epoch:
+            # After load_state_dict, the usual `set_epoch(e)` of a DistributedSampler loop for the
+            # epoch the state resumes keeps its batch: starting it over repeated the batches trained on.
+            return
         self._next_epoch = int(epoch)
         self._start_batch = 0
         self._handed = None
@@ -435,8 +441,12 @@ class Loader:
         previous = self._current()
         if previous is not None:
             previous.superseded = True  # before its pipeline may be closed below (a next() may wait on it)
-        if self._native is None or self._position != wanted or self._restart:
-            # A new start (first epoch, set_epoch, a break, a resume): stop the old pipeline.
+        # A superseded iterator still inside next() on another thread would take the next batch of
+        # the pipeline (it then went to that thread, and every later epoch was one batch off).
+        busy = previous is not None and previous._busy.locked()
+        if self._native is None or self._position != wanted or self._restart or busy:
+            # A new start (first epoch, set_epoch, a break, a resume, another thread's next()
+            # still waiting): stop the old pipeline.
             self._close_native()
             self._restart = False
             o = self._options
@@ -490,6 +500,9 @@ class Loader:
                 return bool(v)
             return int(v) if isinstance(v, numbers.Integral) else v
 
+        if not isinstance(state, collections.abc.Mapping):
+            raise ValueError(f"stoke.torch.Loader.load_state_dict: expected a loader state (the dict that "
+                             f"state_dict() returns), got {type(state).__name__}")
         for key, mine in self._identity().items():
             theirs = plain(state.get(key))
             if key not in state or theirs != mine or type(theirs) is not type(mine):

@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -768,6 +769,22 @@ def test_a_progress_callback_that_raises_stops_the_pack(many_images, tmp_path):
     assert [s["records"] for s in report["splits"]] == [2100, 2100]
 
 
+def test_a_stopped_pack_reports_each_count_once(many_images, tmp_path):
+    # Ctrl-C ends a pack with one more commit (its resume state, no new records): that count was
+    # given to the callback a second time.
+    import signal
+    seen = []
+
+    def progress(records):
+        seen.append(records)
+        if len(seen) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        stoke.pack(many_images, str(tmp_path / "p.lmdb"), commit_every=100, threads=1, progress=progress)
+    assert len(seen) >= 2 and seen == sorted(set(seen)), seen
+
+
 def test_huge_options_are_refused_not_allocated(data):
     with pytest.raises(ValueError, match="threads"):
         Loader(data["train"], batch_size=8, size=32, threads=2**31 - 1)
@@ -817,6 +834,60 @@ def test_state_dict_follows_set_epoch_and_load_state_dict(data):
     loader.close()
 
 
+def test_set_epoch_after_load_state_dict_keeps_the_states_batch(data):
+    # The usual resume of a DistributedSampler loop: load_state_dict(state), then set_epoch(e) at the
+    # top of the epoch loop. The set_epoch started the state's epoch over, repeating its batches.
+    loader = Loader(data["train"], batch_size=16, size=32, seed=9)
+    it = iter(loader)
+    first = [next(it)["indices"].tolist() for _ in range(8)]
+    state = {**loader.state_dict(), "epoch": 0, "batch": 5}
+    loader.close()
+    resumed = Loader(data["train"], batch_size=16, size=32, seed=9)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(0)
+    got = [b["indices"].tolist() for b in resumed]
+    assert got == first[5:], "set_epoch(0) after the state threw its batch away"
+    resumed.set_epoch(0)  # with no state pending, set_epoch starts the epoch over
+    assert sum(1 for _ in resumed) == len(resumed)
+    other = Loader(data["train"], batch_size=16, size=32, seed=9)
+    other.load_state_dict(state)
+    other.set_epoch(2)  # another epoch than the state's: that epoch, from its start
+    assert (other.state_dict()["epoch"], other.state_dict()["batch"]) == (2, 0)
+    for bad in ("garbage", None, [], 3):
+        with pytest.raises(ValueError, match="expected a loader state"):
+            other.load_state_dict(bad)
+
+
+def test_a_data_parallel_ranks_skip_budget_is_of_the_global_epoch(data, tmp_path):
+    # As stoke train under mpirun: a rank's budget is a fraction of the global epoch, so a dataset
+    # whose bad records all fall on one rank goes on as it does on one process.
+    damaged = tmp_path / "two_bad.lmdb"
+    damaged.mkdir()
+    for f in Path(data["train"]).iterdir():
+        (damaged / f.name).write_bytes(f.read_bytes())
+    raw = bytearray((damaged / "data.mdb").read_bytes())
+    source = stoke.Dataset(data["train"])
+    for index in (0, 1):  # both in rank 0's half of the first global batch
+        payload = bytes(source.record(index)["bytes"])
+        at = raw.find(payload[:256])
+        assert at >= 0
+        raw[at + 2:at + 300] = bytes(298)
+    (damaged / "data.mdb").write_bytes(bytes(raw))
+    bad = [i for i, _, _ in stoke.Dataset(str(damaged)).verify()]
+    assert bad == [0, 1]
+    fraction = 2 / 120 + 1e-9  # two bad records of 120: allowed over the whole epoch, not over a half
+    kw = dict(batch_size=4, size=32, seed=1, train=False, max_skip_fraction=fraction)
+    assert sum(b["replaced"] for b in Loader(str(damaged), **kw)) == 2
+    for rank in (0, 1):
+        loader = Loader(str(damaged), **kw, rank=rank, world_size=2)
+        assert sum(1 for _ in loader) == len(loader)  # rank 1 raised "more than max_skip_fraction"
+    # Over the budget of the global epoch, a rank still ends.
+    with pytest.raises(ValueError, match="max_skip_fraction"):
+        for rank in (0, 1):
+            for _ in Loader(str(damaged), **{**kw, "max_skip_fraction": 1 / 120}, rank=rank, world_size=2):
+                pass
+
+
 def test_load_state_dict_refuses_what_does_not_match(data, tmp_path):
     images = os.path.join(os.path.dirname(data["train"]), "images")
     smaller = tmp_path / "smaller.lmdb"  # the same images, recompressed: same records and classes
@@ -848,6 +919,37 @@ def slow_data(tmp_path_factory):
     subprocess.run([STOKE, "pack", str(d / "images"), str(d / "slow.lmdb"), "-q", "--index", "none"], check=True,
                    stdout=subprocess.DEVNULL)
     return str(d / "slow.lmdb")
+
+
+def test_an_iter_while_another_thread_waits_in_next_starts_its_own_pipeline(slow_data):
+    # A thread waiting in the first next() of an epoch, and set_epoch + iter() of that same epoch on
+    # another: the old iterator took the new one's first batch (and every later epoch was one
+    # batch off). It is told it was replaced; the new iterator has the whole epoch.
+    import threading
+    import time
+    loader = Loader(slow_data, batch_size=2, size=64, threads=1, ring=3, train=False)
+    it = iter(loader)
+    got = {}
+
+    def old():
+        try:
+            got["batch"] = next(it)["batch"]
+        except RuntimeError as e:
+            got["error"] = str(e)
+
+    t = threading.Thread(target=old)
+    t.start()
+    deadline = time.monotonic() + 5
+    while not it._busy.locked() and t.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    if not t.is_alive():
+        pytest.skip("the first batch was ready before the second iter() could be made")
+    loader.set_epoch(0)
+    seen = [(b["epoch"], b["batch"]) for b in iter(loader)]
+    t.join()
+    assert "replaced by a later iter()" in got.get("error", ""), got
+    assert seen == [(0, b) for b in range(len(loader))]
+    assert [(b["epoch"], b["batch"]) for b in loader] == [(1, b) for b in range(len(loader))]
 
 
 def test_ctrl_c_interrupts_a_waiting_next(slow_data):

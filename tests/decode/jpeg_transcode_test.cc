@@ -148,6 +148,52 @@ int CheckRegions(std::span<const std::byte> jpeg, const RestartIndex* index, uin
   return compared;
 }
 
+// A progressive JPEG of `image` (3 channels) whose scans leave coefficients out, as valid files
+// may: `chroma_dc_only` sends no AC for the chroma, else no scan refines the last bit.
+std::vector<std::byte> EncodeIncompleteProgressive(const Image& image, bool chroma_dc_only) {
+  jpeg_compress_struct c{};
+  jpeg_error_mgr err{};
+  c.err = jpeg_std_error(&err);
+  jpeg_create_compress(&c);
+  unsigned char* buf = nullptr;
+  unsigned long size = 0;
+  jpeg_mem_dest(&c, &buf, &size);
+  c.image_width = static_cast<JDIMENSION>(image.width);
+  c.image_height = static_cast<JDIMENSION>(image.height);
+  c.input_components = 3;
+  c.in_color_space = JCS_RGB;
+  jpeg_set_defaults(&c);
+  jpeg_set_quality(&c, 85, TRUE);
+  std::vector<jpeg_scan_info> scans;
+  auto scan = [&](std::initializer_list<int> comps, int ss, int se, int al) {
+    jpeg_scan_info s{};
+    s.comps_in_scan = static_cast<int>(comps.size());
+    int k = 0;
+    for (int comp : comps) s.component_index[k++] = comp;
+    s.Ss = ss, s.Se = se, s.Ah = 0, s.Al = al;
+    scans.push_back(s);
+  };
+  const int al = chroma_dc_only ? 0 : 1;
+  scan({0, 1, 2}, 0, 0, al);
+  scan({0}, 1, 63, al);
+  if (!chroma_dc_only) {
+    scan({1}, 1, 63, al);
+    scan({2}, 1, 63, al);
+  }
+  c.scan_info = scans.data();
+  c.num_scans = static_cast<int>(scans.size());
+  jpeg_start_compress(&c, TRUE);
+  while (c.next_scanline < c.image_height) {
+    auto* row = const_cast<JSAMPROW>(image.row(static_cast<int>(c.next_scanline)));
+    jpeg_write_scanlines(&c, &row, 1);
+  }
+  jpeg_finish_compress(&c);
+  jpeg_destroy_compress(&c);
+  std::vector<std::byte> out(reinterpret_cast<std::byte*>(buf), reinterpret_cast<std::byte*>(buf) + size);
+  std::free(buf);
+  return out;
+}
+
 // The same through the restart index of a transcoded JPEG (4- or 2-byte entries by the seed).
 int CheckCrops(const TranscodedJpeg& t, uint32_t seed, int crops_per_scale, const std::string& what) {
   const OwnedIndex idx = IndexOf(t, seed % 2 ? 2 : 4);
@@ -229,6 +275,71 @@ TEST(Transcode, FastTablesGiveTheBytesOfLibjpegsOwnOptimisingPass) {
     }
   }
   EXPECT_EQ(compared, 72);
+}
+
+// A progressive file that leaves coefficients out was decoded with libjpeg's block smoothing: its
+// pixels then depended on the blocks decoded (a crop differed from a full decode), and the packed
+// record (the same coefficients, sequential, never smoothed) decoded to other pixels than its
+// source, up to 77 levels apart. stoke decodes the coefficients as they are, every way.
+TEST(Transcode, ProgressiveFilesWithCoefficientsLeftOutDecodeTheSameEveryWay) {
+  JpegTranscoder transcoder;
+  JpegDecoder decoder;
+  int compared = 0;
+  for (bool chroma_dc_only : {false, true}) {
+    const std::string what = chroma_dc_only ? "chroma DC only" : "no last refinement";
+    const auto original = EncodeIncompleteProgressive(testing::MakeImage(333, 251, 3, 41), chroma_dc_only);
+    TranscodedJpeg t;
+    ASSERT_OK(transcoder.Transcode(original, &t));
+    for (int d : {1, 2, 4, 8}) {
+      Image a, b;
+      ASSERT_OK(decoder.Decode(original, &a, d));
+      ASSERT_OK(decoder.Decode(t.jpeg, &b, d));
+      EXPECT_TRUE(a.pixels == b.pixels) << what << ": the record decodes to other pixels than its source at 1/" << d;
+    }
+    compared += CheckCrops(t, 7, 10, what + ", index");
+    compared += CheckRegions(original, nullptr, 8, 10, what + ", the original without an index");
+  }
+  EXPECT_EQ(compared, 2 * 2 * 4 * 10);
+}
+
+// Bits flipped inside one interval of a transcoded JPEG make its entropy data end early or run on
+// (the CRC is what catches that in a dataset, but a writer's fault would pass it). A strict full
+// decode refuses such data; a decode through the index skipped the bytes left over, or read the
+// padding before the next marker as data, whatever their number, and gave pixels.
+TEST(Transcode, AnIntervalThatEndsEarlyOrRunsOnIsRefusedThroughTheIndex) {
+  JpegTranscoder transcoder;
+  JpegDecoder decoder;
+  TranscodedJpeg t;
+  ASSERT_OK(transcoder.Transcode(Encode(testing::MakeImage(320, 240, 3, 9), TJSAMP_420), &t));
+  const OwnedIndex idx = IndexOf(t);
+  const size_t n = t.offsets.size();
+  ASSERT_GT(n, 20u);
+  std::mt19937 rng(3);
+  int refused_in_full = 0, passed_through_index = 0;
+  Image out;
+  for (int trial = 0; trial < 400; ++trial) {
+    // An interval that is not the last (before EOI a shortfall cannot be told from read-ahead).
+    const size_t i = 1 + rng() % (n - 2);
+    const uint32_t begin = t.offsets[i], end = t.offsets[i + 1] - 2;
+    if (end - begin < 4) continue;
+    std::vector<std::byte> damaged = t.jpeg;
+    const size_t at = begin + 1 + rng() % (end - begin - 2);
+    const auto flipped = damaged[at] ^ static_cast<std::byte>(1u << (rng() % 8));
+    // No new marker and no broken stuffing: the bytes around stay entropy-coded data.
+    if (flipped == std::byte{0xFF} || damaged[at] == std::byte{0xFF} || damaged[at - 1] == std::byte{0xFF}) continue;
+    damaged[at] = flipped;
+    if (decoder.Decode(damaged, &out).ok()) continue;  // the same code lengths: nothing to tell
+    ++refused_in_full;
+    const int w = t.info.width, h = t.info.height;
+    auto r = decoder.DecodeRegion(damaged, {0, 0, w, h}, 1, 1, &out, 1, &idx.index);
+    if (r.ok()) {
+      ++passed_through_index;
+    } else {
+      EXPECT_EQ(r.status().code(), StatusCode::kCorrupt) << r.status().ToString();
+    }
+  }
+  EXPECT_GT(refused_in_full, 50);
+  EXPECT_EQ(passed_through_index, 0) << "of " << refused_in_full << " damaged intervals a strict decode refuses";
 }
 
 TEST(Transcode, ChoosesAnIntervalThatDividesTheRow) {

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include <fmt/format.h>
+#include <oneapi/tbb/global_control.h>
 
 #include "augment/transform.h"
 #include "dataset/dataset.h"
@@ -86,6 +87,31 @@ TEST(Loader, BatchesAreBitIdenticalForAnyThreadCountAndRing) {
       EXPECT_EQ(RunAll(*ds, o), one) << threads << " threads, ring " << ring;
     }
   }
+}
+
+// Each loader asking for more threads than cores once set its own TBB limit, and TBB applies the
+// smallest of those: a loader of cores + 1 threads held a live one of cores + 3 to cores + 1 (and
+// TBB warned on stderr). The limit in force is the largest any live loader asked for.
+TEST(Loader, LoadersAskingForMoreThreadsThanCoresDoNotCapEachOther) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {}));
+  ASSERT_OK(ds.status());
+  const auto limit = [] { return tbb::global_control::active_value(tbb::global_control::max_allowed_parallelism); };
+  const size_t cores = limit();
+  const int more = static_cast<int>(cores);
+  auto big = Loader::Create(*ds, SmallOptions(more + 3));
+  ASSERT_OK(big.status());
+  EXPECT_EQ(limit(), cores + 3);
+  {
+    auto small = Loader::Create(*ds, SmallOptions(more + 1));
+    ASSERT_OK(small.status());
+    EXPECT_EQ(limit(), cores + 3);
+    Drain(**small, 2);
+    EXPECT_EQ(limit(), cores + 3);
+    big->reset();
+    EXPECT_EQ(limit(), cores + 1);  // the one left
+  }
+  EXPECT_EQ(limit(), cores);  // none left: TBB's own
 }
 
 TEST(Loader, FollowsTheSamplerAndCarriesLabels) {

@@ -23,6 +23,25 @@ check bench_work_dir_left_as_it_was 0 "^mine.txt$" -- ls -A "$work/scratch"
 check bench_decode 0 "whole sample .* img/s" -- "$stoke" bench decode "$work/ds.lmdb" --seconds 0.05 --repeats 2
 check bench_pipeline 0 "loader, 2 threads .* img/s" -- \
   "$stoke" bench pipeline "$work/ds.lmdb" --batch 4 "${quick[@]}"
+# Damaged records are left out with a warning naming them, as the loader skips them: one whose
+# payload fails its CRC, and one whose header's payload size is wrong (that one ended the bench).
+cp -r "$work/ds.lmdb" "$work/damaged.lmdb"
+python3 - "$work/damaged.lmdb/data.mdb" <<'PY'
+import sys
+path = sys.argv[1]
+raw = bytearray(open(path, "rb").read())
+at = [i for i in range(len(raw) - 4) if raw[i:i + 4] == b"STKR"]
+raw[at[2] + 24] ^= 1        # record 2's payload_size
+raw[at[5] + 32 + 200] ^= 1  # a byte of record 5's payload
+open(path, "wb").write(bytes(raw))
+PY
+check bench_decode_skips_damaged_records 0 "2 damaged records left out" -- \
+  "$stoke" bench decode "$work/damaged.lmdb" --seconds 0.05 --repeats 1
+check bench_decode_names_the_damaged_header 0 "record [0-9]+: header says [0-9]+ payload bytes.*left out of the figures" -- \
+  "$stoke" bench decode "$work/damaged.lmdb" --seconds 0.05 --repeats 1
+# The loader's run then holds them to its budget, as training does: 2 of 24 is more than 1%.
+check bench_pipeline_holds_damaged_records_to_the_budget 1 "more than max_skip_fraction 0.01 of the 24 samples" -- \
+  "$stoke" bench pipeline "$work/damaged.lmdb" --seconds 0.05 --repeats 1 --batch 4 --threads 2
 # Flags that would do nothing are refused: decode runs on one core, a given dataset is not packed
 # from --data or in --work-dir. A run cannot be endless, and a --json that cannot be written is
 # named before anything is measured (it was found after the runs, naming a temporary file).

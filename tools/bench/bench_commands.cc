@@ -231,21 +231,30 @@ struct JpegRecords {
 };
 Result<JpegRecords> JpegViews(const dataset::Dataset& ds, dataset::Reader& reader) {
   JpegRecords out;
-  STOKE_RETURN_IF_ERROR(reader.Scan(0, ds.size(), [&](const dataset::RecordView& r) {
-    if (r.header.encoding != dataset::PayloadEncoding::kJpeg &&
-        r.header.encoding != dataset::PayloadEncoding::kJpegIndexed) {
-      return OkStatus();
+  // One record at a time: a record whose header cannot be parsed ended a scan of them all (and
+  // the bench with it), where the loader skips it.
+  for (int64_t i = 0; i < ds.size(); ++i) {
+    Result<dataset::RecordView> got = reader.Get(i);
+    Status bad = got.status();
+    if (got.ok()) {
+      const dataset::RecordView& r = *got;
+      if (r.header.encoding != dataset::PayloadEncoding::kJpeg &&
+          r.header.encoding != dataset::PayloadEncoding::kJpegIndexed) {
+        continue;
+      }
+      bad = dataset::CheckCrc(r);
+      if (!bad.ok()) bad = CorruptError(fmt::format("dataset: {}: {}", ds.path().string(), bad.message()));
+      if (bad.ok()) {
+        out.views.push_back(r.image);
+        out.index.push_back(r.index);
+        const dataset::JpegIndexView& x = r.jpeg_index;
+        out.restart.push_back({x.restart_mcus, x.mcus_per_row, x.mcu_rows, x.entry_bytes, x.intervals, x.entries});
+        continue;
+      }
     }
-    if (Status crc = dataset::CheckCrc(r); !crc.ok()) {
-      if (out.damaged++ == 0) STOKE_LOG(WARN, "bench: {}: {}; left out of the figures", ds.path().string(), crc.message());
-      return OkStatus();
-    }
-    out.views.push_back(r.image);
-    out.index.push_back(r.index);
-    const dataset::JpegIndexView& x = r.jpeg_index;
-    out.restart.push_back({x.restart_mcus, x.mcus_per_row, x.mcu_rows, x.entry_bytes, x.intervals, x.entries});
-    return OkStatus();
-  }));
+    if (bad.code() != StatusCode::kCorrupt) return bad;  // I/O: the figures would mean nothing
+    if (out.damaged++ == 0) STOKE_LOG(WARN, "bench: {}; left out of the figures", bad.message());
+  }
   if (out.damaged > 1) STOKE_LOG(WARN, "bench: {}: {} damaged records left out", ds.path().string(), out.damaged);
   if (out.views.empty()) return InvalidArgumentError("bench: " + ds.path().string() + ": no intact JPEG records");
   return out;

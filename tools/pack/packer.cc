@@ -752,6 +752,7 @@ class SplitPacker {
         job_(std::move(job)),
         threads_(threads),
         records_before_(records_before),
+        reported_(records_before > 0 ? records_before : -1),  // the earlier splits' count was reported
         fingerprint_(Fingerprint(job_.inputs, classes_, o, job_.name)) {}
 
   // Packs the split into its partial dataset and finishes it, but does not publish it: Publish()
@@ -1090,7 +1091,10 @@ class SplitPacker {
 
   Status Commit() {
     Status s = writer_->Commit(state_.ToJson(fingerprint_, OptionsJson(o_)));
-    if (s.ok() && o_.after_commit) o_.after_commit(records_before_ + writer_->committed_records());
+    // A count once: the last commit of a stopped pack (its state, no new records) is not reported again.
+    const int64_t records = records_before_ + writer_->committed_records();
+    if (s.ok() && o_.after_commit && records != reported_) o_.after_commit(records);
+    if (s.ok()) reported_ = records;
     return s;
   }
 
@@ -1224,6 +1228,7 @@ class SplitPacker {
   SplitJob job_;
   int threads_;
   int64_t records_before_;
+  int64_t reported_;  // the count after_commit was last given
   std::string fingerprint_;
   SplitState state_;
   dataset::DatasetWriter* writer_ = nullptr;
