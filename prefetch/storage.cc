@@ -220,7 +220,10 @@ struct StorageStage::State {
     std::sort(reads.begin(), reads.end(), [](const Wanted& a, const Wanted& b) { return a.offset < b.offset; });
     // Gaps read along are bounded by a quarter of the records' own bytes, so a segment's buffer
     // stays close to what its records need (small records scattered by a full shuffle would
-    // otherwise merge into most of the file).
+    // otherwise merge into most of the file). A gap is the whole pages between two records: the
+    // rest of a record's last page is read with it anyway (counted, the tails of records a little
+    // over 2 KB, one LMDB overflow page each, used the allowance up halfway through a segment,
+    // and each record after that was read on its own, even in sequential order).
     uint64_t record_bytes = 0;
     for (const Wanted& w : reads) record_bytes += w.size;
     uint64_t gap_allowance = record_bytes / 4;
@@ -239,7 +242,8 @@ struct StorageStage::State {
     bool open = false;
     for (const Wanted& w : reads) {
       const uint64_t w_end = w.offset + w.size;
-      const uint64_t gap = open && w.offset > range_end ? w.offset - range_end : 0;
+      const uint64_t read_to = (range_end + kPage - 1) / kPage * kPage, page_start = w.offset / kPage * kPage;
+      const uint64_t gap = open && page_start > read_to ? page_start - read_to : 0;
       if (open && w.offset <= range_end + kMaxGap && gap <= gap_allowance && w_end - range_start <= kMaxRange) {
         gap_allowance -= gap;
         range_end = std::max(range_end, w_end);

@@ -26,6 +26,7 @@ struct Spec {
   bool raw = false;   // raw-pixel records instead of JPEGs
   int scale = 1;      // image sides times this (4: records of tens of KB, outside LMDB's leaf pages)
   int big = -1;       // this record is 2400x2400 (its decode needs far more memory than the others')
+  int width = 0, height = 0;  // > 0: every image this size
 };
 
 // A packed dataset of synthetic pictures of varied sizes, every fifth one grayscale; label i % 4.
@@ -39,9 +40,10 @@ inline fs::path WriteDataset(const fs::path& dir, const Spec& spec) {
   for (int i = 0; i < spec.records; ++i) {
     const int channels = i % 5 == 4 ? 1 : 3;
     const int side = i == spec.big ? 2400 / spec.scale : 0;
-    Image img = testing::MakeImage((side > 0 ? side : 60 + (i * 37) % 90) * spec.scale,
-                                   (side > 0 ? side : 50 + (i * 23) % 80) * spec.scale, channels,
-                                   static_cast<uint32_t>(i));
+    Image img = spec.width > 0 ? testing::MakeImage(spec.width, spec.height, channels, static_cast<uint32_t>(i))
+                               : testing::MakeImage((side > 0 ? side : 60 + (i * 37) % 90) * spec.scale,
+                                                    (side > 0 ? side : 50 + (i * 23) % 80) * spec.scale, channels,
+                                                    static_cast<uint32_t>(i));
     RecordHeader h;
     h.label = i % 4;
     h.width = static_cast<uint32_t>(img.width);
