@@ -153,7 +153,7 @@ TEST_F(MonitorServer, RefusesEverythingOutsideTheRuns) {
   }
   // Read-only.
   for (const char* method : {"POST", "PUT", "DELETE", "PATCH"}) {
-    Reply r = Send(port_, fmt::format("{} /runs/0/config.yaml HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+    Reply r = Send(port_, fmt::format("{} /runs/0/config.yaml HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n"
                                       "Connection: close\r\n\r\nhi",
                                       method));
     EXPECT_EQ(r.status, 405) << method;
@@ -164,13 +164,13 @@ TEST_F(MonitorServer, RefusesEverythingOutsideTheRuns) {
 TEST_F(MonitorServer, OversizedRequestsAreRefusedAndServingGoesOn) {
   // A request line over 8 KiB, a large body, too many header lines, endless header bytes.
   EXPECT_EQ(Get(port_, "/" + std::string(9000, 'a')).status, 414);
-  Reply body = Send(port_, "POST /api/runs HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\nConnection: close\r\n\r\n" +
+  Reply body = Send(port_, "POST /api/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\nConnection: close\r\n\r\n" +
                                std::string(100000, 'b'));
   EXPECT_EQ(body.status, 405);  // refused before its body is read
-  std::string many = "GET /api/runs HTTP/1.1\r\nHost: x\r\nConnection: close\r\n";
+  std::string many = "GET /api/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n";
   for (int i = 0; i < 150; ++i) many += fmt::format("X-Header-{}: {}\r\n", i, i);
   EXPECT_EQ(Send(port_, many + "\r\n").status, 431);
-  std::string flood = "GET /api/runs HTTP/1.1\r\nHost: x\r\n";
+  std::string flood = "GET /api/runs HTTP/1.1\r\nHost: 127.0.0.1\r\n";
   for (int i = 0; i < 2000; ++i) flood += fmt::format("X-Flood-{}: {}\r\n", i, std::string(1000, 'c'));
   EXPECT_EQ(Send(port_, flood + "\r\n").status, 400);  // stopped reading at 80 KiB
   EXPECT_EQ(Get(port_, "/api/runs").status, 200);
@@ -252,22 +252,22 @@ TEST_F(MonitorServer, ABodyEndsTheConnectionAndRangesGetTheWholeFile) {
   // A GET with a body: answered, then the connection closed, so the body is never read as the next
   // request (which would get a 400, or worse, be answered as someone else's request).
   Reply r = Send(port_,
-                 "GET /app.js HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
-                 "GET /api/runs HTTP/1.1\r\nHost: x\r\n\r\n");
+                 "GET /app.js HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 5\r\n\r\nhello"
+                 "GET /api/runs HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n");
   EXPECT_EQ(r.status, 200);
   EXPECT_EQ(r.body.find("HTTP/1.1 400"), std::string::npos);
   EXPECT_EQ(r.body.find("HTTP/1.1"), std::string::npos) << "one answer, then the connection closed";
   // Byte ranges, in range, out of range or several: the whole file with 200.
   for (const char* range : {"bytes=0-3", "bytes=60000000-", "bytes=0-,0-", "bytes=-0"}) {
     SCOPED_TRACE(range);
-    Reply f = Send(port_, fmt::format("GET /runs/0/config.yaml HTTP/1.1\r\nHost: x\r\nRange: {}\r\n"
+    Reply f = Send(port_, fmt::format("GET /runs/0/config.yaml HTTP/1.1\r\nHost: 127.0.0.1\r\nRange: {}\r\n"
                                       "Connection: close\r\n\r\n",
                                       range));
     EXPECT_EQ(f.status, 200);
     EXPECT_EQ(f.body, "data:\n  train: /nonexistent/train.lmdb\nepochs: 2\n");
   }
   // HEAD answers as GET does, and neither offers ranges (HEAD said "Accept-Ranges: bytes").
-  const Reply head = Send(port_, "HEAD /runs/0/config.yaml HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  const Reply head = Send(port_, "HEAD /runs/0/config.yaml HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
   const Reply get = Get(port_, "/runs/0/config.yaml");
   EXPECT_EQ(head.status, 200);
   EXPECT_NE(head.head.find("Accept-Ranges: none"), std::string::npos) << head.head;
@@ -293,7 +293,7 @@ TEST(MonitorRuns, AnAcceptLoopThatEndsLeavesNoConnectionToADeletedPool) {
   ASSERT_EQ(::connect(conn, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
   timeval tv{10, 0};
   setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  const std::string request = "GET /runs/0/config.yaml HTTP/1.1\r\nHost: x\r\n\r\n";
+  const std::string request = "GET /runs/0/config.yaml HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
   ASSERT_EQ(::send(conn, request.data(), request.size(), MSG_NOSIGNAL), static_cast<ssize_t>(request.size()));
   char buf[4096];
   std::string first;
@@ -337,7 +337,7 @@ TEST(MonitorRuns, IdleConnectionsLeaveTheTrainerItsDescriptors) {
   ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &old), 0);
   if (old.rlim_max != RLIM_INFINITY && old.rlim_max < 512) GTEST_SKIP() << "the hard limit is below 512";
   rlimit low = old;
-  low.rlim_cur = 512;  // a quarter: 128 idle connections
+  low.rlim_cur = 512;  // an eighth: 64 idle connections
   ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
   struct Restore {
     rlimit limit;
@@ -365,8 +365,70 @@ TEST(MonitorRuns, IdleConnectionsLeaveTheTrainerItsDescriptors) {
     if (::recv(fd, &c, 1, MSG_DONTWAIT) == 0) ++closed;
     ::close(fd);
   }
-  EXPECT_GE(closed, 200 - 128 - 4) << "idle connections beyond a quarter of 512 descriptors are closed";
+  EXPECT_GE(closed, 200 - 64 - 4) << "idle connections beyond an eighth of 512 descriptors are closed";
   EXPECT_EQ(Get(monitor->port(), "/api/runs").status, 200);
+}
+
+// Slow clients (a byte now and then) once held Stop(), and so the trainer's exit, for minutes:
+// each connection queued for a worker was still served, each for its full 10 s deadline.
+TEST(MonitorRuns, SlowClientsDoNotHoldTheStop) {
+  testing::TempDir dir;
+  const auto run = dir.path() / "run";
+  std::filesystem::create_directories(run);
+  ASSERT_OK_AND_ASSIGN(auto monitor, Monitor::Start({.run_dirs = {run.string()}, .port = 0, .threads = 2}));
+  std::vector<int> clients;
+  for (int i = 0; i < 24; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(monitor->port()));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    ASSERT_EQ(::send(fd, "GET /api/ru", 11, MSG_NOSIGNAL), 11);  // and nothing more: a request trickling in
+    clients.push_back(fd);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // in the workers and the queue
+  const auto start = std::chrono::steady_clock::now();
+  monitor->Stop();
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(took, 3.0) << "Stop() waited for the slow clients";
+  for (int fd : clients) ::close(fd);
+}
+
+// Bound to loopback, the monitor answers only requests for a loopback name: a page elsewhere that
+// points its own name at 127.0.0.1 (DNS rebinding) read the runs' files.
+TEST_F(MonitorServer, OnlyLoopbackHostNamesAreAnswered) {
+  auto with_host = [&](const std::string& host) {
+    return Send(port_, fmt::format("GET /runs/0/config.yaml HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n", host));
+  };
+  for (const std::string& host : std::vector<std::string>{"127.0.0.1", fmt::format("127.0.0.1:{}", port_), fmt::format("localhost:{}", port_),
+                                 "LOCALHOST", "[::1]:8080", "127.1.2.3"}) {
+    EXPECT_EQ(with_host(host).status, 200) << host;
+  }
+  for (const std::string& host : std::vector<std::string>{"attacker.example", fmt::format("attacker.example:{}", port_), "127.0.0.1.example",
+                                 "10.0.0.1", "[::1", "localhost.attacker.example"}) {
+    const Reply r = with_host(host);
+    EXPECT_EQ(r.status, 403) << host;
+    EXPECT_EQ(r.body.find("epochs"), std::string::npos) << host << ": the config was served";
+  }
+  // HTTP/1.0 without a Host header: answered.
+  EXPECT_EQ(Send(port_, "GET /api/runs HTTP/1.0\r\n\r\n").status, 200);
+}
+
+// Browsers ask for brotli even over loopback, which the library then spent seconds of CPU on for
+// each metrics answer (at its highest quality) inside the trainer's process: gzip at most.
+TEST_F(MonitorServer, AnswersAreNeverBrotli) {
+  for (const char* accept : {"br", "gzip, deflate, br, zstd", "identity"}) {
+    const Reply r = Send(port_, fmt::format("GET /chart.js HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept-Encoding: {}\r\n"
+                                            "Connection: close\r\n\r\n",
+                                            accept));
+    EXPECT_EQ(r.status, 200) << accept;
+    EXPECT_EQ(r.head.find("Content-Encoding: br"), std::string::npos) << accept << "\n" << r.head;
+    if (std::string(accept) == "br" || std::string(accept) == "identity") {
+      EXPECT_EQ(r.head.find("Content-Encoding"), std::string::npos) << accept << "\n" << r.head;
+    }
+  }
 }
 
 // config.yaml and metrics.jsonl of a run are read for the run list and the metrics API: a link

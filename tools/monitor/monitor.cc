@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <atomic>
 #include <chrono>
@@ -50,21 +51,40 @@ constexpr int kReadTimeoutMs = 5000, kWriteTimeoutMs = 5000, kKeepAliveTimeoutMs
 constexpr int kRequestDeadlineMs = 10000;
 constexpr size_t kMaxParked = 4096;  // idle connections waiting for their next request, at most
 
-// Idle connections may hold at most a quarter of the descriptors this process may open: the
-// monitor shares the trainer's process, whose datasets, checkpoints and logs need the rest.
-size_t MaxParked() {
+// The monitor shares the trainer's process, whose datasets, checkpoints and logs need most of the
+// descriptors it may open: idle connections may hold an eighth of them, and connections waiting
+// for a worker another eighth (the workers' own are few). Beyond that, connections wait in the
+// kernel's backlog. (Only the idle ones were bounded: a flood of slow clients once filled the
+// queue and a low limit, and the run failed to write its checkpoint.)
+size_t DescriptorShare() {
   rlimit limit{};
   if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return kMaxParked;
-  return std::clamp<size_t>(static_cast<size_t>(limit.rlim_cur / 4), 16, kMaxParked);
+  return static_cast<size_t>(limit.rlim_cur / 8);
+}
+size_t MaxParked() { return std::clamp<size_t>(DescriptorShare(), 16, kMaxParked); }
+int MaxQueued(int asked) {
+  return static_cast<int>(std::min(static_cast<size_t>(asked), std::max<size_t>(DescriptorShare(), 8)));
 }
 
-bool WaitFor(int fd, short events, int timeout_ms) {
-  pollfd p{fd, events, 0};
-  int r;
-  do {
-    r = ::poll(&p, 1, timeout_ms);
-  } while (r < 0 && errno == EINTR);
-  return r > 0;
+// Waits up to timeout_ms for `events` on fd; gives up at once when `stop` is set (the monitor is
+// stopping: a slow client must not hold its shutdown, or the trainer's exit, for its timeouts).
+bool WaitFor(int fd, short events, int timeout_ms, const std::atomic<bool>* stop = nullptr) {
+  constexpr int kSliceMs = 50;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  int wait_ms = 0;  // first: ready now? (then it is served even when stopping: a client that keeps up gets its answer)
+  while (true) {
+    pollfd p{fd, events, 0};
+    int r;
+    do {
+      r = ::poll(&p, 1, wait_ms);
+    } while (r < 0 && errno == EINTR);
+    if (r != 0) return r > 0;
+    if (stop != nullptr && stop->load()) return false;
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+    if (left <= 0) return false;
+    wait_ms = static_cast<int>(stop != nullptr ? std::min<int64_t>(kSliceMs, left) : left);
+  }
 }
 
 // Connection workers with a bounded queue of connections ready to be served. When the queue is
@@ -124,7 +144,7 @@ class BoundedPool : public httplib::TaskQueue {
 // server's memory without limit.) Reads are buffered: the parser reads a line at a time.
 class BoundedStream : public httplib::Stream {
  public:
-  explicit BoundedStream(int fd) : fd_(fd) {}
+  BoundedStream(int fd, const std::atomic<bool>* stop) : fd_(fd), stop_(stop) {}
   void NewRequest() {
     budget_ = kMaxRequestBytes;
     deadline_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(kRequestDeadlineMs);
@@ -132,14 +152,14 @@ class BoundedStream : public httplib::Stream {
   bool Exhausted() const { return budget_ == 0; }
   bool HasBuffered() const { return begin_ < end_; }
 
-  bool is_readable() const override { return HasBuffered() || WaitFor(fd_, POLLIN, kReadTimeoutMs); }
-  bool is_writable() const override { return WaitFor(fd_, POLLOUT, kWriteTimeoutMs); }
+  bool is_readable() const override { return HasBuffered() || WaitFor(fd_, POLLIN, kReadTimeoutMs, stop_); }
+  bool is_writable() const override { return WaitFor(fd_, POLLOUT, kWriteTimeoutMs, stop_); }
   ssize_t read(char* ptr, size_t size) override {
     if (budget_ == 0) return -1;
     if (!HasBuffered()) {
       // A request must arrive whole within kRequestDeadlineMs, however slowly it trickles in.
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ - std::chrono::steady_clock::now());
-      if (left.count() <= 0 || !WaitFor(fd_, POLLIN, std::min<int>(kReadTimeoutMs, static_cast<int>(left.count())))) {
+      if (left.count() <= 0 || !WaitFor(fd_, POLLIN, std::min<int>(kReadTimeoutMs, static_cast<int>(left.count())), stop_)) {
         return -1;
       }
       ssize_t n;
@@ -191,6 +211,7 @@ class BoundedStream : public httplib::Stream {
     ip = text;
   }
   const int fd_;
+  const std::atomic<bool>* const stop_;
   char buf_[4096];
   size_t begin_ = 0, end_ = 0;
   size_t budget_ = kMaxRequestBytes;
@@ -309,14 +330,18 @@ class BoundedServer : public httplib::Server {
     threads_ = threads;
     max_queued_ = max_queued;
   }
-  // Before stop(): no parked connection is handed to the pool once it is being shut down.
-  void StopParking() { parking_.Stop(); }
+  // Before stop(): no parked connection is handed to the pool once it is being shut down, and
+  // connections still queued for a worker, or waiting on a slow client, end at once.
+  void StopParking() {
+    stopping_.store(true);
+    parking_.Stop();
+  }
 
  private:
   bool process_and_close_socket(socket_t sock) override {
-    BoundedStream stream(sock);
+    BoundedStream stream(sock, &stopping_);
     bool ok = true;
-    for (int i = 0; i < kKeepAliveRequests && is_running(); ++i) {
+    for (int i = 0; i < kKeepAliveRequests && is_running() && !stopping_.load(); ++i) {
       if (!stream.HasBuffered() && !WaitFor(sock, POLLIN, 0)) {
         parking_.Park(sock, i == 0 ? kReadTimeoutMs : kKeepAliveTimeoutMs);
         return ok;
@@ -335,6 +360,7 @@ class BoundedServer : public httplib::Server {
     return ok;
   }
   int threads_ = 8, max_queued_ = 256;
+  std::atomic<bool> stopping_{false};
   std::atomic<BoundedPool*> pool_{nullptr};
   Parking parking_{[this](int fd) {
     BoundedPool* pool = pool_.load();
@@ -629,6 +655,30 @@ struct Monitor::State {
   std::atomic<int64_t> requests{0}, not_found{0}, refused{0};
   std::once_flag stopped;
   std::atomic<bool> stopping{false};  // Stop() began: the listener's end is expected
+  bool loopback = false;              // listening on a loopback address only (HostAllowed)
+
+  // Listening on a loopback address, only requests for a loopback name are answered: a web page
+  // elsewhere could otherwise point a name of its own at 127.0.0.1 (DNS rebinding) and read the
+  // runs through the visitor's browser. Without a Host header (HTTP/1.0), answered.
+  bool HostAllowed(const httplib::Request& req) const {
+    if (!loopback) return true;
+    if (!req.has_header("Host")) return true;
+    std::string host = req.get_header_value("Host");
+    if (!host.empty() && host.front() == '[') {
+      const size_t close = host.find(']');
+      if (close == std::string::npos) return false;
+      host = host.substr(1, close - 1);
+    } else if (const size_t colon = host.find(':'); colon != std::string::npos) {
+      host = host.substr(0, colon);
+    }
+    std::transform(host.begin(), host.end(), host.begin(), [](unsigned char c) { return std::tolower(c); });
+    if (!host.empty() && host.back() == '.') host.pop_back();
+    return host == "localhost" || host == "::1" || host == options.host || IsLoopbackIPv4(host);
+  }
+  static bool IsLoopbackIPv4(const std::string& text) {
+    in_addr a{};
+    return ::inet_pton(AF_INET, text.c_str(), &a) == 1 && (ntohl(a.s_addr) >> 24) == 127;
+  }
 
   void NotFound(httplib::Response& res) {
     not_found++;
@@ -751,9 +801,10 @@ Result<std::unique_ptr<Monitor>> Monitor::Start(MonitorOptions options) {
   }
   state->options = std::move(options);
   const MonitorOptions& o = state->options;
+  state->loopback = o.host == "localhost" || o.host == "::1" || State::IsLoopbackIPv4(o.host);
   BoundedServer& svr = state->server;
   State* s = state.get();
-  svr.Configure(o.threads, o.max_queued);
+  svr.Configure(o.threads, MaxQueued(o.max_queued));
   svr.set_socket_options([s](int fd) {
     int on = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);
@@ -769,6 +820,21 @@ Result<std::unique_ptr<Monitor>> Monitor::Start(MonitorOptions options) {
     const_cast<httplib::Request&>(req).ranges.clear();  // the server's own Request, not a constant
     // Said as such: the library would advertise "bytes" on answers to HEAD (not on GET's).
     res.set_header("Accept-Ranges", "none");
+    // gzip at most: the library compresses with brotli at its highest quality when asked (browsers
+    // ask even over loopback), which cost seconds of CPU per metrics answer inside the trainer.
+    auto& headers = const_cast<httplib::Headers&>(req.headers);
+    const bool gzip = req.get_header_value("Accept-Encoding").find("gzip") != std::string::npos;
+    headers.erase("Accept-Encoding");
+    if (gzip) headers.emplace("Accept-Encoding", "gzip");
+    if (!s->HostAllowed(req)) {
+      s->refused++;
+      res.status = 403;
+      res.set_content(fmt::format("403 this monitor answers requests for {} only, not for Host: {}\n",
+                                  s->options.host == "::1" ? "[::1]" : "127.0.0.1 or localhost",
+                                  req.get_header_value("Host")),
+                      "text/plain; charset=utf-8");
+      return httplib::Server::HandlerResponse::Handled;
+    }
     try {
       s->Serve(req, res);
     } catch (const std::exception& e) {

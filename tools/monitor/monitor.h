@@ -15,8 +15,10 @@
 // header lines over 8 KiB 400 (cpp-httplib's own limits); more than 100 header lines or 64 KiB of
 // them 431; a request that sends more than 80 KiB, or takes more than 10 s to arrive, 400 and the
 // connection closed. Connections with nothing to read wait on one epoll thread (closed after 5 s
-// idle; at most 4096), not in a worker; `threads` workers serve requests, at most `max_queued`
-// ready connections wait for one, and beyond that the listener stops accepting for a while.
+// idle; at most 4096 and an eighth of the open-file limit), not in a worker; `threads` workers
+// serve requests, at most `max_queued` (and another eighth of the limit) ready connections wait
+// for one, and beyond that the listener stops accepting for a while. Bound to loopback, requests
+// whose Host is not a loopback name get 403 (DNS rebinding); answers are never brotli-compressed.
 #pragma once
 
 #include <filesystem>
@@ -55,7 +57,8 @@ class Monitor {
   Monitor(const Monitor&) = delete;
   Monitor& operator=(const Monitor&) = delete;
 
-  // Stops listening, lets the requests in progress finish, joins every thread. Idempotent.
+  // Stops listening, closes every connection that would make it wait (queued, idle, a request
+  // still arriving, an answer its client does not read), joins every thread. Idempotent.
   void Stop();
   int port() const;
   std::string url() const;  // http://host:port/
