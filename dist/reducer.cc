@@ -74,10 +74,13 @@ Status Reducer::Finish() {
   const double backward_end = comm_->Now();
   for (auto& p : pending_) p = 0;
   Launch();
+  // The first bucket that fails ends the wait: one that timed out means a rank is gone or stuck,
+  // and the buckets queued behind it would each have waited a full timeout more (a stuck peer
+  // held the others for buckets x timeout_s, where timeout_s was promised).
   Status first = OkStatus();
   for (Work& w : works_) {
-    Status s = w.Wait();
-    if (first.ok() && !s.ok()) first = s;
+    first = w.Wait();
+    if (!first.ok()) break;
   }
   const double end = comm_->Now();
   last_ = {};

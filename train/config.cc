@@ -724,6 +724,46 @@ ModelSpec ModelFromConfig(const ModelConfig& m) {
   return spec;
 }
 
+namespace {
+// Every scalar of a YAML document under its dotted path ("data.threads", "model.layers[3].type"),
+// in document order.
+void FlattenYaml(const YAML::Node& node, const std::string& at, std::vector<std::pair<std::string, std::string>>* out) {
+  if (node.IsMap()) {
+    for (const auto& kv : node) FlattenYaml(kv.second, at.empty() ? kv.first.Scalar() : at + "." + kv.first.Scalar(), out);
+  } else if (node.IsSequence()) {
+    for (size_t i = 0; i < node.size(); ++i) FlattenYaml(node[i], fmt::format("{}[{}]", at, i), out);
+    if (node.size() == 0) out->emplace_back(at, "[]");
+  } else {
+    out->emplace_back(at, node.IsNull() ? std::string("null") : node.Scalar());
+  }
+}
+}  // namespace
+
+std::string ConfigYamlDifference(std::string_view here, std::string_view other, std::string_view other_is) {
+  std::vector<std::pair<std::string, std::string>> a, b;
+  try {
+    FlattenYaml(YAML::Load(std::string(here)), "", &a);
+    FlattenYaml(YAML::Load(std::string(other)), "", &b);
+  } catch (const YAML::Exception&) {
+    return here == other ? std::string() : std::string("(the configs could not be compared)");
+  }
+  std::map<std::string, std::string> theirs(b.begin(), b.end());
+  auto shown = [](const std::string& v) { return v.empty() ? std::string("''") : v; };
+  for (const auto& [key, value] : a) {
+    const auto it = theirs.find(key);
+    if (it == theirs.end()) return fmt::format("{}: {} ({}: not set)", key, shown(value), other_is);
+    if (it->second != value) return fmt::format("{}: {} ({}: {})", key, shown(value), other_is, shown(it->second));
+    theirs.erase(it);
+  }
+  if (!theirs.empty()) {
+    // In document order of the other.
+    for (const auto& [key, value] : b) {
+      if (theirs.contains(key)) return fmt::format("{}: not set ({}: {})", key, other_is, shown(value));
+    }
+  }
+  return {};
+}
+
 std::string ConfigModelDifference(const TrainConfig& here, std::string_view here_is, const TrainConfig& other,
                                   std::string_view other_is) {
   ModelSpec a = ModelFromConfig(here.model), b = ModelFromConfig(other.model);

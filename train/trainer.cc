@@ -222,15 +222,22 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     shared.data.val = config.data.val.empty() ? "" : "given";  // the path may differ, not whether there is one
     shared.run_dir.clear();
     shared.source.clear();
-    const uint64_t mine = TextDigest(ConfigToYaml(shared));
-    std::vector<uint64_t> all(static_cast<size_t>(world));
-    STOKE_RETURN_IF_ERROR(must(comm->AllGather(&mine, sizeof mine, all.data()).Wait()));
+    // Rank 0's resolved config itself, so that a difference is named (a digest said only that there was one).
+    const std::string mine = ConfigToYaml(shared);
+    auto all = comm->AllGatherStrings(mine);
+    STOKE_RETURN_IF_ERROR(must(all.status()));
     Status same = OkStatus();
-    if (mine != all[0]) {
-      same = InvalidArgumentError(fmt::format(
-          "{}: this rank's config differs from rank 0's (digest {:016x}, rank 0 {:016x}); every rank must train the "
-          "same config (only the paths data.train, data.val and run_dir may differ)",
-          config.source, mine, all[0]));
+    if (mine != (*all)[0]) {
+      const bool val_here = !config.data.val.empty();
+      const std::string differs = ConfigYamlDifference(mine, (*all)[0], "rank 0");
+      same = InvalidArgumentError(
+          differs.starts_with("data.val:")
+              ? fmt::format("{}: data.val is {} here and {} on rank 0; give a validation dataset on every rank or on none "
+                            "(its path may differ)",
+                            config.source, val_here ? "given" : "not given", val_here ? "not given" : "given")
+              : fmt::format("{}: this rank's config differs from rank 0's: {}; every rank must train the same config "
+                            "(only the paths data.train, data.val and run_dir may differ)",
+                            config.source, differs.empty() ? std::string("(in its text)") : differs));
     }
     STOKE_RETURN_IF_ERROR(agree(same));
   }

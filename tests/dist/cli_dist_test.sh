@@ -27,8 +27,12 @@ config other 1
 sed -i 's/epochs: 1/epochs: 2/' "$work/other.yaml"
 check config_missing_on_one_rank 1 "rank 1 \(.*\) failed: .*nowhere.yaml" -- \
   timeout 120 "${mpi[@]}" -np 1 "$stoke" train --config "$work/odd.yaml" -q : -np 1 "$stoke" train --config "$work/nowhere.yaml" -q
-check configs_differ 1 "rank 1 \(.*\) failed: .*config differs from rank 0's" -- \
+# The setting that differs is named (a digest of the configs said only that they differed).
+check configs_differ 1 "rank 1 \(.*\) failed: .*config differs from rank 0's: epochs: 2 \(rank 0: 1\)" -- \
   timeout 120 "${mpi[@]}" -np 1 "$stoke" train --config "$work/odd.yaml" -q : -np 1 "$stoke" train --config "$work/other.yaml" -q
+sed 's/, val: [^,]*,/,/' "$work/odd.yaml" >"$work/noval.yaml"
+check val_on_some_ranks_only 1 "rank 1 \(.*\) failed: .*data.val is not given here and given on rank 0" -- \
+  timeout 120 "${mpi[@]}" -np 1 "$stoke" train --config "$work/odd.yaml" -q : -np 1 "$stoke" train --config "$work/noval.yaml" -q
 python3 -c "import socket, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); print(s.getsockname()[1], flush=True); time.sleep(120)" >"$work/port" &
 occupant=$!
 for _ in $(seq 50); do [[ -s $work/port ]] && break; sleep 0.1; done
@@ -69,6 +73,10 @@ check bad_record_fails_every_rank 1 "rank [01].*record" -- \
 # once, saying why; it used to wait in MPI_Finalize while the others waited in a collective.
 check bench_rank_failure_ends_every_rank 1 "rank [01] of 2 .*record .*ending every rank" -- \
   timeout 120 "${mpi[@]}" -np 2 "$stoke" bench train --config "$work/bad.yaml" --seconds 1 --repeats 1
+# --model-json is rank 0's, as --json is: each rank wrote its own.
+check bench_model_json_from_rank0_only 0 "^mj0.json $" -- bash -c "cd '$work' && timeout 120 ${mpi[*]} \
+  -np 1 '$stoke' bench train --config two.yaml --seconds 0.2 --repeats 1 --model-json mj0.json : \
+  -np 1 '$stoke' bench train --config two.yaml --seconds 0.2 --repeats 1 --model-json mj1.json >/dev/null 2>&1; ls mj*.json | tr '\\n' ' '"
 # The same config on other data: a rank whose copy holds other records is refused before training.
 config elsewhere 1
 sed -i "s|train: $work/train.lmdb|train: $work/train_val.lmdb|" "$work/elsewhere.yaml"

@@ -216,6 +216,35 @@ TEST(Reducer, RefusesSlicesOutsideOrOverlapping) {
   EXPECT_EQ(Reducer::Create(Comm(), flat, {{0, 50}, {40, 20}}).status().code(), StatusCode::kInvalidArgument);
 }
 
+// A rank that stops (stuck, SIGSTOP) before its buckets: the others' Finish ends at the first
+// bucket's timeout. It waited on every bucket in turn, each for a full timeout: a stuck peer held
+// the world for buckets x dist.timeout_s. Once the late rank arrives, the world goes on.
+TEST(Reducer, AStuckRankEndsTheOthersFinishAtTheFirstTimeout) {
+  const int r = Comm().rank(), w = Comm().size();
+  if (w == 1) GTEST_SKIP() << "needs 2 or more ranks (run under mpirun)";
+  std::vector<Slice> slices;
+  for (size_t i = 0; i < 8; ++i) slices.push_back({i * 1000, 1000});
+  std::vector<float> flat(8000, 1.f);
+  auto reducer = Reducer::Create(Comm(), flat, slices, {.bucket_bytes = 4000, .first_bucket_bytes = 4000});
+  ASSERT_TRUE(reducer.ok()) << reducer.status().ToString();
+  ASSERT_EQ(reducer->bucket_sizes().size(), 8u);
+  const double timeout = Comm().timeout_s();
+  Comm().set_timeout_s(0.4);
+  if (r == w - 1) std::this_thread::sleep_for(std::chrono::milliseconds(4000));
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 7; i >= 0; --i) reducer->Ready(i);
+  const Status s = reducer->Finish();
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  Comm().set_timeout_s(timeout);
+  if (r != w - 1) {
+    EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+    EXPECT_LT(took, 2.0) << "Finish waited on every bucket (8 x 0.4 s = 3.2 s)";
+  } else {
+    EXPECT_TRUE(s.ok()) << s.ToString();  // the others' collectives were still queued: they matched its own
+  }
+  EXPECT_TRUE(Comm().Barrier().Wait().ok());
+}
+
 // Runs last (gtest keeps declaration order): a rank that joins late makes the others time out, and
 // the world still works once it arrives.
 TEST(Collectives, ZLateRankTimesOutThenRecovers) {

@@ -143,7 +143,9 @@ Result<TrainBenchReport> RunTrainBench(const BenchOptions& o, const TrainBenchOp
   model_json["device"] = net->stream() != nullptr ? "cuda" : "cpu";
   model_json["precision"] = c.data.dtype;
   model_json["preset"] = c.model.preset;
-  if (!t.model_json.empty()) STOKE_RETURN_IF_ERROR(WriteFileAtomic(t.model_json, model_json.dump(1) + "\n"));
+  // Rank 0 writes it, as it writes --json (every rank wrote it, each over the others' file).
+  STOKE_RETURN_IF_ERROR(agree(rank == 0 && !t.model_json.empty() ? WriteFileAtomic(t.model_json, model_json.dump(1) + "\n")
+                                                                  : OkStatus()));
   TrainBenchOptions peer_opts = t;
   std::filesystem::path peer_model;
   if (t.peer) {
