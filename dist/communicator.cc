@@ -512,7 +512,14 @@ Result<std::vector<std::string>> Communicator::AllGatherStrings(std::string_view
   const auto world = static_cast<size_t>(size_);
   const uint64_t length = mine.size();
   std::vector<uint64_t> lengths(world);
-  STOKE_RETURN_IF_ERROR(AllGather(&length, sizeof length, lengths.data()).Wait());
+  // Into buffers of this function: a collective that does not finish (kUnavailable) would write
+  // into them once freed, so the world ends instead.
+  auto collected = [&](Work w) {
+    Status s = w.Wait();
+    if (s.code() == StatusCode::kUnavailable && size_ > 1) Abort(s);
+    return s;
+  };
+  STOKE_RETURN_IF_ERROR(collected(AllGather(&length, sizeof length, lengths.data())));
   const uint64_t longest = *std::max_element(lengths.begin(), lengths.end());
   std::vector<std::string> out(world);
   if (longest == 0) return out;
@@ -520,7 +527,7 @@ Result<std::vector<std::string>> Communicator::AllGatherStrings(std::string_view
   std::string padded(mine);
   padded.resize(longest, '\0');
   std::string all(longest * world, '\0');
-  STOKE_RETURN_IF_ERROR(AllGather(padded.data(), longest, all.data()).Wait());
+  STOKE_RETURN_IF_ERROR(collected(AllGather(padded.data(), longest, all.data())));
   for (size_t r = 0; r < world; ++r) out[r] = all.substr(r * longest, lengths[r]);
   return out;
 }

@@ -5,7 +5,7 @@
 //   auto comm = dist::Communicator::Create();     // a world of one when no launcher started us
 //   dist::Work w = comm->AllReduce(grad, n, dist::DataType::kFloat32, dist::ReduceOp::kAvg);
 //   ... compute ...
-//   STOKE_RETURN_IF_ERROR(w.Wait());               // kUnavailable: timed out, the world is broken
+//   STOKE_RETURN_IF_ERROR(w.Wait());               // kUnavailable: timed out (a rank is gone or stuck)
 //
 // Every MPI call runs on one thread the communicator owns (MPI_THREAD_SERIALIZED): it initialises
 // MPI, runs the queued collectives strictly in the order they were enqueued, and finalises MPI.
@@ -55,8 +55,10 @@ class Work {
   Work& operator=(const Work&) = delete;
 
   // Blocks until the collective has finished. timeout_ms < 0: the communicator's timeout. A timeout
-  // is kUnavailable naming the collective; the communicator is then broken (every later collective
-  // fails at once) and the caller should end the run (Communicator::Abort).
+  // is kUnavailable naming the collective, which stays queued or running and uses its buffers when
+  // the other ranks arrive: a caller whose buffers do not outlive it ends the run
+  // (Communicator::Abort) rather than return over them. (A late rank that does arrive finds the
+  // world as it was.)
   [[nodiscard]] Status Wait(int timeout_ms = -1);
   bool done() const;
   uint64_t seq() const { return seq_; }

@@ -44,6 +44,17 @@ Status DataParallel::FinishGradients() {
   return s;
 }
 
+namespace {
+// Waits for a collective into buffers of the caller's (locals, mostly). One that does not finish
+// (a rank gone or stuck: kUnavailable) is still queued or running, and would write into them
+// after they are freed: the world ends here rather than return over buffers still in use.
+Status Collected(dist::Communicator& comm, dist::Work work) {
+  Status s = work.Wait();
+  if (s.code() == StatusCode::kUnavailable && comm.size() > 1) comm.Abort(s);
+  return s;
+}
+}  // namespace
+
 Status DataParallel::CombineMoments(std::span<float> mean, std::span<float> var) {
   if (mean.size() != var.size()) return InvalidArgumentError("data-parallel: mean and variance sizes differ");
   const size_t c = mean.size();
@@ -53,7 +64,7 @@ Status DataParallel::CombineMoments(std::span<float> mean, std::span<float> var)
   std::vector<float> mine(2 * c), all(2 * c * static_cast<size_t>(w));
   std::copy(mean.begin(), mean.end(), mine.begin());
   std::copy(var.begin(), var.end(), mine.begin() + static_cast<ptrdiff_t>(c));
-  STOKE_RETURN_IF_ERROR(comm_.AllGather(mine.data(), mine.size() * sizeof(float), all.data()).Wait());
+  STOKE_RETURN_IF_ERROR(Collected(comm_, comm_.AllGather(mine.data(), mine.size() * sizeof(float), all.data())));
   for (size_t i = 0; i < c; ++i) {
     double mu = 0, v = 0;
     for (int r = 0; r < w; ++r) mu += all[static_cast<size_t>(r) * 2 * c + i];
@@ -69,15 +80,15 @@ Status DataParallel::CombineMoments(std::span<float> mean, std::span<float> var)
 }
 
 Status DataParallel::SumOverRanks(std::span<float> values) {
-  return comm_.AllReduce(values.data(), values.size(), dist::DataType::kFloat32, dist::ReduceOp::kSum).Wait();
+  return Collected(comm_, comm_.AllReduce(values.data(), values.size(), dist::DataType::kFloat32, dist::ReduceOp::kSum));
 }
 
 Status DataParallel::SumOverRanks(std::span<double> values) {
-  return comm_.AllReduce(values.data(), values.size(), dist::DataType::kFloat64, dist::ReduceOp::kSum).Wait();
+  return Collected(comm_, comm_.AllReduce(values.data(), values.size(), dist::DataType::kFloat64, dist::ReduceOp::kSum));
 }
 
 Status DataParallel::AverageOverRanks(std::span<float> values) {
-  return comm_.AllReduce(values.data(), values.size(), dist::DataType::kFloat32, dist::ReduceOp::kAvg).Wait();
+  return Collected(comm_, comm_.AllReduce(values.data(), values.size(), dist::DataType::kFloat32, dist::ReduceOp::kAvg));
 }
 
 uint64_t TextDigest(std::string_view text) { return Fnv1a(text); }
@@ -115,7 +126,7 @@ namespace {
 // Every rank's 64-bit value, in rank order.
 Result<std::vector<uint64_t>> GatherU64(dist::Communicator& comm, uint64_t mine) {
   std::vector<uint64_t> all(static_cast<size_t>(comm.size()));
-  STOKE_RETURN_IF_ERROR(comm.AllGather(&mine, sizeof mine, all.data()).Wait());
+  STOKE_RETURN_IF_ERROR(Collected(comm, comm.AllGather(&mine, sizeof mine, all.data())));
   return all;
 }
 
@@ -136,7 +147,7 @@ Status BroadcastState(dist::Communicator& comm, Network& net) {
     }
   }
   for (NamedTensor& t : *state) {
-    STOKE_RETURN_IF_ERROR(comm.Broadcast(t.values.data(), t.values.size() * sizeof(float), 0).Wait());
+    STOKE_RETURN_IF_ERROR(Collected(comm, comm.Broadcast(t.values.data(), t.values.size() * sizeof(float), 0)));
   }
   Status loaded = comm.rank() == 0 ? OkStatus() : net.LoadState(*state);
   return comm.Agree(loaded);
@@ -171,7 +182,7 @@ Status SumStats(dist::Communicator& comm, BatchStats& stats) {
   if (comm.size() == 1) return OkStatus();
   double v[5] = {stats.loss_sum, static_cast<double>(stats.top1), static_cast<double>(stats.top5),
                  static_cast<double>(stats.count), static_cast<double>(stats.skipped)};
-  STOKE_RETURN_IF_ERROR(comm.AllReduce(v, 5, dist::DataType::kFloat64, dist::ReduceOp::kSum).Wait());
+  STOKE_RETURN_IF_ERROR(Collected(comm, comm.AllReduce(v, 5, dist::DataType::kFloat64, dist::ReduceOp::kSum)));
   stats.loss_sum = v[0];
   stats.top1 = std::llround(v[1]);
   stats.top5 = std::llround(v[2]);
@@ -182,7 +193,7 @@ Status SumStats(dist::Communicator& comm, BatchStats& stats) {
 
 Status DataParallel::BroadcastBytes(std::span<std::byte> data, int root) {
   if (comm_.size() == 1) return OkStatus();
-  return comm_.Broadcast(data.data(), data.size(), root).Wait();
+  return Collected(comm_, comm_.Broadcast(data.data(), data.size(), root));
 }
 
 Status DataParallel::GatherBytes(std::span<const std::byte> mine, std::span<std::byte> all) {
@@ -190,7 +201,7 @@ Status DataParallel::GatherBytes(std::span<const std::byte> mine, std::span<std:
     return InvalidArgumentError(fmt::format("data-parallel: gathering {} bytes from {} ranks into {}", mine.size(),
                                             comm_.size(), all.size()));
   }
-  return comm_.AllGather(mine.data(), mine.size(), all.data()).Wait();
+  return Collected(comm_, comm_.AllGather(mine.data(), mine.size(), all.data()));
 }
 
 void DataParallel::AddDeviceCommTime(double comm_s, double overlapped_s, double wait_s) {

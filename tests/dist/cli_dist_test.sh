@@ -154,6 +154,38 @@ else
   fi
 fi
 
+# A rank stopped (SIGSTOP: stuck, not gone) mid-training: the others end after about one
+# dist.timeout_s, naming the collective. (That they no longer wait a timeout per gradient bucket
+# when it stops inside a step is Reducer.AStuckRankEndsTheOthersFinishAtTheFirstTimeout's.)
+dist_keys=", bucket_mb: 0.001" config stuck 500
+sed -i 's/timeout_s: 60/timeout_s: 1/' "$work/stuck.yaml"
+timeout 300 "${mpi[@]}" -np 2 "$stoke" train --config "$work/stuck.yaml" -q >"$work/stuck.out" 2>&1 &
+job=$! victim=""
+for _ in $(seq 1 600); do
+  grep -qs '"type":"train"' "$work/stuck/metrics.jsonl" && victim=$(rank1 stuck) && [[ -n $victim ]] && break
+  sleep 0.1
+done
+if [[ -z $victim ]]; then
+  echo "FAIL stuck_rank_ends_the_others: training did not start, or rank 1 was not found"
+  failures=$((failures + 1))
+  kill "$job" 2>/dev/null
+else
+  start=$(date +%s%N)
+  kill -STOP "$victim"
+  wait "$job"
+  rc=$?
+  ms=$((($(date +%s%N) - start) / 1000000))
+  kill -9 "$victim" 2>/dev/null
+  if [[ $rc -ne 0 && $ms -lt 6000 ]] && grep -q "has not finished after 1 s" "$work/stuck.out"; then
+    echo "ok   stuck_rank_ends_the_others (exit $rc, $ms ms after rank 1 stopped)"
+    passed=$((passed + 1))
+  else
+    echo "FAIL stuck_rank_ends_the_others: exit $rc after $ms ms"
+    sed 's/^/    /' "$work/stuck.out" | tail -20
+    failures=$((failures + 1))
+  fi
+fi
+
 # SIGKILL one rank mid-training: the job ends, non-zero, within 30 s.
 start_long long rank1 "${mpi[@]}" -np 2
 kill_expect_end kill_one_rank long "rank 1"
