@@ -63,11 +63,13 @@ std::string DescribeRecordKeys(MDB_txn* txn, MDB_dbi records_dbi, int64_t record
   MdbCursor cursor(raw);
   MDB_val k, v;
   GuardedRead read{.cursor = raw, .op = MDB_FIRST, .key = &k, .value = &v, .touch_value = false};
-  constexpr size_t kNamed = 3;
-  std::vector<int64_t> missing, beyond;
-  int64_t missing_count = 0, beyond_count = 0, next = 0;
-  auto note = [&](std::vector<int64_t>& named, int64_t& count, int64_t first, int64_t n) {
-    for (int64_t i = first; i < first + n && named.size() < kNamed; ++i) named.push_back(i);
+  constexpr uint64_t kNamed = 3;
+  // Keys are unsigned 64-bit record numbers: a damaged one may be anything up to 2^64 - 1.
+  const auto want = static_cast<uint64_t>(records);
+  std::vector<uint64_t> missing, beyond;
+  uint64_t missing_count = 0, beyond_count = 0, next = 0;
+  auto note = [&](std::vector<uint64_t>& named, uint64_t& count, uint64_t first, uint64_t n) {
+    for (uint64_t i = 0; i < n && named.size() < kNamed; ++i) named.push_back(first + i);
     count += n;
   };
   for (;;) {
@@ -76,19 +78,18 @@ std::string DescribeRecordKeys(MDB_txn* txn, MDB_dbi records_dbi, int64_t record
     read.op = MDB_NEXT;
     if (k.mv_size != 8) continue;
     const uint64_t key = DecodeKey(std::span<const std::byte, 8>(static_cast<const std::byte*>(k.mv_data), 8));
-    const int64_t index = key > static_cast<uint64_t>(INT64_MAX) ? INT64_MAX : static_cast<int64_t>(key);
-    if (index >= records) {
-      note(beyond, beyond_count, index, 1);
+    if (key >= want) {
+      note(beyond, beyond_count, key, 1);
       continue;
     }
-    if (index > next) note(missing, missing_count, next, index - next);
-    next = std::max(next, index + 1);
+    if (key > next) note(missing, missing_count, next, key - next);
+    next = std::max(next, key + 1);
   }
-  if (next < records) note(missing, missing_count, next, records - next);
-  auto list = [](const std::vector<int64_t>& named, int64_t count) {
+  if (next < want) note(missing, missing_count, next, want - next);
+  auto list = [](const std::vector<uint64_t>& named, uint64_t count) {
     std::string text = count == 1 ? "record " : "records ";
     for (size_t i = 0; i < named.size(); ++i) text += (i ? ", " : "") + std::to_string(named[i]);
-    if (count > static_cast<int64_t>(named.size())) text += fmt::format(" and {} more", count - static_cast<int64_t>(named.size()));
+    if (count > named.size()) text += fmt::format(" and {} more", count - named.size());
     return text;
   };
   std::string text;

@@ -86,6 +86,7 @@ Status Reducer::Finish() {
   last_ = {};
   last_.wait_s = end - backward_end;
   for (const Work& w : works_) {
+    if (!w.done()) continue;  // after a failure: not finished, not counted
     const double a = w.started_s(), z = w.finished_s();
     last_.comm_s += z - a;
     last_.overlapped_s += std::max(0.0, std::min(z, backward_end) - a);

@@ -4,7 +4,7 @@
 
 #include <unistd.h>
 
-#include <charconv>
+#include <cerrno>
 #include <csignal>
 #include <cstring>
 #include <cstdio>
@@ -79,16 +79,30 @@ CLI::Validator NumberAtLeast(double least, bool inclusive) {
         const double v = std::strtod(text.c_str(), &end);
         if (end == text.c_str() || *end != '\0') return fmt::format("expected a number {}, not '{}'", want, text);
         if (!(inclusive ? v >= least : v > least)) return fmt::format("must be {}, not {}", want, text);
-        // An integer too large for any count or index: CLI11 would read it as the largest int64.
-        int64_t whole = 0;
-        const char* first = text.c_str() + (text[0] == '+' ? 1 : 0);
-        const auto [at, error] = std::from_chars(first, text.c_str() + text.size(), whole);
-        if (error == std::errc::result_out_of_range && at == text.c_str() + text.size())
-          return fmt::format("{} is too large (at most {})", text, std::numeric_limits<int64_t>::max());
         return std::string();
       },
       "NUMBER " + want, "");
 }
+// A 64-bit integer option: CLI11 reads it as strtoll / strtoull do (base 0: hex and octal too,
+// leading blanks skipped), and a number past the type's range came out as its largest value
+// (`--extract 99999999999999999999` named record 9223372036854775807). Checked the same way.
+CLI::Validator FitsIn64Bits(bool is_signed) {
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        errno = 0;
+        if (is_signed) {
+          (void)std::strtoll(text.c_str(), nullptr, 0);
+        } else {
+          (void)std::strtoull(text.c_str(), nullptr, 0);
+        }
+        if (errno != ERANGE) return std::string();
+        return is_signed ? fmt::format("{} is too large (at most {})", text, std::numeric_limits<int64_t>::max())
+                         : fmt::format("{} is too large (at most {})", text, std::numeric_limits<uint64_t>::max());
+      },
+      "", "");
+}
+const CLI::Validator kInt64 = FitsIn64Bits(true);
+const CLI::Validator kUint64 = FitsIn64Bits(false);
 const CLI::Validator kPositive = NumberAtLeast(0, false);
 const CLI::Validator kNonNegative = NumberAtLeast(0, true);
 CLI::Validator NumberAtMost(double most, const std::string& note) {
@@ -154,7 +168,7 @@ int Run(int argc, char** argv) {
   pack_cmd->add_option("--encoding", encoding, "Payload: jpeg (compact) or raw (decoded pixels)")
       ->check(CLI::IsMember({"jpeg", "raw"}));
   pack_cmd->add_flag("--shuffle", pack.shuffle, "Write records in a seeded random order");
-  pack_cmd->add_option("--seed", pack.seed, "Seed for --shuffle and --val-fraction");
+  pack_cmd->add_option("--seed", pack.seed, "Seed for --shuffle and --val-fraction")->check(kNonNegative & kUint64);
   pack_cmd->add_option("--val-fraction", pack.val_fraction,
                        "Hold out this fraction of each class as a validation dataset")
       ->check(CLI::Range(0.0, 0.999999));
@@ -197,7 +211,7 @@ int Run(int argc, char** argv) {
   inspect_cmd->add_flag("--json", as_json, "Machine-readable output");
   auto* extract_opt = inspect_cmd->add_option("--extract", extract_index,
                                               "Write the payload of record INDEX to --output")
-                          ->check(kNonNegative);
+                          ->check(kNonNegative & kInt64);
   inspect_cmd->add_option("--output", extract_output, "File for --extract")->check(kFileName)->needs(extract_opt);
   extract_opt->needs(inspect_cmd->get_option("--output"));
   // An extract writes one record and prints nothing to verify or as JSON: those flags would do nothing.
@@ -293,7 +307,7 @@ int Run(int argc, char** argv) {
   synth_cmd->add_option("--classes", synth.classes, "Number of classes")->check(kPositive);
   synth_cmd->add_option("--per-class", synth.per_class, "Images per class")
       ->check(kPositive);
-  synth_cmd->add_option("--seed", synth.seed, "Seed")->check(kNonNegative);
+  synth_cmd->add_option("--seed", synth.seed, "Seed")->check(kNonNegative & kUint64);
   std::string synth_style = "stripes";
   synth_cmd->add_option("--style", synth_style, "stripes (colour + stripe angle per class) or shapes (a shape per class)")
       ->check(CLI::IsMember({"stripes", "shapes"}));

@@ -131,11 +131,11 @@ augment::NormalizeOptions NormalizeFromConfig(const DataConfig& data);
 ModelSpec ModelFromConfig(const ModelConfig& model);
 // ModelDifference of the two configs' models, each resolved at its own image size: empty when
 // they are the same layers, or when either does not resolve (its own checks report that).
+std::string ConfigModelDifference(const TrainConfig& here, std::string_view here_is, const TrainConfig& other,
+                                  std::string_view other_is);
 // The first setting in which two configs' YAML (ConfigToYaml) differ, as "data.threads: 2 (rank 0:
 // 4)", `other_is` naming the second; empty when they agree.
 std::string ConfigYamlDifference(std::string_view here, std::string_view other, std::string_view other_is);
-std::string ConfigModelDifference(const TrainConfig& here, std::string_view here_is, const TrainConfig& other,
-                                  std::string_view other_is);
 // The learning rate after the linear scaling rule.
 double ScaledLr(const TrainConfig& config);
 

@@ -939,7 +939,10 @@ TEST(Dataset, MissingOrExtraRecordsAreNamedWhenTheCountsDisagree) {
                         Case{{0, 29}, {}, "records 0, 29 are missing"},
                         Case{{3, 4, 5, 6, 7}, {}, "records 3, 4, 5 and 2 more are missing"},
                         Case{{}, {30, 1000}, "holds 32 records, manifest says 30; records 30, 1000 are beyond the manifest's 30"},
-                        Case{{12}, {40}, "its last key is record 40, not record 29"}}) {
+                        Case{{12}, {40}, "its last key is record 40, not record 29"},
+                        // Keys past int64 (damage): named as they are (they were clamped, and overflowed).
+                        Case{{}, {uint64_t{1} << 63, 0xFFFFFFFFFFFFFFF0u},
+                             "records 9223372036854775808, 18446744073709551600 are beyond the manifest's 30"}}) {
     SCOPED_TRACE(c.says);
     testing::WriteBytes(dir / "d" / "data.mdb", good);
     EditRecordKeys(dir / "d", c.gone, c.added);

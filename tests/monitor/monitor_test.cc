@@ -403,11 +403,13 @@ TEST_F(MonitorServer, OnlyLoopbackHostNamesAreAnswered) {
     return Send(port_, fmt::format("GET /runs/0/config.yaml HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n", host));
   };
   for (const std::string& host : std::vector<std::string>{"127.0.0.1", fmt::format("127.0.0.1:{}", port_), fmt::format("localhost:{}", port_),
-                                 "LOCALHOST", "[::1]:8080", "127.1.2.3"}) {
+                                 "LOCALHOST", "[::1]:8080", "127.1.2.3", "localhost.", "app.localhost",
+                                                          "[::ffff:127.0.0.1]", "[::ffff:7f00:1]:80", "[0:0:0:0:0:0:0:1]"}) {
     EXPECT_EQ(with_host(host).status, 200) << host;
   }
   for (const std::string& host : std::vector<std::string>{"attacker.example", fmt::format("attacker.example:{}", port_), "127.0.0.1.example",
-                                 "10.0.0.1", "[::1", "localhost.attacker.example"}) {
+                                 "10.0.0.1", "[::1", "localhost.attacker.example", "[::1]evil.example",
+                                                          "127.0.0.1:80x", "[::ffff:10.0.0.1]"}) {
     const Reply r = with_host(host);
     EXPECT_EQ(r.status, 403) << host;
     EXPECT_EQ(r.body.find("epochs"), std::string::npos) << host << ": the config was served";

@@ -87,6 +87,13 @@ check extract_range 1 "record 99 out of range" -- \
 # Past int64 the index was once read as 9223372036854775807 and reported as that record.
 check extract_past_int64 105 "99999999999999999999 is too large" -- \
   "$stoke" inspect "$work/ds.lmdb" --extract 99999999999999999999 --output "$work/rbig.jpg"
+check extract_past_int64_in_hex 105 "0x7fffffffffffffffff is too large" -- \
+  "$stoke" inspect "$work/ds.lmdb" --extract 0x7fffffffffffffffff --output "$work/rbig.jpg"
+# A seed is 64 bits unsigned: all of them are taken, and none past them.
+check synth_largest_seed 0 "wrote 1 classes x 1 images" -- \
+  "$stoke" synth "$work/seed64" --classes 1 --per-class 1 --seed 18446744073709551615
+check synth_seed_past_64_bits 105 "18446744073709551616 is too large" -- \
+  "$stoke" synth "$work/seed65" --classes 1 --per-class 1 --seed 18446744073709551616
 check inspect_missing 1 "no-such.lmdb: no such file" -- "$stoke" inspect "$work/no-such.lmdb"
 mkdir -p "$work/garbage.lmdb" && head -c 100000 /dev/urandom >"$work/garbage.lmdb/data.mdb"
 check inspect_garbage 1 "garbage.lmdb" -- "$stoke" inspect "$work/garbage.lmdb"

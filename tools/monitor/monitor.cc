@@ -664,20 +664,33 @@ struct Monitor::State {
     if (!loopback) return true;
     if (!req.has_header("Host")) return true;
     std::string host = req.get_header_value("Host");
+    std::string port;
     if (!host.empty() && host.front() == '[') {
       const size_t close = host.find(']');
       if (close == std::string::npos) return false;
+      port = host.substr(close + 1);
       host = host.substr(1, close - 1);
     } else if (const size_t colon = host.find(':'); colon != std::string::npos) {
+      port = host.substr(colon);
       host = host.substr(0, colon);
+    }
+    // Nothing after the name but ":PORT".
+    if (!port.empty() && (port.size() < 2 || port[0] != ':' ||
+                          !std::all_of(port.begin() + 1, port.end(), [](char c) { return c >= '0' && c <= '9'; }))) {
+      return false;
     }
     std::transform(host.begin(), host.end(), host.begin(), [](unsigned char c) { return std::tolower(c); });
     if (!host.empty() && host.back() == '.') host.pop_back();
-    return host == "localhost" || host == "::1" || host == options.host || IsLoopbackIPv4(host);
+    // Browsers resolve every *.localhost to loopback themselves: no other machine can answer for it.
+    return host == "localhost" || host.ends_with(".localhost") || host == options.host || IsLoopbackAddress(host);
   }
-  static bool IsLoopbackIPv4(const std::string& text) {
-    in_addr a{};
-    return ::inet_pton(AF_INET, text.c_str(), &a) == 1 && (ntohl(a.s_addr) >> 24) == 127;
+  // 127.0.0.0/8, ::1 however written, and IPv4-mapped 127.x (::ffff:127.0.0.1).
+  static bool IsLoopbackAddress(const std::string& text) {
+    in_addr a4{};
+    if (::inet_pton(AF_INET, text.c_str(), &a4) == 1) return (ntohl(a4.s_addr) >> 24) == 127;
+    in6_addr a6{};
+    if (::inet_pton(AF_INET6, text.c_str(), &a6) != 1) return false;
+    return IN6_IS_ADDR_LOOPBACK(&a6) || (IN6_IS_ADDR_V4MAPPED(&a6) && a6.s6_addr[12] == 127);
   }
 
   void NotFound(httplib::Response& res) {
@@ -801,7 +814,7 @@ Result<std::unique_ptr<Monitor>> Monitor::Start(MonitorOptions options) {
   }
   state->options = std::move(options);
   const MonitorOptions& o = state->options;
-  state->loopback = o.host == "localhost" || o.host == "::1" || State::IsLoopbackIPv4(o.host);
+  state->loopback = o.host == "localhost" || State::IsLoopbackAddress(o.host);
   BoundedServer& svr = state->server;
   State* s = state.get();
   svr.Configure(o.threads, MaxQueued(o.max_queued));

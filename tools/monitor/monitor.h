@@ -44,7 +44,7 @@ struct MonitorOptions {
 struct MonitorStats {
   int64_t requests = 0;
   int64_t not_found = 0;  // 404 answers (unknown paths, refused file requests)
-  int64_t refused = 0;    // 405 / 413 / 431 answers
+  int64_t refused = 0;    // 403 (a Host that is not loopback) / 405 / 413 / 431 answers
 };
 
 class Monitor {
