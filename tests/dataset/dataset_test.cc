@@ -10,6 +10,7 @@
 #include <array>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <numeric>
 #include <set>
 #include <thread>
@@ -704,8 +705,9 @@ TEST(Dataset, CreateRefusesNonEmptyDirectory) {
 // Writes key = value into a dataset's LMDB file through LMDB itself, as another program (or a
 // hostile one) could: into the named table `table` (created if missing), or with nullptr into
 // LMDB's main table, beside the named tables' entries.
-void PutLmdb(const fs::path& dir, const char* table, const std::string& key,
-             const std::string& value) {
+// Runs `edit` in a write transaction on the dataset's LMDB file, committed when it returns without
+// a fatal failure.
+void EditLmdb(const fs::path& dir, const std::function<void(MDB_txn*)>& edit) {
   MDB_env* raw = nullptr;
   ASSERT_EQ(mdb_env_create(&raw), MDB_SUCCESS);
   MdbEnv env(raw);
@@ -713,12 +715,20 @@ void PutLmdb(const fs::path& dir, const char* table, const std::string& key,
   ASSERT_EQ(mdb_env_open(raw, dir.c_str(), MDB_NOLOCK, 0644), MDB_SUCCESS);
   MDB_txn* txn = nullptr;
   ASSERT_EQ(mdb_txn_begin(raw, nullptr, 0, &txn), MDB_SUCCESS);
-  MDB_dbi dbi = 0;
-  ASSERT_EQ(mdb_dbi_open(txn, table, table != nullptr ? MDB_CREATE : 0, &dbi), MDB_SUCCESS);
-  MDB_val k{key.size(), const_cast<char*>(key.data())},
-      v{value.size(), const_cast<char*>(value.data())};
-  ASSERT_EQ(mdb_put(txn, dbi, &k, &v, 0), MDB_SUCCESS);
+  edit(txn);
+  if (::testing::Test::HasFatalFailure()) return mdb_txn_abort(txn);
   ASSERT_EQ(mdb_txn_commit(txn), MDB_SUCCESS);
+}
+
+void PutLmdb(const fs::path& dir, const char* table, const std::string& key,
+             const std::string& value) {
+  EditLmdb(dir, [&](MDB_txn* txn) {
+    MDB_dbi dbi = 0;
+    ASSERT_EQ(mdb_dbi_open(txn, table, table != nullptr ? MDB_CREATE : 0, &dbi), MDB_SUCCESS);
+    MDB_val k{key.size(), const_cast<char*>(key.data())},
+        v{value.size(), const_cast<char*>(value.data())};
+    ASSERT_EQ(mdb_put(txn, dbi, &k, &v, 0), MDB_SUCCESS);
+  });
 }
 
 uint64_t Load64(const std::vector<std::byte>& bytes, size_t at) {
@@ -898,31 +908,25 @@ TEST(Dataset, RecordCountBeyondTheStoredKeysIsCorrupt) {
 // Deletes the records `gone` from the records table and stores a copy of record 0 as each of
 // `added`, as a damaged or hand-edited file would have them.
 void EditRecordKeys(const fs::path& dir, std::initializer_list<uint64_t> gone, std::initializer_list<uint64_t> added) {
-  MDB_env* raw = nullptr;
-  ASSERT_EQ(mdb_env_create(&raw), MDB_SUCCESS);
-  MdbEnv env(raw);
-  mdb_env_set_maxdbs(raw, 4);
-  ASSERT_EQ(mdb_env_open(raw, dir.c_str(), MDB_NOLOCK, 0644), MDB_SUCCESS);
-  MDB_txn* txn = nullptr;
-  ASSERT_EQ(mdb_txn_begin(raw, nullptr, 0, &txn), MDB_SUCCESS);
-  MDB_dbi dbi = 0;
-  ASSERT_EQ(mdb_dbi_open(txn, kRecordsDb, 0, &dbi), MDB_SUCCESS);
-  std::array<std::byte, 8> key;
-  MDB_val k{key.size(), key.data()}, first;
-  EncodeKey(0, key);
-  ASSERT_EQ(mdb_get(txn, dbi, &k, &first), MDB_SUCCESS);
-  const std::vector<std::byte> copy(static_cast<const std::byte*>(first.mv_data),
-                                    static_cast<const std::byte*>(first.mv_data) + first.mv_size);
-  for (uint64_t i : gone) {
-    EncodeKey(i, key);
-    ASSERT_EQ(mdb_del(txn, dbi, &k, nullptr), MDB_SUCCESS) << i;
-  }
-  for (uint64_t i : added) {
-    EncodeKey(i, key);
-    MDB_val v{copy.size(), const_cast<std::byte*>(copy.data())};
-    ASSERT_EQ(mdb_put(txn, dbi, &k, &v, 0), MDB_SUCCESS) << i;
-  }
-  ASSERT_EQ(mdb_txn_commit(txn), MDB_SUCCESS);
+  EditLmdb(dir, [&](MDB_txn* txn) {
+    MDB_dbi dbi = 0;
+    ASSERT_EQ(mdb_dbi_open(txn, kRecordsDb, 0, &dbi), MDB_SUCCESS);
+    std::array<std::byte, 8> key;
+    MDB_val k{key.size(), key.data()}, first;
+    EncodeKey(0, key);
+    ASSERT_EQ(mdb_get(txn, dbi, &k, &first), MDB_SUCCESS);
+    const std::vector<std::byte> copy(static_cast<const std::byte*>(first.mv_data),
+                                      static_cast<const std::byte*>(first.mv_data) + first.mv_size);
+    for (uint64_t i : gone) {
+      EncodeKey(i, key);
+      ASSERT_EQ(mdb_del(txn, dbi, &k, nullptr), MDB_SUCCESS) << i;
+    }
+    for (uint64_t i : added) {
+      EncodeKey(i, key);
+      MDB_val v{copy.size(), const_cast<std::byte*>(copy.data())};
+      ASSERT_EQ(mdb_put(txn, dbi, &k, &v, 0), MDB_SUCCESS) << i;
+    }
+  });
 }
 
 // A records table with records deleted (or others added) gave only the two counts: which record

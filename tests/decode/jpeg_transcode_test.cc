@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <random>
 #include <span>
 
@@ -60,9 +61,9 @@ OwnedIndex IndexOf(const TranscodedJpeg& t, int entry_bytes = 4) {
   return o;
 }
 
-// A JPEG of `image` (3 channels) whose components have the given sampling factors {h, v}, for
-// samplings TurboJPEG does not offer (4:1:0, 2x4, chroma sampled finer than luma).
-std::vector<std::byte> EncodeSampled(const Image& image, std::array<std::pair<int, int>, 3> sampling) {
+// A JPEG of `image` (3 channels) through libjpeg's own API at quality 85, with `configure` applied
+// to the compressor after its defaults.
+std::vector<std::byte> EncodeWith(const Image& image, const std::function<void(jpeg_compress_struct&)>& configure) {
   jpeg_compress_struct c{};
   jpeg_error_mgr err{};
   c.err = jpeg_std_error(&err);
@@ -76,10 +77,7 @@ std::vector<std::byte> EncodeSampled(const Image& image, std::array<std::pair<in
   c.in_color_space = JCS_RGB;
   jpeg_set_defaults(&c);
   jpeg_set_quality(&c, 85, TRUE);
-  for (int k = 0; k < 3; ++k) {
-    c.comp_info[k].h_samp_factor = sampling[k].first;
-    c.comp_info[k].v_samp_factor = sampling[k].second;
-  }
+  configure(c);
   jpeg_start_compress(&c, TRUE);
   while (c.next_scanline < c.image_height) {
     auto* row = const_cast<JSAMPROW>(image.row(static_cast<int>(c.next_scanline)));
@@ -90,6 +88,17 @@ std::vector<std::byte> EncodeSampled(const Image& image, std::array<std::pair<in
   std::vector<std::byte> out(reinterpret_cast<std::byte*>(buf), reinterpret_cast<std::byte*>(buf) + size);
   std::free(buf);
   return out;
+}
+
+// A JPEG whose components have the given sampling factors {h, v}, for samplings TurboJPEG does not
+// offer (4:1:0, 2x4, chroma sampled finer than luma).
+std::vector<std::byte> EncodeSampled(const Image& image, std::array<std::pair<int, int>, 3> sampling) {
+  return EncodeWith(image, [&](jpeg_compress_struct& c) {
+    for (int k = 0; k < 3; ++k) {
+      c.comp_info[k].h_samp_factor = sampling[k].first;
+      c.comp_info[k].v_samp_factor = sampling[k].second;
+    }
+  });
 }
 
 // Decodes random regions of `jpeg` at every scale, through `index` when there is one, and
@@ -148,22 +157,9 @@ int CheckRegions(std::span<const std::byte> jpeg, const RestartIndex* index, uin
   return compared;
 }
 
-// A progressive JPEG of `image` (3 channels) whose scans leave coefficients out, as valid files
-// may: `chroma_dc_only` sends no AC for the chroma, else no scan refines the last bit.
+// A progressive JPEG whose scans leave coefficients out, as valid files may: `chroma_dc_only`
+// sends no AC for the chroma, else no scan refines the last bit.
 std::vector<std::byte> EncodeIncompleteProgressive(const Image& image, bool chroma_dc_only) {
-  jpeg_compress_struct c{};
-  jpeg_error_mgr err{};
-  c.err = jpeg_std_error(&err);
-  jpeg_create_compress(&c);
-  unsigned char* buf = nullptr;
-  unsigned long size = 0;
-  jpeg_mem_dest(&c, &buf, &size);
-  c.image_width = static_cast<JDIMENSION>(image.width);
-  c.image_height = static_cast<JDIMENSION>(image.height);
-  c.input_components = 3;
-  c.in_color_space = JCS_RGB;
-  jpeg_set_defaults(&c);
-  jpeg_set_quality(&c, 85, TRUE);
   std::vector<jpeg_scan_info> scans;
   auto scan = [&](std::initializer_list<int> comps, int ss, int se, int al) {
     jpeg_scan_info s{};
@@ -180,18 +176,10 @@ std::vector<std::byte> EncodeIncompleteProgressive(const Image& image, bool chro
     scan({1}, 1, 63, al);
     scan({2}, 1, 63, al);
   }
-  c.scan_info = scans.data();
-  c.num_scans = static_cast<int>(scans.size());
-  jpeg_start_compress(&c, TRUE);
-  while (c.next_scanline < c.image_height) {
-    auto* row = const_cast<JSAMPROW>(image.row(static_cast<int>(c.next_scanline)));
-    jpeg_write_scanlines(&c, &row, 1);
-  }
-  jpeg_finish_compress(&c);
-  jpeg_destroy_compress(&c);
-  std::vector<std::byte> out(reinterpret_cast<std::byte*>(buf), reinterpret_cast<std::byte*>(buf) + size);
-  std::free(buf);
-  return out;
+  return EncodeWith(image, [&](jpeg_compress_struct& c) {
+    c.scan_info = scans.data();
+    c.num_scans = static_cast<int>(scans.size());
+  });
 }
 
 // The same through the restart index of a transcoded JPEG (4- or 2-byte entries by the seed).

@@ -34,18 +34,26 @@ struct Reply {
   std::string head, body;
 };
 
-// Sends `request` as it is (no normalisation of the path) and reads until the server closes.
-Reply Send(int port, const std::string& request) {
-  Reply r;
+// A socket connected to 127.0.0.1:port, or -1.
+int ConnectLoopback(int port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(static_cast<uint16_t>(port));
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
     ::close(fd);
-    return r;
+    return -1;
   }
+  return fd;
+}
+
+// Sends `request` as it is (no normalisation of the path) and reads until the server closes.
+Reply Send(int port, const std::string& request) {
+  Reply r;
+  const int fd = ConnectLoopback(port);
+  if (fd < 0) return r;
   timeval tv{30, 0};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   size_t sent = 0;
@@ -224,12 +232,8 @@ TEST_F(MonitorServer, TwoHundredConcurrentClients) {
   // 200 idle connections held open, then 200 clients at once: every one is answered in full.
   std::vector<int> idle;
   for (int i = 0; i < 200; ++i) {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(port_));
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    const int fd = ConnectLoopback(port_);
+    ASSERT_GE(fd, 0);
     idle.push_back(fd);
   }
   std::atomic<int> ok{0}, complete{0};
@@ -285,12 +289,8 @@ TEST(MonitorRuns, AnAcceptLoopThatEndsLeavesNoConnectionToADeletedPool) {
   WriteText(run / "config.yaml", "epochs: 1\n");
   ASSERT_OK_AND_ASSIGN(auto monitor, Monitor::Start({.run_dirs = {run.string()}, .port = 0}));
   // A kept-alive connection, answered once and then idle (parked).
-  const int conn = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(monitor->port()));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::connect(conn, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  const int conn = ConnectLoopback(monitor->port());
+  ASSERT_GE(conn, 0);
   timeval tv{10, 0};
   setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   const std::string request = "GET /runs/0/config.yaml HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
@@ -349,13 +349,8 @@ TEST(MonitorRuns, IdleConnectionsLeaveTheTrainerItsDescriptors) {
   ASSERT_OK_AND_ASSIGN(auto monitor, Monitor::Start({.run_dirs = {run.string()}, .port = 0}));
   std::vector<int> clients;
   for (int i = 0; i < 200; ++i) {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    const int fd = ConnectLoopback(monitor->port());
     ASSERT_GE(fd, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(monitor->port()));
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
     clients.push_back(fd);
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(1000));  // accepted and parked (5 s before idle ones close)
@@ -378,13 +373,8 @@ TEST(MonitorRuns, SlowClientsDoNotHoldTheStop) {
   ASSERT_OK_AND_ASSIGN(auto monitor, Monitor::Start({.run_dirs = {run.string()}, .port = 0, .threads = 2}));
   std::vector<int> clients;
   for (int i = 0; i < 24; ++i) {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    const int fd = ConnectLoopback(monitor->port());
     ASSERT_GE(fd, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(monitor->port()));
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
     ASSERT_EQ(::send(fd, "GET /api/ru", 11, MSG_NOSIGNAL), 11);  // and nothing more: a request trickling in
     clients.push_back(fd);
   }

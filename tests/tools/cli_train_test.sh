@@ -26,17 +26,21 @@ check demo_again 0 "demo: validation top-1" -- "$stoke" demo --dir "$odd" --per-
 check demo_again_kept_notes 0 "mine" -- cat "$odd/notes.txt"
 # Ctrl-C while a demo replaces an earlier one: exit 130, the earlier demo's outputs as they were
 # (they were removed first, and every later demo then stopped at the partial pack left behind).
-demo_interrupted() {
-  "$stoke" demo --dir "$odd" --per-class 5000 --epochs 1 --threads 2 >"$work/demo_int.out" 2>&1 &
+# demo_signalled SIGNAL OUT: a long demo in $odd, sent SIGNAL once it is generating images (its
+# handler is set by then), however slow the build; its output in OUT; returns its exit code.
+demo_signalled() {
+  "$stoke" demo --dir "$odd" --per-class 5000 --epochs 1 --threads 2 >"$2" 2>&1 &
   local pid=$! waited=0
-  # Once it is generating images (its handler is set by then), however slow the build.
-  until grep -q "^== 1\." "$work/demo_int.out" 2>/dev/null || ((waited >= 300)); do
+  until grep -q "^== 1\." "$2" 2>/dev/null || ((waited >= 300)); do
     sleep 0.1
     waited=$((waited + 1))
   done
   sleep 0.2
-  kill -INT "$pid"
-  wait "$pid"
+  kill "-$1" "$pid"
+  wait "$pid" 2>/dev/null
+}
+demo_interrupted() {
+  demo_signalled INT "$work/demo_int.out"
   local rc=$?
   cat "$work/demo_int.out"
   return "$rc"
@@ -54,15 +58,7 @@ check demo_after_an_interrupted_one 0 "demo: validation top-1" -- \
 echo original >"$odd/run/original.txt"
 own=(images train.lmdb train_val.lmdb run demo.yaml)
 killed_demo() {  # a real kill -9 while it generates images
-  "$stoke" demo --dir "$odd" --per-class 5000 --epochs 1 --threads 2 >"$work/demo_kill.out" 2>&1 &
-  local pid=$! waited=0
-  until grep -q "^== 1\." "$work/demo_kill.out" 2>/dev/null || ((waited >= 300)); do
-    sleep 0.1
-    waited=$((waited + 1))
-  done
-  sleep 0.2
-  kill -9 "$pid"
-  wait "$pid" 2>/dev/null
+  demo_signalled KILL "$work/demo_kill.out"
   cat "$odd/.stoke-demo-state"
 }
 left_as_killed_in() {  # the folder as a demo killed in step $1 leaves it
