@@ -72,7 +72,10 @@ inline Fixture Build(std::vector<LayerSpec> layers, int classes, int size, int b
   o.batch = batch;
   o.label_smoothing = smoothing;
   o.seed = seed;
-  o.threads = 2;
+  // One oneDNN thread: these checks are about stoke's arithmetic, which is serial. Two OpenMP threads
+  // spin-wait on each other, and beside another test on a 2-core machine (ctest -j2) that made the
+  // small-ResNet gradient check 25 s instead of 1 s, and 121 s under ASan.
+  o.threads = 1;
   auto net = CpuNetwork::Create(o);
   EXPECT_TRUE(net.ok()) << net.status().ToString();
   Fixture f;
