@@ -169,6 +169,46 @@ TEST_F(MonitorServer, RefusesEverythingOutsideTheRuns) {
   EXPECT_GE(monitor_->stats().not_found, 20);
 }
 
+// A folder of the path swapped for a link out of the run between the server's check of the path
+// and its open: the file is checked as opened, so the outside file is never served. (Checking the
+// path and then opening it by name served "outside" within the first hundred requests here.)
+TEST_F(MonitorServer, AFolderSwappedForALinkOutMeanwhileIsNeverFollowed) {
+  const std::filesystem::path outside = dir_.path() / "elsewhere";
+  std::filesystem::create_directories(outside);
+  WriteText(outside / "note.txt", "outside\n");
+  // "sub" is in turn the real folder (renamed in from "sub-real") and a link to the folder outside.
+  std::filesystem::rename(run_ / "sub", run_ / "sub-real");
+  std::atomic<bool> done{false};
+  std::thread swapper([&] {
+    while (!done.load()) {
+      std::error_code ec;
+      std::filesystem::rename(run_ / "sub-real", run_ / "sub", ec);
+      std::this_thread::yield();
+      std::filesystem::rename(run_ / "sub", run_ / "sub-real", ec);
+      std::filesystem::create_symlink(outside, run_ / "sub", ec);
+      std::this_thread::yield();
+      std::filesystem::remove(run_ / "sub", ec);
+    }
+  });
+  int inside = 0, refused = 0, leaked = 0;
+  for (int i = 0; i < 3000 && leaked == 0; ++i) {
+    const Reply r = Get(port_, "/runs/0/sub/note.txt");
+    if (r.body.find("outside") != std::string::npos) {
+      ++leaked;
+    } else if (r.status == 200) {
+      EXPECT_EQ(r.body, "inside\n");
+      ++inside;
+    } else {
+      EXPECT_EQ(r.status, 404);
+      ++refused;
+    }
+  }
+  done = true;
+  swapper.join();
+  EXPECT_EQ(leaked, 0) << "served the file outside the run (" << inside << " inside, " << refused << " refused before)";
+  EXPECT_GT(inside, 0) << "the swaps left the folder in place too rarely to test anything";
+}
+
 TEST_F(MonitorServer, OversizedRequestsAreRefusedAndServingGoesOn) {
   // A request line over 8 KiB, a large body, too many header lines, endless header bytes.
   EXPECT_EQ(Get(port_, "/" + std::string(9000, 'a')).status, 414);

@@ -20,7 +20,6 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -395,12 +394,24 @@ std::string ContentType(const std::filesystem::path& p) {
   return "application/octet-stream";
 }
 
-std::string ReadPrefix(const std::filesystem::path& path, size_t max_bytes, bool* truncated) {
-  std::ifstream in(path, std::ios::binary);
-  std::string text(max_bytes, '\0');
-  in.read(text.data(), static_cast<std::streamsize>(max_bytes));
-  text.resize(static_cast<size_t>(in.gcount()));
-  *truncated = in.gcount() == static_cast<std::streamsize>(max_bytes) && in.peek() != EOF;
+// pread until `want` bytes or the end of the file; the bytes read.
+std::string ReadAt(int fd, int64_t from, size_t want) {
+  std::string buf(want, '\0');
+  size_t got = 0;
+  while (got < want) {
+    const ssize_t n = ::pread(fd, buf.data() + got, want - got, static_cast<off_t>(from) + static_cast<off_t>(got));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    got += static_cast<size_t>(n);
+  }
+  buf.resize(got);
+  return buf;
+}
+
+std::string ReadPrefix(const RunFile& file, size_t max_bytes, bool* truncated) {
+  std::string text = ReadAt(file.fd(), 0, max_bytes + 1);
+  *truncated = text.size() > max_bytes;
+  if (*truncated) text.resize(max_bytes);
   return text;
 }
 
@@ -430,20 +441,26 @@ nlohmann::json DatasetSummary(const std::string& path) {
 
 nlohmann::json RunInfo(size_t id, const Run& run) {
   nlohmann::json j = {{"id", id}, {"name", run.name}, {"dir", run.dir.string()}};
-  std::error_code ec;
-  // Through ResolveRunFile, as every file the page shows: a link out of the run's folder (to
+  // Through OpenRunFile, as every file the page shows: a link out of the run's folder (to
   // /proc/self/environ, say) is not followed.
-  const auto metrics = ResolveRunFile(run.dir, "metrics.jsonl");
+  const auto metrics = OpenRunFile(run.dir, "metrics.jsonl");
   j["has_metrics"] = metrics.ok();
   if (metrics.ok()) {
-    const auto age = std::filesystem::file_time_type::clock::now() - std::filesystem::last_write_time(*metrics, ec);
-    j["metrics_age_s"] = ec ? -1.0 : std::chrono::duration<double>(age).count();
+    struct stat st{};
+    if (::fstat(metrics->fd(), &st) == 0) {
+      const auto written = std::chrono::system_clock::time_point(
+          std::chrono::duration_cast<std::chrono::system_clock::duration>(
+              std::chrono::seconds(st.st_mtim.tv_sec) + std::chrono::nanoseconds(st.st_mtim.tv_nsec)));
+      j["metrics_age_s"] = std::chrono::duration<double>(std::chrono::system_clock::now() - written).count();
+    } else {
+      j["metrics_age_s"] = -1.0;
+    }
   }
-  const auto resolved_config = ResolveRunFile(run.dir, "config.yaml");
-  if (resolved_config.ok()) {
-    const std::filesystem::path& config = *resolved_config;
+  const auto opened_config = OpenRunFile(run.dir, "config.yaml");
+  if (opened_config.ok()) {
+    const std::filesystem::path& config = opened_config->path();
     bool truncated = false;
-    const std::string text = ReadPrefix(config, kMaxConfigBytes, &truncated);
+    const std::string text = ReadPrefix(*opened_config, kMaxConfigBytes, &truncated);
     j["config"] = nlohmann::json(text + (truncated ? "\n... (cut at 1 MiB)\n" : ""));
     try {
       YAML::Node root = YAML::Load(text);
@@ -461,7 +478,7 @@ nlohmann::json RunInfo(size_t id, const Run& run) {
   }
   std::vector<std::string> files;
   for (const char* name : {"curves.svg", "config.yaml", "metrics.jsonl"}) {
-    if (ResolveRunFile(run.dir, name).ok()) files.emplace_back(name);
+    if (OpenRunFile(run.dir, name).ok()) files.emplace_back(name);
   }
   j["files"] = files;
   return j;
@@ -528,7 +545,33 @@ std::string WhyCannotListen(const std::string& host, int port) {
 
 }  // namespace
 
-Result<std::filesystem::path> ResolveRunFile(const std::filesystem::path& run_dir, std::string_view relative) {
+RunFile& RunFile::operator=(RunFile&& o) noexcept {
+  if (this != &o) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(o.fd_, -1);
+    path_ = std::move(o.path_);
+  }
+  return *this;
+}
+
+RunFile::~RunFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+namespace {
+
+// Component-wise: /runs/a must not admit /runs/ab.
+bool IsInside(const std::filesystem::path& dir, const std::filesystem::path& p) {
+  auto r = p.begin();
+  for (auto d = dir.begin(); d != dir.end(); ++d, ++r) {
+    if (r == p.end() || *r != *d) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+Result<RunFile> OpenRunFile(const std::filesystem::path& run_dir, std::string_view relative) {
   auto refuse = [&] { return NotFoundError(fmt::format("monitor: no such file in {}", run_dir.string())); };
   if (relative.empty() || relative.front() == '/' || relative.find('\0') != std::string_view::npos ||
       relative.find('\\') != std::string_view::npos) {
@@ -544,14 +587,18 @@ Result<std::filesystem::path> ResolveRunFile(const std::filesystem::path& run_di
   }
   std::error_code ec;
   const auto resolved = std::filesystem::canonical(run_dir / std::filesystem::path(relative), ec);
-  if (ec) return refuse();
-  // Component-wise: /runs/a must not admit /runs/ab.
-  auto r = resolved.begin();
-  for (auto d = run_dir.begin(); d != run_dir.end(); ++d, ++r) {
-    if (r == resolved.end() || *r != *d) return refuse();
-  }
-  if (!std::filesystem::is_regular_file(resolved, ec)) return refuse();
-  return resolved;
+  if (ec || !IsInside(run_dir, resolved)) return refuse();
+  // O_NONBLOCK: a FIFO put there does not block the open (and is refused below).
+  const int fd = ::open(resolved.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
+  if (fd < 0) return refuse();
+  RunFile file(fd, resolved);
+  struct stat st{};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) return refuse();
+  // What was opened, as the kernel names it: a folder of the path replaced by a link between
+  // canonical() and open() took the open somewhere else, and this name says where.
+  const auto opened = std::filesystem::read_symlink(fmt::format("/proc/self/fd/{}", fd), ec);
+  if (ec || opened != resolved) return refuse();
+  return file;
 }
 
 namespace {
@@ -560,38 +607,26 @@ namespace {
 // (copying and serialising a value recurse once per level).
 constexpr int kMaxMetricsDepth = 32;
 
-// pread until `want` bytes or the end of the file; the bytes read.
-std::string ReadAt(int fd, int64_t from, size_t want) {
-  std::string buf(want, '\0');
-  size_t got = 0;
-  while (got < want) {
-    const ssize_t n = ::pread(fd, buf.data() + got, want - got, static_cast<off_t>(from) + static_cast<off_t>(got));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    got += static_cast<size_t>(n);
-  }
-  buf.resize(got);
-  return buf;
-}
-
 }  // namespace
 
 std::string ReadMetricsChunk(const std::filesystem::path& path, int64_t from, size_t max_bytes) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
+  if (fd < 0) return ReadMetricsChunk(nullptr, from, max_bytes);
+  const RunFile file(fd, path);
+  return ReadMetricsChunk(&file, from, max_bytes);
+}
+
+std::string ReadMetricsChunk(const RunFile* file, int64_t from, size_t max_bytes) {
   nlohmann::json out = {{"offset", 0}, {"size", 0}, {"file_id", ""}, {"reset", false},
                         {"records", nlohmann::json::array()}, {"malformed", 0}, {"partial", 0}};
   // One descriptor for the size, the identity and the bytes: a file replaced meanwhile (a resume
   // rewrites it) cannot give one file's size and another's lines.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
   struct stat st{};
-  if (fd < 0 || ::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    if (fd >= 0) ::close(fd);
+  if (file == nullptr || ::fstat(file->fd(), &st) != 0 || !S_ISREG(st.st_mode)) {
     out["exists"] = false;
     return out.dump();
   }
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
+  const int fd = file->fd();
   out["exists"] = true;
   const auto size = static_cast<int64_t>(st.st_size);
   out["size"] = size;
@@ -753,9 +788,9 @@ struct Monitor::State {
           return res.set_content("400 from: expected a byte offset\n", "text/plain; charset=utf-8");
         }
       }
-      // A metrics file that resolves out of the run's folder reads as absent (an empty path).
-      const auto metrics = ResolveRunFile(runs[id].dir, "metrics.jsonl");
-      return res.set_content(ReadMetricsChunk(metrics.ok() ? *metrics : std::filesystem::path(), from, kMaxMetricsChunk),
+      // A metrics file that resolves out of the run's folder reads as absent.
+      const auto metrics = OpenRunFile(runs[id].dir, "metrics.jsonl");
+      return res.set_content(ReadMetricsChunk(metrics.ok() ? &*metrics : nullptr, from, kMaxMetricsChunk),
                              "application/json");
     }
     if (path.starts_with(kFiles)) {
@@ -765,23 +800,19 @@ struct Monitor::State {
       if (slash == std::string_view::npos || !ParseIndex(rest.substr(0, slash), &id) || id >= runs.size()) {
         return NotFound(res);
       }
-      auto file = ResolveRunFile(runs[id].dir, rest.substr(slash + 1));
-      if (!file.ok()) return NotFound(res);
-      std::error_code ec;
-      const auto size = std::filesystem::file_size(*file, ec);
-      if (ec) return NotFound(res);
+      auto opened = OpenRunFile(runs[id].dir, rest.substr(slash + 1));
+      if (!opened.ok()) return NotFound(res);
+      struct stat st{};
+      if (::fstat(opened->fd(), &st) != 0) return NotFound(res);
       // Files of a run are data, never a page: no scripts, whatever they hold.
       res.set_header("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'; sandbox");
-      auto stream = std::make_shared<std::ifstream>(*file, std::ios::binary);
+      auto file = std::make_shared<RunFile>(std::move(*opened));
       res.set_content_provider(
-          static_cast<size_t>(size), ContentType(*file),
-          [stream](size_t offset, size_t length, httplib::DataSink& sink) {
-            char buf[64 << 10];
-            stream->seekg(static_cast<std::streamoff>(offset));
-            stream->read(buf, static_cast<std::streamsize>(std::min(length, sizeof buf)));
-            const auto got = stream->gcount();
-            if (got <= 0) return false;  // the file shrank under us: end the response
-            return sink.write(buf, static_cast<size_t>(got));
+          static_cast<size_t>(st.st_size), ContentType(file->path()),
+          [file](size_t offset, size_t length, httplib::DataSink& sink) {
+            const std::string buf = ReadAt(file->fd(), static_cast<int64_t>(offset), std::min<size_t>(length, 64 << 10));
+            if (buf.empty()) return false;  // the file shrank under us: end the response
+            return sink.write(buf.data(), buf.size());
           });
       return;
     }

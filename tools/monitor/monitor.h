@@ -75,16 +75,40 @@ class Monitor {
 // kInvalidArgument names the text and what was expected.
 Result<std::pair<std::string, int>> ParseListenAddress(std::string_view text, std::string_view default_host);
 
-// The file `relative` names inside `run_dir` (an absolute, canonical directory), or kNotFound when
-// it is empty, absolute, has an empty, "." or ".." component, does not exist, is not a regular
-// file, or resolves (through symlinks) to somewhere outside run_dir.
-Result<std::filesystem::path> ResolveRunFile(const std::filesystem::path& run_dir, std::string_view relative);
+// A file of a run, open for reading: every read goes through this descriptor, never through the
+// path again, so a link swapped in after the check cannot redirect it. Move-only.
+class RunFile {
+ public:
+  RunFile() = default;
+  RunFile(int fd, std::filesystem::path path) : fd_(fd), path_(std::move(path)) {}
+  RunFile(RunFile&& o) noexcept : fd_(std::exchange(o.fd_, -1)), path_(std::move(o.path_)) {}
+  RunFile& operator=(RunFile&& o) noexcept;
+  RunFile(const RunFile&) = delete;
+  RunFile& operator=(const RunFile&) = delete;
+  ~RunFile();
+  int fd() const { return fd_; }
+  const std::filesystem::path& path() const { return path_; }  // where it was opened, resolved
 
-// The metrics lines of `path` from byte `from` on, as the page receives them: the JSON object
+ private:
+  int fd_ = -1;
+  std::filesystem::path path_;
+};
+
+// Opens the file `relative` names inside `run_dir` (an absolute, canonical directory), or
+// kNotFound when it is empty, absolute, has an empty, "." or ".." component, does not exist, is
+// not a regular file, or resolves (through symlinks) to somewhere outside run_dir. The check is
+// made on the opened file itself (the kernel's name for the descriptor), so a link or folder
+// swapped in between the path's check and the open is refused as well.
+Result<RunFile> OpenRunFile(const std::filesystem::path& run_dir, std::string_view relative);
+
+// The metrics lines of `file` from byte `from` on, as the page receives them: the JSON object
 // {"offset": next byte to ask for, "size": file size, "file_id": changes when the file is
 // replaced, "reset": true when `from` was past the end (the file was rewritten: start again from
 // 0), "records": [parsed lines], "malformed": lines that were not JSON objects (skipped),
-// "partial": bytes of an unfinished last line}. At most `max_bytes` of the file are read.
+// "partial": bytes of an unfinished last line}. At most `max_bytes` of the file are read. A null
+// `file` (no metrics file) gives {"exists": false}.
+std::string ReadMetricsChunk(const RunFile* file, int64_t from, size_t max_bytes);
+// The same for a path, opened without following a final symlink.
 std::string ReadMetricsChunk(const std::filesystem::path& path, int64_t from, size_t max_bytes);
 
 }  // namespace stoke::monitor
