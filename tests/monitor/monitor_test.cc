@@ -209,6 +209,40 @@ TEST_F(MonitorServer, AFolderSwappedForALinkOutMeanwhileIsNeverFollowed) {
   EXPECT_GT(inside, 0) << "the swaps left the folder in place too rarely to test anything";
 }
 
+// stoke rewrites a run's files by renaming a new copy over them (WriteFileAtomic): a rename
+// between the server's open and its check of what it opened must not make the file look absent.
+TEST_F(MonitorServer, FilesReplacedByRenameWhileServedAreStillServed) {
+  WriteText(run_ / "curves.svg", "<svg/>\n");
+  const std::string metrics = R"({"type":"start","step":0,"total_steps":20,"time":100.0})" "\n";
+  WriteText(run_ / "metrics.jsonl", metrics);
+  std::atomic<bool> done{false};
+  std::thread writer([&] {
+    for (int i = 0; !done.load(); ++i) {
+      std::error_code ec;
+      WriteText(run_ / ".curves.tmp", "<svg/>\n");
+      std::filesystem::rename(run_ / ".curves.tmp", run_ / "curves.svg", ec);
+      WriteText(run_ / ".metrics.tmp", metrics);
+      std::filesystem::rename(run_ / ".metrics.tmp", run_ / "metrics.jsonl", ec);
+    }
+  });
+  int file_missing = 0, metrics_missing = 0, listed_short = 0;
+  for (int i = 0; i < 600; ++i) {
+    const Reply file = Get(port_, "/runs/0/curves.svg");
+    file_missing += file.status != 200 || file.body != "<svg/>\n";
+    const Reply chunk = Get(port_, "/api/runs/0/metrics");
+    metrics_missing += chunk.status != 200 || nlohmann::json::parse(chunk.body).value("exists", false) != true;
+    if (i % 10 == 0) {
+      const auto runs = nlohmann::json::parse(Get(port_, "/api/runs").body);
+      listed_short += runs["runs"][0]["files"].size() != 3 || runs["runs"][0]["has_metrics"] != true;
+    }
+  }
+  done = true;
+  writer.join();
+  EXPECT_EQ(file_missing, 0) << "of 600 downloads";
+  EXPECT_EQ(metrics_missing, 0) << "of 600 metrics reads";
+  EXPECT_EQ(listed_short, 0) << "of 60 run listings";
+}
+
 TEST_F(MonitorServer, OversizedRequestsAreRefusedAndServingGoesOn) {
   // A request line over 8 KiB, a large body, too many header lines, endless header bytes.
   EXPECT_EQ(Get(port_, "/" + std::string(9000, 'a')).status, 414);

@@ -560,6 +560,22 @@ RunFile::~RunFile() {
 
 namespace {
 
+// Whether the kernel's names of open descriptors can be read (/proc is mounted): without them a
+// run's file is checked by its path just before it is opened, which a folder swapped for a link
+// in between defeats.
+bool CanNameDescriptors() {
+  static const bool can = [] {
+    std::error_code ec;
+    const bool there = std::filesystem::is_directory("/proc/self/fd", ec);
+    if (!there) {
+      STOKE_LOG(WARN, "monitor: /proc/self/fd is not there (/proc not mounted?): a run's files are checked by "
+                      "their path before they are opened, not as opened");
+    }
+    return there;
+  }();
+  return can;
+}
+
 // Component-wise: /runs/a must not admit /runs/ab.
 bool IsInside(const std::filesystem::path& dir, const std::filesystem::path& p) {
   auto r = p.begin();
@@ -585,20 +601,27 @@ Result<RunFile> OpenRunFile(const std::filesystem::path& run_dir, std::string_vi
     if (part.empty() || part == "." || part == "..") return refuse();
     start = slash + 1;
   }
-  std::error_code ec;
-  const auto resolved = std::filesystem::canonical(run_dir / std::filesystem::path(relative), ec);
-  if (ec || !IsInside(run_dir, resolved)) return refuse();
-  // O_NONBLOCK: a FIFO put there does not block the open (and is refused below).
-  const int fd = ::open(resolved.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
-  if (fd < 0) return refuse();
-  RunFile file(fd, resolved);
-  struct stat st{};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) return refuse();
-  // What was opened, as the kernel names it: a folder of the path replaced by a link between
-  // canonical() and open() took the open somewhere else, and this name says where.
-  const auto opened = std::filesystem::read_symlink(fmt::format("/proc/self/fd/{}", fd), ec);
-  if (ec || opened != resolved) return refuse();
-  return file;
+  // A file that stoke rewrites (config.yaml, metrics.jsonl on a resume, curves.svg) is replaced by
+  // a rename: one that lands between the open and the check below makes the opened file read as
+  // "... (deleted)". The next try finds the new file; a swapped link fails every try.
+  constexpr int kTries = 8;
+  for (int attempt = 0; attempt < kTries; ++attempt) {
+    std::error_code ec;
+    const auto resolved = std::filesystem::canonical(run_dir / std::filesystem::path(relative), ec);
+    if (ec || !IsInside(run_dir, resolved) || !std::filesystem::is_regular_file(resolved, ec)) return refuse();
+    // O_NONBLOCK: a FIFO swapped in does not block the open (and is refused below).
+    const int fd = ::open(resolved.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
+    if (fd < 0) continue;  // replaced meanwhile, or a link now: the next try checks the path again
+    RunFile file(fd, resolved);
+    struct stat st{};
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    if (!CanNameDescriptors()) return file;  // checked by its path only (said once, at the first file)
+    // What was opened, as the kernel names it: a folder of the path replaced by a link between
+    // canonical() and open() took the open somewhere else, and this name says where.
+    const auto opened = std::filesystem::read_symlink(fmt::format("/proc/self/fd/{}", fd), ec);
+    if (!ec && opened == resolved) return file;
+  }
+  return refuse();
 }
 
 namespace {

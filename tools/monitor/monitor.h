@@ -97,8 +97,9 @@ class RunFile {
 // Opens the file `relative` names inside `run_dir` (an absolute, canonical directory), or
 // kNotFound when it is empty, absolute, has an empty, "." or ".." component, does not exist, is
 // not a regular file, or resolves (through symlinks) to somewhere outside run_dir. The check is
-// made on the opened file itself (the kernel's name for the descriptor), so a link or folder
-// swapped in between the path's check and the open is refused as well.
+// made on the opened file itself (the kernel's name for the descriptor, from /proc), so a link or
+// folder swapped in between the path's check and the open is refused as well; a file replaced by
+// a rename meanwhile is opened again. Without /proc the path alone is checked (a warning says so).
 Result<RunFile> OpenRunFile(const std::filesystem::path& run_dir, std::string_view relative);
 
 // The metrics lines of `file` from byte `from` on, as the page receives them: the JSON object
