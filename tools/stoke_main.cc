@@ -210,7 +210,7 @@ int Run(int argc, char** argv) {
       ->check(kThreads);
   inspect_cmd->add_flag("--json", as_json, "Machine-readable output");
   auto* extract_opt = inspect_cmd->add_option("--extract", extract_index,
-                                              "Write the payload of record INDEX to --output")
+                                              "Write record INDEX's image to --output: its JPEG (without the restart index), or a PGM/PPM for raw pixels")
                           ->check(kNonNegative & kInt64);
   inspect_cmd->add_option("--output", extract_output, "File for --extract")->check(kFileName)->needs(extract_opt);
   extract_opt->needs(inspect_cmd->get_option("--output"));
@@ -322,7 +322,7 @@ int Run(int argc, char** argv) {
   train_cmd->add_option("--resume", resume, "Continue a run: 'latest' (newest checkpoint in run_dir) or a checkpoint file")
       ->expected(0, 1)
       ->default_str("latest");
-  train_cmd->add_option("--max-steps", train_run.max_steps, "Stop (with a checkpoint) after this many steps")
+  train_cmd->add_option("--max-steps", train_run.max_steps, "Stop (with a checkpoint) at step N, counted from the run's start (a resumed run too)")
       ->check(kPositive);
   train_cmd->add_flag("-q,--quiet", train_quiet, "No progress line");
   std::string train_monitor;

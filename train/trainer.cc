@@ -252,6 +252,12 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     train_set.emplace(std::move(t));
     if (!config.data.val.empty()) {
       STOKE_ASSIGN_OR_RETURN(auto v, dataset::Dataset::Open(config.data.val));
+      if (v.size() == 0) {
+        return InvalidArgumentError(fmt::format(
+            "{}: data.val {} has no records (a --val-fraction too small for its classes gives an empty "
+            "validation set): leave data.val out, or pack a validation set with images in it",
+            config.source, config.data.val));
+      }
       if (v.size() < world) {
         return InvalidArgumentError(fmt::format("{}: data.val {} has {} records, fewer than the {} ranks",
                                                 config.source, config.data.val, v.size(), world));

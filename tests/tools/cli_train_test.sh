@@ -123,6 +123,11 @@ sed "s/batch_size: 8/batch_size: 300/; s/image_size: 16/image_size: 4096/" "$wor
 check train_oversized_batch 1 "resource exhausted: cpu backend: batch 300 at 4096x4096 needs at least .* GiB.*data.batch_size" -- \
   "$stoke" train --config "$work/huge.yaml" -q
 check train_missing_config 1 "no-such.yaml" -- "$stoke" train --config "$work/no-such.yaml"
+# A --val-fraction too small for the classes packs an empty validation set: named as such.
+"$stoke" pack "$work/demo/images" "$work/split.lmdb" --val-fraction 0.001 >/dev/null 2>&1
+sed "s|^  val: .*|  val: \"$work/split_val.lmdb\"|; s|run_dir: .*|run_dir: $work/run_empty_val|" "$cfg" >"$work/empty_val.yaml"
+check train_empty_val 1 "data.val .*split_val.lmdb has no records .*leave data.val out" -- \
+  "$stoke" train --config "$work/empty_val.yaml" -q
 sed 's/backend: auto/backend: cuda/' "$cfg" >"$work/cuda.yaml"
 if nvidia-smi >/dev/null 2>&1; then
   echo "skip train_no_cuda_backend: a GPU is present (the CUDA backend is covered by cuda_test)"
