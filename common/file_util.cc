@@ -233,4 +233,40 @@ FileLock::~FileLock() {
   ::close(fd_);
 }
 
+bool PathWithin(const std::filesystem::path& inner, const std::filesystem::path& outer) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path a = fs::weakly_canonical(fs::absolute(inner, ec), ec);
+  const fs::path b = fs::weakly_canonical(fs::absolute(outer, ec), ec);
+  auto ai = a.begin();
+  for (auto bi = b.begin(); bi != b.end(); ++bi) {
+    if (bi->empty()) continue;  // a trailing separator
+    if (ai == a.end() || *ai != *bi) return false;
+    ++ai;
+  }
+  return true;
+}
+
+Status CheckOutputClear(std::string_view flag, const std::filesystem::path& output,
+                        std::span<const std::filesystem::path> files,
+                        std::span<const std::filesystem::path> folders) {
+  namespace fs = std::filesystem;
+  if (output.empty()) return OkStatus();
+  for (const fs::path& f : files) {
+    std::error_code ec;
+    if (!f.empty() && fs::exists(output, ec) && fs::equivalent(output, f, ec)) {
+      return InvalidArgumentError(fmt::format("{} {}: that is {}, which this command reads; give another path",
+                                              flag, output.string(), f.string()));
+    }
+  }
+  for (const fs::path& d : folders) {
+    if (!d.empty() && PathWithin(output, d)) {
+      return InvalidArgumentError(fmt::format(
+          "{} {}: that is inside {}, which this command reads or writes; give a path outside it", flag,
+          output.string(), d.string()));
+    }
+  }
+  return OkStatus();
+}
+
 }  // namespace stoke

@@ -7,6 +7,7 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -34,6 +35,17 @@ std::filesystem::path AtomicWriteTemporary(const std::filesystem::path& path);
 void RemoveStaleAtomicTemporaries(const std::filesystem::path& dir,
                                   const std::function<bool(const std::string& target)>& is_target);
 Status WriteFileAtomic(const std::filesystem::path& path, const std::string& text);
+
+// Whether `inner` is `outer` or lies below it, component by component, after resolving both as far
+// as they exist (symlinks, "..", a trailing separator).
+bool PathWithin(const std::filesystem::path& inner, const std::filesystem::path& outer);
+
+// kInvalidArgument when writing `output` (what the flag `flag` names) would overwrite what the
+// command reads or writes besides: the same file as one of `files` (by any name), or a path at or
+// below one of `folders` (a dataset, an image folder). Empty paths in either list are ignored.
+Status CheckOutputClear(std::string_view flag, const std::filesystem::path& output,
+                        std::span<const std::filesystem::path> files,
+                        std::span<const std::filesystem::path> folders);
 
 // fsyncs a directory, so that the names created, renamed or removed in it survive a crash.
 Status SyncDirectory(const std::filesystem::path& dir);

@@ -169,11 +169,12 @@ int Run(int argc, char** argv) {
       ->check(CLI::IsMember({"jpeg", "raw"}));
   pack_cmd->add_flag("--shuffle", pack.shuffle, "Write records in a seeded random order");
   pack_cmd->add_option("--seed", pack.seed, "Seed for --shuffle and --val-fraction")->check(kNonNegative & kUint64);
-  pack_cmd->add_option("--val-fraction", pack.val_fraction,
-                       "Hold out this fraction of each class as a validation dataset")
-      ->check(CLI::Range(0.0, 0.999999));
+  auto* val_fraction_opt = pack_cmd->add_option("--val-fraction", pack.val_fraction,
+                                                 "Hold out this fraction of each class as a validation dataset")
+                               ->check(CLI::Range(0.0, 0.999999));
   pack_cmd->add_option("--val-output", pack.val_output,
-                       "Validation dataset directory (default: OUT with _val)");
+                       "Validation dataset directory (default: OUT with _val)")
+      ->needs(val_fraction_opt);
   pack_cmd->add_option("--on-error", on_error, "Bad inputs: skip (and report) or fail")
       ->check(CLI::IsMember({"skip", "fail"}));
   std::string validate = "coefficients";
@@ -561,6 +562,16 @@ int Run(int argc, char** argv) {
                                       .val_resize = std::max(c.data.val_resize, c.data.image_size),
                                       .step = model->checkpoint.step,
                                       .origin = stoke::train::Describe(*model)};
+    {
+      // Not over what it was exported from: the checkpoint, the config, the run's checkpoints.
+      namespace fs = std::filesystem;
+      const fs::path run = trained_run;
+      const fs::path files[] = {trained_checkpoint, trained_config, run.empty() ? fs::path() : run / "config.yaml"};
+      const fs::path folders[] = {run.empty() ? fs::path() : run / "checkpoints"};
+      if (stoke::Status s = stoke::CheckOutputClear("export: --output", export_output, files, folders); !s.ok()) {
+        return Fail(s);
+      }
+    }
     const std::string temporary = stoke::AtomicWriteTemporary(export_output).string();
     if (temporary.size() < sizeof g_remove_on_signal) {
       std::memcpy(g_remove_on_signal, temporary.c_str(), temporary.size() + 1);

@@ -250,6 +250,19 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   Status setup = [&]() -> Status {
     STOKE_ASSIGN_OR_RETURN(auto t, dataset::Dataset::Open(config.data.train));
     train_set.emplace(std::move(t));
+    // Checkpoints, metrics and event files written into a dataset's folder would sit beside its
+    // data.mdb (and inside a source tree, a later pack would read them as classes).
+    for (const auto& [key, path] : {std::pair{"data.train", config.data.train}, std::pair{"data.val", config.data.val}}) {
+      if (!path.empty() && PathWithin(run_dir, path)) {
+        return InvalidArgumentError(fmt::format("{}: run_dir {} is inside {} {}: choose a folder outside the datasets",
+                                                config.source, run_dir.string(), key, path));
+      }
+    }
+    if (std::error_code same_ec; !config.data.val.empty() && lead &&
+                                 std::filesystem::equivalent(config.data.train, config.data.val, same_ec)) {
+      STOKE_LOG(WARN, "{}: data.val is the training dataset {}: validation figures are on training records",
+                config.source, config.data.train);
+    }
     if (!config.data.val.empty()) {
       STOKE_ASSIGN_OR_RETURN(auto v, dataset::Dataset::Open(config.data.val));
       if (v.size() == 0) {

@@ -26,6 +26,14 @@ if "$stoke" export --help >/dev/null 2>&1 && "$stoke" export --run "$run" -o "$w
   check export_folds 0 "batch norm: [1-9][0-9]* folded" -- cat "$work/export.txt"
   check export_uint8 0 "input 'image' uint8" -- "$stoke" export --run "$run" -o "$work/m8.onnx" --uint8-input
   check export_file 0 "" -- test -s "$work/m8.onnx"
+  # Never over what it is exported from (the model's checkpoint was once replaced by the ONNX file).
+  ckpt=$(ls "$run"/checkpoints/step-*.ckpt | tail -1)
+  cp "$ckpt" "$work/ckpt.before"
+  check export_not_over_its_checkpoint 1 "export: --output .*: that is .*, which this command reads" -- \
+    "$stoke" export --run "$run" -o "$ckpt"
+  check export_left_the_checkpoint 0 "" -- cmp "$ckpt" "$work/ckpt.before"
+  check export_not_over_the_config 1 "export: --output .*config.yaml: that is" -- \
+    "$stoke" export --run "$run" -o "$run/config.yaml"
 else
   check export_unavailable 1 "no ONNX export" -- cat "$work/export.txt"
 fi

@@ -16,6 +16,16 @@ check bench_pack 0 "pack --validate pixels --index none, 2 threads .* img/s" -- 
 check bench_read 0 "random \+CRC, 2 threads +[0-9]+ +[0-9.]+" -- \
   "$stoke" bench read --data "$work/src" "${quick[@]}" --work-dir "$work/scratch" --json "$work/read.json"
 check bench_read_json 0 '"mb_s"' -- cat "$work/read.json"
+# A link loop among the images is skipped, as pack skips it (it was an uncaught exception).
+mkdir -p "$work/looped/a"
+cp "$work"/src/class_00/img_000[0-2].jpg "$work/looped/a/"
+ln -s self.jpg "$work/looped/a/self.jpg"
+check bench_pack_link_loop 0 "img/s" -- "$stoke" bench pack --data "$work/looped" "${quick[@]}" --work-dir "$work/scratch"
+# --json never into what is measured.
+check bench_json_not_into_the_images 1 "bench: --json .*: that is inside .*src" -- \
+  "$stoke" bench read --data "$work/src" "${quick[@]}" --work-dir "$work/scratch" --json "$work/src/class_00/img_0000.jpg"
+check bench_json_not_into_the_dataset 1 "bench: --json .*: that is inside .*ds.lmdb" -- \
+  "$stoke" bench decode "$work/ds.lmdb" --seconds 0.05 --repeats 1 --json "$work/ds.lmdb/data.mdb"
 # What a bench packs goes in a folder of its own inside --work-dir, removed at the end (the packed
 # datasets and lists stayed there); what else is in --work-dir stays.
 touch "$work/scratch/mine.txt"

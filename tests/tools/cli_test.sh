@@ -84,6 +84,17 @@ check extract_into_no_folder 1 "nodir/r4.jpg: create: No such file or directory"
   "$stoke" inspect "$work/ds.lmdb" --extract 4 --output "$work/nodir/r4.jpg"
 check extract_range 1 "record 99 out of range" -- \
   "$stoke" inspect "$work/ds.lmdb" --extract 99 --output "$work/r99.jpg"
+# Never into the dataset read (its data.mdb was once replaced by the record).
+check extract_not_into_the_dataset 1 "inspect: --output .*data.mdb: that is inside .*ds.lmdb" -- \
+  "$stoke" inspect "$work/ds.lmdb" --extract 0 --output "$work/ds.lmdb/data.mdb"
+check extract_left_the_dataset 0 "records +30" -- "$stoke" inspect "$work/ds.lmdb"
+# pack's --report never over its list file, an image or the datasets it writes.
+check pack_report_not_into_the_source 1 "pack: --report .*: that is inside .*src" -- \
+  "$stoke" pack "$work/src" "$work/rep.lmdb" -q --report "$work/src/class_00/img_0000.jpg"
+check pack_report_not_into_the_output 1 "pack: --report .*: that is inside .*rep.lmdb" -- \
+  "$stoke" pack "$work/src" "$work/rep.lmdb" -q --report "$work/rep.lmdb/data.mdb"
+check pack_val_output_needs_fraction 107 "--val-output requires --val-fraction" -- \
+  "$stoke" pack "$work/src" "$work/rep.lmdb" -q --val-output "$work/rep_val.lmdb"
 # Past int64 the index was once read as 9223372036854775807 and reported as that record.
 check extract_past_int64 105 "99999999999999999999 is too large" -- \
   "$stoke" inspect "$work/ds.lmdb" --extract 99999999999999999999 --output "$work/rbig.jpg"

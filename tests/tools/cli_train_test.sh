@@ -128,6 +128,11 @@ check train_missing_config 1 "no-such.yaml" -- "$stoke" train --config "$work/no
 sed "s|^  val: .*|  val: \"$work/split_val.lmdb\"|; s|run_dir: .*|run_dir: $work/run_empty_val|" "$cfg" >"$work/empty_val.yaml"
 check train_empty_val 1 "data.val .*split_val.lmdb has no records .*leave data.val out" -- \
   "$stoke" train --config "$work/empty_val.yaml" -q
+# A run_dir inside a dataset's folder is refused before anything is written there.
+sed "s|run_dir: .*|run_dir: $work/demo/train.lmdb/run|" "$cfg" >"$work/run_in_ds.yaml"
+check train_run_dir_in_a_dataset 1 "run_dir .*train.lmdb/run is inside data.train" -- \
+  "$stoke" train --config "$work/run_in_ds.yaml" -q
+check train_run_dir_in_a_dataset_left_nothing 1 "" -- test -e "$work/demo/train.lmdb/run"
 sed 's/backend: auto/backend: cuda/' "$cfg" >"$work/cuda.yaml"
 if nvidia-smi >/dev/null 2>&1; then
   echo "skip train_no_cuda_backend: a GPU is present (the CUDA backend is covered by cuda_test)"

@@ -145,7 +145,8 @@ std::vector<fs::path> ListFiles(const fs::path& root) {
   for (auto it = fs::recursive_directory_iterator(root, ec); it != fs::recursive_directory_iterator();
        it.increment(ec)) {
     if (ec) break;
-    if (it->is_regular_file()) files.push_back(it->path());
+    std::error_code file_ec;  // a link loop or a dangling link is not a file (pack skips it too)
+    if (it->is_regular_file(file_ec)) files.push_back(it->path());
   }
   std::sort(files.begin(), files.end());
   return files;
@@ -164,8 +165,11 @@ Status CheckData(const BenchOptions& o) {
 
 }  // namespace
 
-Status CheckJsonOut(const BenchOptions& o) {
+Status CheckJsonOut(const BenchOptions& o, const fs::path& dataset) {
   if (o.json_out.empty()) return OkStatus();
+  // Not into what is measured: the image folder (--data) or the dataset.
+  const fs::path read[] = {o.data, dataset};
+  STOKE_RETURN_IF_ERROR(CheckOutputClear("bench: --json", o.json_out, {}, read));
   const fs::path folder = o.json_out.has_parent_path() ? o.json_out.parent_path() : fs::path(".");
   std::error_code ec;
   if (!fs::is_directory(folder, ec)) {
@@ -555,7 +559,7 @@ Result<std::string> BenchRead(const BenchOptions& o) {
 }
 
 Result<std::string> BenchDecode(const BenchOptions& o, const fs::path& dataset_path) {
-  STOKE_RETURN_IF_ERROR(CheckJsonOut(o));  // before the runs, not after them
+  STOKE_RETURN_IF_ERROR(CheckJsonOut(o, dataset_path));  // before the runs, not after them
   if (o.repeats < 1) return InvalidArgumentError("bench: --repeats must be >= 1");
   STOKE_ASSIGN_OR_RETURN(auto scratch, MakeScratch(o, dataset_path.empty()));
   STOKE_ASSIGN_OR_RETURN(const fs::path db, DatasetOrPack(o, dataset_path, scratch->dir / "bench_decode.lmdb"));
@@ -928,7 +932,7 @@ Result<std::string> BenchStorage(const BenchOptions& o, const fs::path& db, cons
 
 Result<std::string> BenchPipeline(const BenchOptions& o, const fs::path& dataset_path,
                                   const PipelineBenchOptions& p) {
-  STOKE_RETURN_IF_ERROR(CheckJsonOut(o));  // before the runs, not after them
+  STOKE_RETURN_IF_ERROR(CheckJsonOut(o, dataset_path));  // before the runs, not after them
   if (o.repeats < 1) return InvalidArgumentError("bench: --repeats must be >= 1");
   if (!p.shuffle.empty()) {
     if (p.batch < 1) return InvalidArgumentError("bench pipeline: --batch must be >= 1");

@@ -21,10 +21,10 @@ struct BenchOptions {
   std::filesystem::path json_out;   // optional JSON copy of the results
 };
 
-// Ok when `options.json_out` is empty or can be written: its folder exists and takes files, and
-// nothing but a file is there. Each bench checks it before measuring, so that a bad --json path
-// does not cost the run.
-Status CheckJsonOut(const BenchOptions& options);
+// Ok when `options.json_out` is empty or can be written: its folder exists and takes files,
+// nothing but a file is there, and it is not inside the image folder (`data`) or the `dataset`
+// measured. Each bench checks it before measuring, so that a bad --json path does not cost the run.
+Status CheckJsonOut(const BenchOptions& options, const std::filesystem::path& dataset = {});
 
 // Packs `data` with full validation at 1 and N threads, and measures TurboJPEG's single-core full
 // decode of the same JPEGs as the yardstick. Returns a printable table.

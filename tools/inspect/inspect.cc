@@ -313,6 +313,8 @@ std::string FormatReport(const InspectReport& report, size_t max_classes) {
 
 Status ExtractRecord(const std::filesystem::path& path, int64_t index,
                      const std::filesystem::path& output) {
+  const std::filesystem::path dataset_dir[] = {path};
+  STOKE_RETURN_IF_ERROR(CheckOutputClear("inspect: --output", output, {}, dataset_dir));
   STOKE_ASSIGN_OR_RETURN(dataset::Dataset ds, dataset::Dataset::Open(path));
   STOKE_ASSIGN_OR_RETURN(auto reader, ds.NewReader());
   STOKE_ASSIGN_OR_RETURN(dataset::RecordView r, reader.Get(index));

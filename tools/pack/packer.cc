@@ -576,28 +576,13 @@ std::string NowIso8601() {
   return buf;
 }
 
-// Whether `inner` is `outer` or lies below it, component by component, after resolving both as far
-// as they exist.
-bool Within(const fs::path& inner, const fs::path& outer) {
-  std::error_code ec;
-  const fs::path a = fs::weakly_canonical(fs::absolute(inner, ec), ec);
-  const fs::path b = fs::weakly_canonical(fs::absolute(outer, ec), ec);
-  auto ai = a.begin();
-  for (auto bi = b.begin(); bi != b.end(); ++bi) {
-    if (bi->empty()) continue;  // a trailing separator
-    if (ai == a.end() || *ai != *bi) return false;
-    ++ai;
-  }
-  return true;
-}
-
 // What --overwrite may replace: a folder holding only LMDB's files (a dataset, finished or not), or
 // nothing. Anything else at the output is the user's, not a dataset's.
 Status ReplaceableOutput(const fs::path& path) {
   std::error_code ec;
   if (!fs::exists(fs::symlink_status(path, ec))) return OkStatus();
   std::error_code cwd_ec;
-  if (Within(fs::current_path(cwd_ec), path)) {
+  if (PathWithin(fs::current_path(cwd_ec), path)) {
     return InvalidArgumentError(fmt::format(
         "pack: --overwrite would replace {}, which holds the working directory; choose another output",
         path.string()));
@@ -1312,7 +1297,7 @@ namespace {
 Status CheckOutputsAgainstSource(const PackOptions& o) {
   std::vector<fs::path> outputs{o.output};
   if (!o.val_output.empty()) outputs.push_back(o.val_output);
-  if (outputs.size() == 2 && Within(outputs[0], outputs[1]) && Within(outputs[1], outputs[0])) {
+  if (outputs.size() == 2 && PathWithin(outputs[0], outputs[1]) && PathWithin(outputs[1], outputs[0])) {
     return InvalidArgumentError(fmt::format("pack: --val-output {} is the training output; give another path",
                                             o.val_output.string()));
   }
@@ -1323,7 +1308,7 @@ Status CheckOutputsAgainstSource(const PackOptions& o) {
       const fs::path& outer = outputs[static_cast<size_t>(1 - i)];
       for (const fs::path& p : {inner, fs::path(inner.string() + ".partial")}) {
         for (const fs::path& q : {outer, fs::path(outer.string() + ".partial")}) {
-          if (Within(p, q)) {
+          if (PathWithin(p, q)) {
             return InvalidArgumentError(fmt::format(
                 "pack: the output {} is inside the other output {}: writing that one would delete it; give the "
                 "training and validation outputs separate folders", p.string(), q.string()));
@@ -1332,14 +1317,23 @@ Status CheckOutputsAgainstSource(const PackOptions& o) {
       }
     }
   }
+  if (!o.report_file.empty()) {
+    const fs::path files[] = {o.list_file};
+    std::vector<fs::path> folders{o.source};
+    for (const fs::path& out : outputs) {
+      folders.push_back(out);
+      folders.push_back(out.string() + ".partial");
+    }
+    STOKE_RETURN_IF_ERROR(CheckOutputClear("pack: --report", o.report_file, files, folders));
+  }
   for (const fs::path& out : outputs) {
     for (const fs::path& p : {out, fs::path(out.string() + ".partial")}) {
-      if (Within(o.source, p)) {
+      if (PathWithin(o.source, p)) {
         return InvalidArgumentError(fmt::format(
             "pack: the output {} holds the source {}: replacing it would delete the images; choose an output "
             "outside the source", p.string(), o.source.string()));
       }
-      if (o.list_file.empty() && Within(p, o.source)) {
+      if (o.list_file.empty() && PathWithin(p, o.source)) {
         return InvalidArgumentError(fmt::format(
             "pack: the output {} is inside the source folder {}: the next pack would read it as a class of "
             "images; choose an output outside the source", p.string(), o.source.string()));
