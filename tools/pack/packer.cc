@@ -1319,7 +1319,10 @@ Status CheckOutputsAgainstSource(const PackOptions& o) {
   }
   if (!o.report_file.empty()) {
     const fs::path files[] = {o.list_file};
-    std::vector<fs::path> folders{o.source};
+    // A folder tree's images are all under the source; a list file's are the lines it names, and
+    // its root may be any folder ("/" for absolute paths), so only the list itself is checked.
+    std::vector<fs::path> folders;
+    if (o.list_file.empty()) folders.push_back(o.source);
     for (const fs::path& out : outputs) {
       folders.push_back(out);
       folders.push_back(out.string() + ".partial");
