@@ -566,7 +566,8 @@ int Run(int argc, char** argv) {
       // Not over what it was exported from: the checkpoint, the config, the run's checkpoints.
       namespace fs = std::filesystem;
       const fs::path run = trained_run;
-      const fs::path files[] = {trained_checkpoint, trained_config, run.empty() ? fs::path() : run / "config.yaml"};
+      const fs::path files[] = {model->checkpoint_path, model->config_path,
+                                run.empty() ? fs::path() : run / "config.yaml"};
       const fs::path folders[] = {run.empty() ? fs::path() : run / "checkpoints"};
       if (stoke::Status s = stoke::CheckOutputClear("export: --output", export_output, files, folders); !s.ok()) {
         return Fail(s);

@@ -30,6 +30,7 @@
 #include <yaml-cpp/yaml.h>
 #include <nlohmann/json.hpp>
 
+#include "common/file_util.h"
 #include "common/json_util.h"
 #include "common/logging.h"
 #include "common/thread_name.h"
@@ -576,15 +577,6 @@ bool CanNameDescriptors() {
   return can;
 }
 
-// Component-wise: /runs/a must not admit /runs/ab.
-bool IsInside(const std::filesystem::path& dir, const std::filesystem::path& p) {
-  auto r = p.begin();
-  for (auto d = dir.begin(); d != dir.end(); ++d, ++r) {
-    if (r == p.end() || *r != *d) return false;
-  }
-  return true;
-}
-
 }  // namespace
 
 Result<RunFile> OpenRunFile(const std::filesystem::path& run_dir, std::string_view relative) {
@@ -608,7 +600,7 @@ Result<RunFile> OpenRunFile(const std::filesystem::path& run_dir, std::string_vi
   for (int attempt = 0; attempt < kTries; ++attempt) {
     std::error_code ec;
     const auto resolved = std::filesystem::canonical(run_dir / std::filesystem::path(relative), ec);
-    if (ec || !IsInside(run_dir, resolved) || !std::filesystem::is_regular_file(resolved, ec)) return refuse();
+    if (ec || !PathWithin(resolved, run_dir) || !std::filesystem::is_regular_file(resolved, ec)) return refuse();
     // O_NONBLOCK: a FIFO swapped in does not block the open (and is refused below).
     const int fd = ::open(resolved.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
     if (fd < 0) continue;  // replaced meanwhile, or a link now: the next try checks the path again
