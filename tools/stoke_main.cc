@@ -640,19 +640,12 @@ int Run(int argc, char** argv) {
     return 0;
   }
   if (synth_cmd->parsed()) {
-    // Into a folder holding files, the tree would be mixed with them (an earlier synth's classes
-    // and images stayed, and a pack of it counted them): refused.
-    std::error_code ec;
-    if (std::filesystem::exists(synth_dir, ec) &&
-        (!std::filesystem::is_directory(synth_dir, ec) || !std::filesystem::is_empty(synth_dir, ec))) {
-      return Fail(stoke::InvalidArgumentError(
-          fmt::format("synth: {}: exists and is not an empty folder (the images would be mixed with what is there); "
-                      "give a new or empty folder",
-                      synth_dir)));
-    }
+    synth.stop = &g_stop;
+    std::signal(SIGINT, OnInterrupt);
+    std::signal(SIGTERM, OnInterrupt);
     synth.style = synth_style == "shapes" ? stoke::synth::SynthStyle::kShapes : stoke::synth::SynthStyle::kStripes;
     stoke::Status s = stoke::synth::WriteSyntheticTree(synth_dir, synth);
-    if (!s.ok()) return Fail(s);
+    if (!s.ok()) return FailOrStopped(s);
     std::printf("wrote %d classes x %d images to %s\n", synth.classes, synth.per_class,
                 synth_dir.c_str());
     return 0;

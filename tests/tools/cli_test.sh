@@ -14,6 +14,29 @@ check synth_into_a_used_folder 1 "src: exists and is not an empty folder" -- \
 check synth_negative_seed 105 "--seed: must be >= 0, not -1" -- "$stoke" synth "$work/neg" --seed -1
 check synth_shapes_limit 1 "at most 20 distinct classes" -- "$stoke" synth "$work/shapes" --style shapes --classes 21 \
   --per-class 1
+# A synth stopped mid-tree leaves no OUT (a pack of it would take the part for the whole set): the
+# tree is built in OUT.partial, renamed into place when complete; the next synth starts over.
+synth_stopped() {  # synth_stopped SIGNAL OUT: signals a large synth once its first image is written
+  "$stoke" synth "$2" --classes 50 --per-class 400 &
+  local pid=$! i
+  for ((i = 0; i < 200; ++i)); do
+    [[ -e $2.partial/class_00/img_0000.jpg ]] && break
+    sleep 0.05
+  done
+  kill -"$1" "$pid"
+  wait "$pid"
+  local rc=$?
+  [[ ! -e $2 ]] || { echo "$2 exists after the signal"; return 99; }
+  return $rc
+}
+check synth_interrupted 130 "interrupted; .*stopped not written" -- synth_stopped INT "$work/stopped"
+check synth_interrupted_left_nothing 0 "" -- test ! -e "$work/stopped.partial"
+check synth_killed 137 "" -- synth_stopped KILL "$work/killed"
+check synth_after_a_kill 0 "wrote 2 classes x 3 images" -- "$stoke" synth "$work/killed" --classes 2 --per-class 3
+check synth_after_a_kill_counts 0 "^6$" -- bash -c "find '$work/killed' -name '*.jpg' | wc -l; test ! -e '$work/killed.partial'"
+mkdir -p "$work/user.partial/notes"
+check synth_keeps_a_users_partial_folder 1 "user.partial: holds .*notes, which synth does not write" -- \
+  "$stoke" synth "$work/user" --classes 1 --per-class 1
 check pack 0 "train: 30 records" -- "$stoke" pack "$work/src" "$work/ds.lmdb" --threads 2 -q \
   --report "$work/report.json"
 check pack_validate_pixels 0 "train: 30 records" -- "$stoke" pack "$work/src" "$work/px.lmdb" -q \

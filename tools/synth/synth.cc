@@ -1,7 +1,9 @@
 #include "tools/synth/synth.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <numbers>
 #include <system_error>
 
@@ -102,19 +104,35 @@ void Colours(SplitMix64& rng, cv::Scalar* fg, cv::Scalar* bg) {
   }
 }
 
-}  // namespace
-
-Status WriteSyntheticTree(const std::filesystem::path& out_dir, const SynthOptions& o) {
-  if (o.classes <= 0 || o.per_class <= 0 || o.min_side < 8 || o.max_side < o.min_side) {
-    return InvalidArgumentError(
-        "synth: need classes > 0, per_class > 0 and 8 <= min_side <= max_side");
-  }
-  if (o.style == SynthStyle::kShapes && o.classes > 20) {
-    // Ten shapes, each large or small: a 21st class would draw the first one again.
+// An earlier synth's unfinished tree: removed when it holds only what synth writes (class_* folders
+// of img_* files), refused otherwise (a folder of the user's that happens to have the name).
+Status RemoveEarlierPartial(const std::filesystem::path& partial) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  auto foreign = [&](const fs::path& p) {
     return InvalidArgumentError(fmt::format(
-        "synth: --classes {}: the shapes style draws at most 20 distinct classes (use --style stripes for more)",
-        o.classes));
+        "synth: {}: holds {}, which synth does not write; this name is where synth builds its tree before "
+        "renaming it into place: move that folder away",
+        partial.string(), p.string()));
+  };
+  if (!fs::is_directory(fs::symlink_status(partial, ec))) return foreign(partial);
+  for (const auto& cls : fs::directory_iterator(partial, ec)) {
+    if (!cls.is_directory(ec) || cls.is_symlink(ec) || !cls.path().filename().string().starts_with("class_")) {
+      return foreign(cls.path());
+    }
+    for (const auto& file : fs::directory_iterator(cls.path(), ec)) {
+      if (!file.is_regular_file(ec) || file.is_symlink(ec) || !file.path().filename().string().starts_with("img_")) {
+        return foreign(file.path());
+      }
+    }
   }
+  if (ec) return IoError(fmt::format("synth: {}: {}", partial.string(), ec.message()));
+  fs::remove_all(partial, ec);
+  if (ec) return IoError(fmt::format("synth: {}: {}", partial.string(), ec.message()));
+  return OkStatus();
+}
+
+Status WriteTree(const std::filesystem::path& out_dir, const SynthOptions& o) {
   STOKE_ASSIGN_OR_RETURN(decode::JpegEncoder encoder, decode::JpegEncoder::Create());
   SplitMix64 rng(MixSeed(o.seed, 0x73796e));
   Image img;
@@ -170,6 +188,57 @@ Status WriteSyntheticTree(const std::filesystem::path& out_dir, const SynthOptio
     }
   }
   return OkStatus();
+}
+
+}  // namespace
+
+Status WriteSyntheticTree(const std::filesystem::path& out_dir, const SynthOptions& o) {
+  namespace fs = std::filesystem;
+  if (o.classes <= 0 || o.per_class <= 0 || o.min_side < 8 || o.max_side < o.min_side) {
+    return InvalidArgumentError(
+        "synth: need classes > 0, per_class > 0 and 8 <= min_side <= max_side");
+  }
+  if (o.style == SynthStyle::kShapes && o.classes > 20) {
+    // Ten shapes, each large or small: a 21st class would draw the first one again.
+    return InvalidArgumentError(fmt::format(
+        "synth: --classes {}: the shapes style draws at most 20 distinct classes (use --style stripes for more)",
+        o.classes));
+  }
+  // Into a folder holding files, the tree would be mixed with them (an earlier synth's classes
+  // and images stayed, and a pack of it counted them): refused.
+  std::error_code ec;
+  if (fs::exists(fs::symlink_status(out_dir, ec)) && (!fs::is_directory(out_dir, ec) || !fs::is_empty(out_dir, ec))) {
+    return InvalidArgumentError(fmt::format(
+        "synth: {}: exists and is not an empty folder (the images would be mixed with what is there); "
+        "give a new or empty folder",
+        out_dir.string()));
+  }
+  // The tree is built in OUT.partial and renamed to OUT only when complete: a synth interrupted
+  // or killed leaves no OUT that a pack would take for the whole set, and the next one starts over.
+  fs::path partial = out_dir, lock_path = out_dir;
+  partial += ".partial";
+  lock_path += ".lock";
+  if (out_dir.has_parent_path()) {
+    fs::create_directories(out_dir.parent_path(), ec);
+    if (ec) return IoError(fmt::format("synth: {}: {}", out_dir.parent_path().string(), ec.message()));
+  }
+  STOKE_ASSIGN_OR_RETURN(FileLock lock, FileLock::TryAcquire(lock_path, "synth: " + out_dir.string()));
+  if (fs::exists(fs::symlink_status(partial, ec))) STOKE_RETURN_IF_ERROR(RemoveEarlierPartial(partial));
+  const Status written = WriteTree(partial, o);
+  if (!written.ok()) {
+    fs::remove_all(partial, ec);  // best effort: what is left is removed by the next synth
+    if (o.stop && o.stop->load()) {
+      return UnavailableError(fmt::format("synth: interrupted; {} not written (run it again to start over)",
+                                          out_dir.string()));
+    }
+    return written;
+  }
+  // rename(2) replaces an empty folder; one that gained files meanwhile makes it fail, naming OUT.
+  if (::rename(partial.c_str(), out_dir.c_str()) != 0) {
+    return IoError(fmt::format("synth: {}: cannot rename {} to it: {}", out_dir.string(), partial.string(),
+                               std::strerror(errno)));
+  }
+  return SyncDirectory(out_dir.has_parent_path() ? out_dir.parent_path() : fs::path("."));
 }
 
 }  // namespace stoke::synth

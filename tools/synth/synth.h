@@ -24,11 +24,14 @@ struct SynthOptions {
   int min_side = 48;        // image sides vary in [min_side, max_side]
   int max_side = 96;
   uint64_t seed = 0;
-  const std::atomic<bool>* stop = nullptr;  // set: WriteSyntheticTree ends at the next image (kUnavailable)
+  const std::atomic<bool>* stop = nullptr;  // set: WriteSyntheticTree ends at the next image (kUnavailable), out_dir not written
 };
 
-// Writes out_dir/class_<k>/img_<i>.jpg. kInvalidArgument for bad options, kIoError when a file
-// cannot be written. Deterministic in (options).
+// Writes out_dir/class_<k>/img_<i>.jpg. out_dir must be absent or an empty folder (kInvalidArgument
+// otherwise, as for bad options). The tree is built in out_dir.partial and renamed to out_dir once
+// complete, so an interrupted or killed synth leaves no partial out_dir; the next call removes
+// out_dir.partial when it holds only synth's files. kUnavailable when another synth writes out_dir,
+// kIoError when a file cannot be written. Deterministic in (options).
 Status WriteSyntheticTree(const std::filesystem::path& out_dir, const SynthOptions& options);
 
 }  // namespace stoke::synth
