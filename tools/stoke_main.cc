@@ -559,7 +559,7 @@ int Run(int argc, char** argv) {
                                       .bn_epsilon = c.model.bn_epsilon,
                                       .classes = model->classes,
                                       .state = model->checkpoint.tensors,
-                                      .val_resize = std::max(c.data.val_resize, c.data.image_size),
+                                      .val_resize = stoke::train::ValResize(c.data),
                                       .step = model->checkpoint.step,
                                       .origin = stoke::train::Describe(*model)};
     {

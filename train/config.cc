@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <map>
 #include <set>
@@ -77,10 +79,31 @@ class Section {
     return true;
   }
 
+  // Looks up the value of `key`; false when absent (the default stays). A key given without a
+  // value (`lr:` or `lr: ~`) is refused, not read as the default: a value deleted by mistake, or
+  // one a template left blank, would otherwise train with a number nobody chose.
+  Result<bool> Value(const std::string& key, YAML::Node* out) {
+    keys_.insert(key);
+    if (!node_.IsMap()) return false;
+    YAML::Node n = node_[key];
+    if (!n.IsDefined()) return false;
+    if (n.IsNull()) {
+      // The key's line: an empty value's mark is where the next token starts.
+      YAML::Node at = n;
+      for (const auto& kv : node_) {
+        if (kv.first.Scalar() == key) at = kv.first;
+      }
+      return Error(at, Path(key), "no value; give one, or remove the key for its default");
+    }
+    *out = n;
+    return true;
+  }
+
   template <typename T>
   Status Number(const std::string& key, T* out, double lo, double hi, bool hi_open = false) {
     YAML::Node n;
-    if (!Has(key, &n)) return OkStatus();
+    STOKE_ASSIGN_OR_RETURN(const bool given, Value(key, &n));
+    if (!given) return OkStatus();
     STOKE_RETURN_IF_ERROR(ScalarAs(n, Path(key), out, lo, hi, hi_open));
     return OkStatus();
   }
@@ -104,6 +127,16 @@ class Section {
         if (!decimal) throw YAML::Exception(n.Mark(), "not a decimal integer");
       }
       value = n.as<decltype(value)>();
+      if constexpr (!integral) {
+        // Past a double's range yaml-cpp gives 0 or inf without a word: 1e-400 is not a rate of 0.
+        const std::string& text = n.Scalar();
+        char* end = nullptr;
+        errno = 0;
+        std::strtod(text.c_str(), &end);
+        if (errno == ERANGE && end == text.c_str() + text.size()) {
+          return Error(n, path, fmt::format("{} is beyond what a double holds; expected {}", text, range));
+        }
+      }
     } catch (const YAML::Exception&) {
       return Error(n, path, fmt::format("'{}' is not {}; expected {}", n.IsScalar() ? n.Scalar() : "(a list or map)",
                                         integral ? "an integer" : "a number", range));
@@ -118,7 +151,8 @@ class Section {
 
   Status Bool(const std::string& key, bool* out) {
     YAML::Node n;
-    if (!Has(key, &n)) return OkStatus();
+    STOKE_ASSIGN_OR_RETURN(const bool given, Value(key, &n));
+    if (!given) return OkStatus();
     try {
       if (!n.IsScalar()) throw YAML::Exception(n.Mark(), "not a scalar");
       *out = n.as<bool>();
@@ -131,7 +165,8 @@ class Section {
 
   Status String(const std::string& key, std::string* out, const std::vector<std::string>& allowed = {}) {
     YAML::Node n;
-    if (!Has(key, &n)) return OkStatus();
+    STOKE_ASSIGN_OR_RETURN(const bool given, Value(key, &n));
+    if (!given) return OkStatus();
     if (!n.IsScalar()) return Error(n, Path(key), "expected a string");
     if (!allowed.empty() && std::find(allowed.begin(), allowed.end(), n.Scalar()) == allowed.end()) {
       return Error(n, Path(key), fmt::format("'{}' is not allowed; expected one of: {}", n.Scalar(),
@@ -145,7 +180,8 @@ class Section {
   Status List(const std::string& key, std::vector<T>* out, size_t min_len, size_t max_len, double lo, double hi,
               bool hi_open = false) {
     YAML::Node n;
-    if (!Has(key, &n)) return OkStatus();
+    STOKE_ASSIGN_OR_RETURN(const bool given, Value(key, &n));
+    if (!given) return OkStatus();
     if (!n.IsSequence() || n.size() < min_len || n.size() > max_len) {
       return Error(n, Path(key), min_len == max_len ? fmt::format("expected a list of {} numbers", min_len)
                                                     : fmt::format("expected a list of {} to {} numbers", min_len, max_len));
@@ -170,6 +206,10 @@ class Section {
     if (!node_.IsMap()) return OkStatus();
     for (const auto& kv : node_) {
       const std::string key = kv.first.Scalar();
+      if (key == "<<") {
+        // yaml-cpp keeps a merge key as a plain key: its keys would be dropped unread.
+        return Error(kv.first, Path(key), "a YAML merge key, which configs do not expand; write its keys out here");
+      }
       if (!keys_.count(key)) {
         return Error(kv.first, Path(key), fmt::format("unknown key; expected one of: {}", fmt::join(keys_, ", ")));
       }
@@ -210,6 +250,12 @@ Status ParseData(Section& top, DataConfig& d) {
   STOKE_RETURN_IF_ERROR(s.Number("max_skip_fraction", &d.max_skip_fraction, 0, 1));
   STOKE_RETURN_IF_ERROR(s.Number("image_size", &d.image_size, 8, 4096));
   STOKE_RETURN_IF_ERROR(s.Number("val_resize", &d.val_resize, 8, 8192));
+  if (YAML::Node vr; s.Has("val_resize", &vr) && d.val_resize < d.image_size) {
+    return s.Error(vr, s.Path("val_resize"),
+                   fmt::format("expected >= data.image_size ({}): validation resizes the shorter side to val_resize, "
+                               "then centre-crops image_size",
+                               d.image_size));
+  }
   STOKE_ASSIGN_OR_RETURN(Section a, s.Sub("augment"));
   std::vector<double> scale = {d.scale_min, d.scale_max}, ratio = {d.ratio_min, d.ratio_max};
   STOKE_RETURN_IF_ERROR(a.List("scale", &scale, 2, 2, 1e-6, 1));
@@ -582,7 +628,7 @@ std::string ConfigToYaml(const TrainConfig& c) {
   Put(e, "on_error", d.on_error);
   Put(e, "max_skip_fraction", d.max_skip_fraction);
   Put(e, "image_size", d.image_size);
-  Put(e, "val_resize", d.val_resize);
+  Put(e, "val_resize", ValResize(d));
   Put(e, "augment", YAML::BeginMap);
   PutFlow(e, "scale", std::vector<double>{d.scale_min, d.scale_max});
   PutFlow(e, "ratio", std::vector<double>{d.ratio_min, d.ratio_max});
@@ -779,6 +825,12 @@ double ScaledLr(const TrainConfig& c) {
   return c.optimizer.lr * c.data.batch_size / c.optimizer.base_batch;
 }
 
+int ValResize(const DataConfig& d) {
+  // A config built in code may leave an explicit val_resize below the crop; the parser refuses one.
+  return d.val_resize > 0 ? std::max(d.val_resize, d.image_size)
+                          : static_cast<int>(std::lround(d.image_size * 8.0 / 7.0));
+}
+
 prefetch::LoaderOptions TrainLoaderOptions(const TrainConfig& c, int rank, int world) {
   const DataConfig& d = c.data;
   prefetch::LoaderOptions o;
@@ -823,7 +875,7 @@ prefetch::LoaderOptions ValLoaderOptions(const TrainConfig& c, int rank, int wor
   o.sampler.mode = dataset::ShuffleMode::kSequential;
   o.sampler.sharding = dataset::Sharding::kExact;  // every record once across the ranks
   o.augment.mode = prefetch::CropMode::kCenter;
-  o.augment.resize = std::max(c.data.val_resize, c.data.image_size);
+  o.augment.resize = ValResize(c.data);
   o.augment.crop = c.data.image_size;
   o.drop_last_batch = false;  // every validation sample counts
   o.epochs = 1;

@@ -40,8 +40,9 @@ struct DataConfig {
   double ratio_min = 3.0 / 4, ratio_max = 4.0 / 3;
   double flip = 0.5;
   double brightness = 0, contrast = 0, saturation = 0;
-  // Validation samples: resize the shorter side to val_resize, centre crop image_size.
-  int val_resize = 256;
+  // Validation samples: resize the shorter side to val_resize (>= image_size), centre crop
+  // image_size. 0: image_size * 8 / 7 rounded (256 for 224, the usual ratio); ValResize() resolves it.
+  int val_resize = 0;
   // The backend's first step.
   std::vector<double> mean = {0.485, 0.456, 0.406};
   std::vector<double> std = {0.229, 0.224, 0.225};
@@ -138,5 +139,7 @@ std::string ConfigModelDifference(const TrainConfig& here, std::string_view here
 std::string ConfigYamlDifference(std::string_view here, std::string_view other, std::string_view other_is);
 // The learning rate after the linear scaling rule.
 double ScaledLr(const TrainConfig& config);
+// The shorter side validation resizes to: data.val_resize, or image_size * 8 / 7 when it is 0.
+int ValResize(const DataConfig& data);
 
 }  // namespace stoke::train

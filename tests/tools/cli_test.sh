@@ -75,6 +75,12 @@ pack_from_fifo() {  # pack_from_fifo SIGNAL(0: none, else INT or TERM) pack-args
 check pack_interrupted 130 "interrupted; 0 records of train kept .*--resume" -- pack_from_fifo INT
 check pack_terminated 143 "interrupted; 0 records of train kept .*--resume" -- pack_from_fifo TERM --resume
 check pack_interrupted_resumed 0 "train: 3 records" -- pack_from_fifo 0 --resume
+# Stopped while replacing an output: --resume continues (it still replaces it); --resume and
+# --overwrite together are refused, so the advice names the swap.
+check pack_overwrite_interrupted 130 "rerun the same command with --resume in place of --overwrite \(it still replaces .*int.lmdb\)" -- \
+  pack_from_fifo INT --overwrite
+check pack_overwrite_interrupted_kept_the_old 0 "records +3$" -- "$stoke" inspect "$work/int.lmdb"
+check pack_overwrite_interrupted_resumed 0 "train: 3 records" -- pack_from_fifo 0 --resume
 # --resume takes only an interrupted pack's folder at OUT.partial; a user's file there is kept.
 echo "notes" >"$work/kept.lmdb.partial"
 check pack_resume_keeps_other_files 1 "kept.lmdb.partial is not an interrupted pack" -- \

@@ -102,6 +102,11 @@ TEST(Config, DefaultsAndRoundTrip) {
   EXPECT_EQ(ConfigToYaml(back), yaml);
   EXPECT_NE(yaml.find("scale: [0.08, 1]"), std::string::npos) << yaml;
   EXPECT_EQ(c.cuda.input_channels, 3);
+  // Left out, val_resize follows image_size (x 8 / 7, rounded), and the resolved config shows it.
+  EXPECT_NE(yaml.find("val_resize: 37"), std::string::npos) << yaml;
+  EXPECT_EQ(ValLoaderOptions(c, 0, 1).augment.resize, 37);
+  ASSERT_OK_AND_ASSIGN(TrainConfig usual, ParseConfig("data: {train: t}\nmodel: {preset: lenet, classes: 4}\n", "u.yaml"));
+  EXPECT_EQ(ValResize(usual.data), 256);
   ASSERT_OK_AND_ASSIGN(TrainConfig padded, ParseConfig(std::string(kMinimal) + "cuda: {input_channels: 4}\n", "p.yaml"));
   EXPECT_EQ(padded.cuda.input_channels, 4);
   EXPECT_NE(ConfigToYaml(padded).find("input_channels: 4"), std::string::npos);
@@ -216,6 +221,21 @@ TEST(Config, ErrorsNameFileLineKeyAndExpectation) {
   // A document after an end marker is a second document, not a stray token.
   EXPECT_EQ(ErrorOf(base + "...\nepochs: 2\n"),
             "run.yaml:8: a second YAML document; a config is one document (merge it into the first)");
+  // A key without a value is refused, not read as its default; so is a number past a double's
+  // range (yaml-cpp read 1e-400 as 0).
+  EXPECT_EQ(ErrorOf(base + "optimizer:\n  lr: ~\n"),
+            "run.yaml:8: optimizer.lr: no value; give one, or remove the key for its default");
+  EXPECT_EQ(ErrorOf(base + "optimizer:\n  lr:\n  momentum: 0.9\n"),
+            "run.yaml:8: optimizer.lr: no value; give one, or remove the key for its default");
+  EXPECT_EQ(ErrorOf(base + "optimizer:\n  lr: 1e-400\n"),
+            "run.yaml:8: optimizer.lr: 1e-400 is beyond what a double holds; expected a number in [0, 100]");
+  EXPECT_EQ(ErrorOf(base + "optimizer:\n  <<: {lr: 0.5}\n"),
+            "run.yaml:8: optimizer.<<: a YAML merge key, which configs do not expand; write its keys out here");
+  // Validation centre-crops image_size from an image resized to val_resize: a smaller one is refused
+  // (it was raised to image_size without a word); left out, it follows image_size (x 8/7).
+  EXPECT_EQ(ErrorOf("data: {train: t, image_size: 32, val_resize: 24}\nmodel: {preset: lenet, classes: 4}\n"),
+            "run.yaml:1: data.val_resize: expected >= data.image_size (32): validation resizes the shorter side "
+            "to val_resize, then centre-crops image_size");
   // Config strings go into checkpoints as JSON: bytes that are not UTF-8 are refused by line
   // (the run failed at its first checkpoint).
   EXPECT_EQ(ErrorOf(base + "run_dir: /tmp/runs/bad\xff\n"),

@@ -840,8 +840,9 @@ class SplitPacker {
     Accumulate(total);
     if (stopped_) {
       return UnavailableError(fmt::format(
-          "pack: interrupted; {} records of {} kept in {} (rerun the same command with --resume to finish)",
-          writer_->committed_records(), job_.name, partial.string()));
+          "pack: interrupted; {} records of {} kept in {} (rerun the same command with --resume{} to finish)",
+          writer_->committed_records(), job_.name, partial.string(),
+          o_.overwrite ? fmt::format(" in place of --overwrite (it still replaces {})", job_.output.string()) : ""));
     }
     STOKE_RETURN_IF_ERROR(writer_->Finish(MakeManifest()));
     to_publish_ = true;
