@@ -419,6 +419,12 @@ int Run(int argc, char** argv) {
     auto summary = stoke::pack::Pack(pack);
     if (!summary.ok()) return FailOrStopped(summary.status());
     std::fputs(stoke::pack::FormatSummary(*summary).c_str(), stdout);
+    int64_t records = 0;
+    for (const auto& split : summary->splits) records += split.records;
+    if (summary->inputs > 0 && records == 0) {
+      STOKE_LOG(WARN, "pack: none of the {} inputs could be packed (each is listed as skipped); {} holds no record",
+                summary->inputs, pack.output.string());
+    }
     return 0;
   }
   if (inspect_cmd->parsed()) {

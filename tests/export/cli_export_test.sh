@@ -52,6 +52,9 @@ check predict_truncated_named 3 "cut.jpg: error: " -- \
   "$stoke" predict --run "$run" "$work/good0.jpg" "$work/notes.txt" "$work/cut.jpg" "$work/good3.jpg"
 check predict_others_still_run 3 "good3.jpg: class_" -- \
   "$stoke" predict --run "$run" "$work/good0.jpg" "$work/notes.txt" "$work/cut.jpg" "$work/good3.jpg"
+# Every image bad: each is named, and nothing of predict's own scratch dataset shows.
+check predict_all_bad_names_only_the_inputs 0 "^ok$" -- bash -c "out=\$('$stoke' predict --run '$run' '$work/notes.txt' '$work/cut.jpg' 2>&1)
+  rc=\$?; if [[ \$rc == 3 && \$out == *notes.txt* && \$out == *cut.jpg* && \$out != *inputs.lmdb* && \$out != *stoke-predict* ]]; then echo ok; else echo \"exit \$rc: \$out\"; fi"
 check predict_folder_json 0 '"probability": ' -- "$stoke" predict --run "$run" "$work/demo/images/class_02" --json -k 2
 check predict_missing 1 "nothing.jpg: no such file" -- "$stoke" predict --run "$run" "$work/nothing.jpg"
 # Names with spaces at either end, and a hidden file in a folder (left out, as pack does).

@@ -45,6 +45,9 @@ check pack_bad_validate 105 "validate" -- "$stoke" pack "$work/src" "$work/v.lmd
 check pack_reports_bad 0 "skipped class_01/broken.jpg" -- "$stoke" pack "$work/src" "$work/ds2.lmdb" -q
 check report_file 0 "broken.jpg" -- cat "$work/report.json"
 check pack_exists 1 "already exists .*--overwrite" -- "$stoke" pack "$work/src" "$work/ds.lmdb" -q
+mkdir -p "$work/allbad/c" && printf 'not a jpeg' >"$work/allbad/c/a.jpg"
+check pack_nothing_packed 0 "none of the 1 inputs could be packed .*allbad.lmdb holds no record" -- \
+  "$stoke" pack "$work/allbad" "$work/allbad.lmdb" -q
 check pack_missing_src 1 "no-such-dir" -- "$stoke" pack "$work/no-such-dir" "$work/x.lmdb" -q
 check pack_bad_flag 105 "quality" -- "$stoke" pack "$work/src" "$work/y.lmdb" --quality 0
 check pack_on_error_fail 1 "broken.jpg.*--on-error fail" -- \

@@ -1473,8 +1473,6 @@ Result<PackSummary> Pack(const PackOptions& options) {
     }
     summary.splits.push_back(*split);
   }
-  records = 0;
-  for (const SplitSummary& split : summary.splits) records += split.records;
   summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (!o.report_file.empty()) {
     Status s = WriteReport(o.report_file, summary);
@@ -1484,10 +1482,6 @@ Result<PackSummary> Pack(const PackOptions& options) {
     } else if (!s.ok()) {
       STOKE_LOG(ERROR, "pack: report: {}", s.ToString());
     }
-  }
-  if (failure.ok() && !set.inputs.empty() && records == 0) {
-    STOKE_LOG(WARN, "pack: none of the {} inputs could be packed (each is listed as skipped); {} holds no record",
-              set.inputs.size(), o.output.string());
   }
   if (!failure.ok()) return failure;
   return summary;
