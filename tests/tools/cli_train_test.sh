@@ -140,7 +140,9 @@ else
   check train_no_cuda_backend 1 "backend 'cuda' was requested" -- "$stoke" train --config "$work/cuda.yaml" -q
 fi
 if ! "$stoke" monitor /no/such/run --port 0 2>&1 | grep -q "not in this build"; then  # built with the monitor
-  check monitor_missing_run 1 "/no/such/run: no such run directory" -- "$stoke" monitor /no/such/run --port 0
+  check monitor_missing_run 1 "/no/such/run: no such folder; give a run directory" -- "$stoke" monitor /no/such/run --port 0
+  check monitor_given_a_config 1 "run2.yaml: not a folder; give a run directory \(a config's run_dir" -- \
+    "$stoke" monitor "$work/run2.yaml" --port 0
   check monitor_bad_port 105 "--port: Value 70000 not in range 0 to 65535" -- "$stoke" monitor "$work/run2" --port 70000
   check train_monitor_bad_address 1 "--monitor 'abc': expected \[HOST:\]PORT" -- \
     "$stoke" train --config "$work/run2.yaml" --monitor abc -q

@@ -848,8 +848,21 @@ Result<std::unique_ptr<Monitor>> Monitor::Start(MonitorOptions options) {
   std::map<std::string, int> names;
   for (const std::string& dir : options.run_dirs) {
     std::error_code ec;
-    if (!std::filesystem::is_directory(dir, ec)) {
-      return NotFoundError(fmt::format("monitor: {}: no such run directory", dir));
+    const auto kind = std::filesystem::status(dir, ec).type();
+    if (kind == std::filesystem::file_type::not_found) {
+      return NotFoundError(fmt::format("monitor: {}: no such folder; give a run directory (a config's run_dir)", dir));
+    }
+    if (kind != std::filesystem::file_type::directory) {
+      return InvalidArgumentError(fmt::format(
+          "monitor: {}: not a folder; give a run directory (a config's run_dir, the folder that holds its "
+          "metrics.jsonl), not a file",
+          dir));
+    }
+    if (!std::filesystem::exists(std::filesystem::path(dir) / "metrics.jsonl", ec) &&
+        !std::filesystem::exists(std::filesystem::path(dir) / "config.yaml", ec)) {
+      // A run about to start is served as it begins; a wrong folder shows an empty card: said here.
+      STOKE_LOG(WARN, "monitor: {} holds no metrics.jsonl or config.yaml (no run has written there yet); its card "
+                "stays empty until one does", dir);
     }
     Run run{std::filesystem::canonical(dir, ec), ""};
     if (ec) return NotFoundError(fmt::format("monitor: {}: {}", dir, ec.message()));
