@@ -31,6 +31,10 @@ check bench_json_not_into_the_dataset 1 "bench: --json .*: that is inside .*ds.l
 touch "$work/scratch/mine.txt"
 check bench_work_dir_left_as_it_was 0 "^mine.txt$" -- ls -A "$work/scratch"
 check bench_decode 0 "whole sample .* img/s" -- "$stoke" bench decode "$work/ds.lmdb" --seconds 0.05 --repeats 2
+# A dataset of decoded pixels has nothing for a JPEG decode benchmark: said so, by its encoding.
+"$stoke" pack "$work/src" "$work/raw.lmdb" -q --encoding raw >/dev/null
+check bench_decode_raw_dataset 1 "raw.lmdb: its 24 records hold decoded pixels \(packed with --encoding raw\)" -- \
+  "$stoke" bench decode "$work/raw.lmdb" --seconds 0.05 --repeats 1
 check bench_pipeline 0 "loader, 2 threads .* img/s" -- \
   "$stoke" bench pipeline "$work/ds.lmdb" --batch 4 "${quick[@]}"
 # Damaged records are left out with a warning naming them, as the loader skips them: one whose

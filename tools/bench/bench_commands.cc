@@ -235,6 +235,7 @@ struct JpegRecords {
 };
 Result<JpegRecords> JpegViews(const dataset::Dataset& ds, dataset::Reader& reader) {
   JpegRecords out;
+  int64_t not_jpeg = 0;
   // One record at a time: a record whose header cannot be parsed ended a scan of them all (and
   // the bench with it), where the loader skips it.
   for (int64_t i = 0; i < ds.size(); ++i) {
@@ -244,6 +245,7 @@ Result<JpegRecords> JpegViews(const dataset::Dataset& ds, dataset::Reader& reade
       const dataset::RecordView& r = *got;
       if (r.header.encoding != dataset::PayloadEncoding::kJpeg &&
           r.header.encoding != dataset::PayloadEncoding::kJpegIndexed) {
+        ++not_jpeg;
         continue;
       }
       bad = dataset::CheckCrc(r);
@@ -260,7 +262,16 @@ Result<JpegRecords> JpegViews(const dataset::Dataset& ds, dataset::Reader& reade
     if (out.damaged++ == 0) STOKE_LOG(WARN, "bench: {}; left out of the figures", bad.message());
   }
   if (out.damaged > 1) STOKE_LOG(WARN, "bench: {}: {} damaged records left out", ds.path().string(), out.damaged);
-  if (out.views.empty()) return InvalidArgumentError("bench: " + ds.path().string() + ": no intact JPEG records");
+  if (out.views.empty() && not_jpeg > 0 && out.damaged == 0) {
+    return InvalidArgumentError(fmt::format(
+        "bench: {}: its {} records hold decoded pixels (packed with --encoding raw), and this benchmark decodes "
+        "JPEG; give a dataset packed with the default --encoding jpeg",
+        ds.path().string(), not_jpeg));
+  }
+  if (out.views.empty()) {
+    return InvalidArgumentError(fmt::format("bench: {}: no intact JPEG records ({} damaged, {} of decoded pixels)",
+                                            ds.path().string(), out.damaged, not_jpeg));
+  }
   return out;
 }
 
