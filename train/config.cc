@@ -828,7 +828,7 @@ double ScaledLr(const TrainConfig& c) {
 int ValResize(const DataConfig& d) {
   // A config built in code may leave an explicit val_resize below the crop; the parser refuses one.
   return d.val_resize > 0 ? std::max(d.val_resize, d.image_size)
-                          : static_cast<int>(std::lround(d.image_size * 8.0 / 7.0));
+                          : (d.image_size * 256 + 223) / 224;  // as stoke.torch.Loader's default
 }
 
 prefetch::LoaderOptions TrainLoaderOptions(const TrainConfig& c, int rank, int world) {

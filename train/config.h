@@ -41,7 +41,7 @@ struct DataConfig {
   double flip = 0.5;
   double brightness = 0, contrast = 0, saturation = 0;
   // Validation samples: resize the shorter side to val_resize (>= image_size), centre crop
-  // image_size. 0: image_size * 8 / 7 rounded (256 for 224, the usual ratio); ValResize() resolves it.
+  // image_size. 0: image_size * 256 / 224 rounded up (the usual ratio); ValResize() resolves it.
   int val_resize = 0;
   // The backend's first step.
   std::vector<double> mean = {0.485, 0.456, 0.406};
@@ -139,7 +139,7 @@ std::string ConfigModelDifference(const TrainConfig& here, std::string_view here
 std::string ConfigYamlDifference(std::string_view here, std::string_view other, std::string_view other_is);
 // The learning rate after the linear scaling rule.
 double ScaledLr(const TrainConfig& config);
-// The shorter side validation resizes to: data.val_resize, or image_size * 8 / 7 when it is 0.
+// The shorter side validation resizes to: data.val_resize, or image_size * 256 / 224 (rounded up) when 0.
 int ValResize(const DataConfig& data);
 
 }  // namespace stoke::train

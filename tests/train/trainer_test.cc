@@ -102,7 +102,8 @@ TEST(Config, DefaultsAndRoundTrip) {
   EXPECT_EQ(ConfigToYaml(back), yaml);
   EXPECT_NE(yaml.find("scale: [0.08, 1]"), std::string::npos) << yaml;
   EXPECT_EQ(c.cuda.input_channels, 3);
-  // Left out, val_resize follows image_size (x 8 / 7, rounded), and the resolved config shows it.
+  // Left out, val_resize follows image_size (x 256 / 224, rounded up, as stoke.torch.Loader's
+  // default), and the resolved config shows it.
   EXPECT_NE(yaml.find("val_resize: 37"), std::string::npos) << yaml;
   EXPECT_EQ(ValLoaderOptions(c, 0, 1).augment.resize, 37);
   ASSERT_OK_AND_ASSIGN(TrainConfig usual, ParseConfig("data: {train: t}\nmodel: {preset: lenet, classes: 4}\n", "u.yaml"));
@@ -232,7 +233,7 @@ TEST(Config, ErrorsNameFileLineKeyAndExpectation) {
   EXPECT_EQ(ErrorOf(base + "optimizer:\n  <<: {lr: 0.5}\n"),
             "run.yaml:8: optimizer.<<: a YAML merge key, which configs do not expand; write its keys out here");
   // Validation centre-crops image_size from an image resized to val_resize: a smaller one is refused
-  // (it was raised to image_size without a word); left out, it follows image_size (x 8/7).
+  // (it was raised to image_size without a word).
   EXPECT_EQ(ErrorOf("data: {train: t, image_size: 32, val_resize: 24}\nmodel: {preset: lenet, classes: 4}\n"),
             "run.yaml:1: data.val_resize: expected >= data.image_size (32): validation resizes the shorter side "
             "to val_resize, then centre-crops image_size");
