@@ -756,10 +756,17 @@ PYBIND11_MODULE(_stoke, m) {
             const int64_t asked = index.cast<int64_t>();
             const int64_t i = asked < 0 ? asked + n : asked;
             auto view = Take(d->reader->Get(i));
-            // A missing paths table costs the source only (verify() reports it): the record is intact.
-            std::string source = d->ds->manifest().has_paths && d->ds->paths_status().ok()
-                                     ? Take(d->reader->SourcePath(i))
-                                     : std::string();
+            // A missing or damaged paths table costs the source only (verify() reports it): the
+            // record itself is intact (its CRC is checked).
+            std::string source;
+            if (d->ds->manifest().has_paths && d->ds->paths_status().ok()) {
+              stoke::Result<std::string> path = d->reader->SourcePath(i);
+              if (path.ok()) {
+                source = std::move(path).value();
+              } else if (path.status().code() != stoke::StatusCode::kCorrupt) {
+                Raise(path.status());  // an I/O error, not damage to the dataset
+              }
+            }
             RecordBytes bytes{d, view.image.data(), view.image.size()};
             py::dict r;
             r["index"] = i;

@@ -714,6 +714,33 @@ def test_pack_verify_and_progress(data, tmp_path):
         stoke.pack(images, str(tmp_path / "p.lmdb"))  # an existing dataset is never overwritten silently
 
 
+def test_a_damaged_paths_table_costs_the_sources_only_and_verify_says_so(data, tmp_path):
+    # Each page of the data file zeroed in turn: where the records still read as packed but their
+    # source paths do not, record() gives the image with an empty source, and verify() reports the
+    # lost paths (it said the dataset was intact, and record() raised for every record).
+    ds = stoke.Dataset(data["train"])
+    want = [(ds.record(i)["label"], bytes(ds.record(i)["bytes"]), ds.record(i)["source"]) for i in range(len(ds))]
+    raw = (Path(data["train"]) / "data.mdb").read_bytes()
+    paths_lost = 0
+    for page in range(len(raw) // 4096):
+        copy = tmp_path / f"zeroed{page}.lmdb"
+        copy.mkdir()
+        (copy / "data.mdb").write_bytes(raw[:page * 4096] + bytes(4096) + raw[(page + 1) * 4096:])
+        try:
+            damaged = stoke.Dataset(str(copy))
+            got = [damaged.record(i) for i in range(len(damaged))]
+        except (ValueError, IndexError):
+            continue  # refused at open, or a record reported as damaged
+        if [(r["label"], bytes(r["bytes"])) for r in got] != [(w[0], w[1]) for w in want]:
+            continue
+        if [r["source"] for r in got] != [w[2] for w in want]:
+            paths_lost += 1
+            assert all(r["source"] == "" for r in got if r["source"] not in [w[2] for w in want])
+            problems = damaged.verify(threads=1)
+            assert any(i == -1 and "source paths table" in why for i, _, why in problems), problems
+    assert paths_lost > 0, "no page of the paths table was zeroed"
+
+
 def test_errors_of_pack_and_verify_keep_their_python_types(tmp_path):
     # Both run on a thread of their own: their errors are raised on the caller's, with the GIL.
     with pytest.raises(FileNotFoundError, match="nowhere"):
