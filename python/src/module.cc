@@ -182,6 +182,11 @@ std::shared_ptr<PyDataset> OpenDataset(const py::object& path_like) {
   }
   // Absolute: verify() opens the dataset again, perhaps after the program changed its working
   // directory (a relative name would then check another dataset, or none).
+  // A NUL byte would end the name at it for the system calls: another file. (abspath accepts it.)
+  if (py::bytes(os.attr("fsencode")(fs)).cast<std::string>().find('\0') != std::string::npos) {
+    throw py::value_error(fmt::format("stoke.Dataset: path {}: holds a NUL byte; expected the path of a dataset",
+                                      py::repr(path_like).cast<std::string>()));
+  }
   const std::string path = os.attr("fsencode")(os.attr("path").attr("abspath")(fs)).cast<std::string>();
   auto d = std::make_shared<PyDataset>();
   d->ds = std::make_unique<dataset::Dataset>(Take(dataset::Dataset::Open(path)));
@@ -744,7 +749,12 @@ PYBIND11_MODULE(_stoke, m) {
       .def(
           "record",
           [](const std::shared_ptr<PyDataset>& d, const py::object& index_object) {
-            // Any integer (numpy's too, through __index__); one beyond int64 is out of range too.
+            // Any integer (numpy's too, through __index__); one beyond int64 is out of range too. A
+            // bool (Python's or numpy's) is no index: record(True) was record 1.
+            if (PyBool_Check(index_object.ptr()) || std::string_view(Py_TYPE(index_object.ptr())->tp_name) == "numpy.bool_") {
+              RaiseText(PyExc_TypeError, fmt::format("stoke: record {}: expected an int index, not a bool",
+                                                     py::str(index_object).cast<std::string>()));
+            }
             const auto index = py::reinterpret_steal<py::int_>(PyNumber_Index(index_object.ptr()));
             if (!index) throw py::error_already_set();
             const int64_t n = d->ds->size();

@@ -9,11 +9,19 @@
 
 Datasets are made by `stoke pack` (the command line tool).
 """
+import math
+import numbers
 import os
 from typing import Any, Callable, Dict, Optional, Union
 
 from . import _stoke
 from ._stoke import Dataset, __version__
+
+try:  # numpy's bool is no int subclass; refuse it as a count, accept it as a flag
+    from numpy import bool_ as _np_bool
+except ImportError:  # pragma: no cover
+    class _np_bool:  # type: ignore[no-redef]
+        pass
 
 __all__ = ["Dataset", "pack", "__version__"]
 
@@ -34,25 +42,34 @@ def _checked(name: str, value: Any) -> Any:
             path = os.fspath(value)
         except TypeError:
             raise bad("a path (str, bytes or path-like)") from None
-        return os.fsencode(path)  # the file system's bytes, in whatever encoding they are
+        encoded = os.fsencode(path)  # the file system's bytes, in whatever encoding they are
+        if b"\0" in encoded:  # the system calls would stop at it: another file
+            raise bad("a path without NUL bytes")
+        return encoded
     if name in _FLAGS:
-        if not isinstance(value, bool):
+        if not isinstance(value, (bool, _np_bool)):
             raise bad("True or False")
-        return value
+        return bool(value)
     if name in _WORDS:
         if not isinstance(value, str):
             raise bad("a str")
         return value
-    if name == "val_fraction":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if name == "val_fraction":  # numpy's numbers too
+        if isinstance(value, (bool, _np_bool)) or not isinstance(value, numbers.Real):
             raise bad("a number in [0, 1)")
-        return float(value)
+        try:
+            fraction = float(value)
+        except OverflowError:
+            fraction = math.inf
+        if not 0 <= fraction < 1:
+            raise bad("a number in [0, 1)")
+        return fraction
     # seed, threads, max_side, quality, index_intervals, commit_every: whole numbers >= 0 (their
     # ranges are checked by stoke)
     limit = 2**64 if name == "seed" else 2**31
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
+    if isinstance(value, (bool, _np_bool)) or not isinstance(value, numbers.Integral) or not 0 <= value < limit:
         raise bad(f"an int in [0, {limit})")
-    return value
+    return int(value)
 
 
 _Path = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
@@ -81,6 +98,9 @@ def pack(source: _Path, output: _Path, *, list_file: Optional[_Path] = None, val
                    report=report)
     for name, value in options.items():
         options[name] = _checked(name, value)
+    if options["val_output"] is not None and options["val_fraction"] == 0:
+        raise ValueError(f"stoke.pack: val_output={val_output!r}: needs val_fraction > 0 (the share of each class "
+                         "held out into it)")
     if progress is not None and not callable(progress):
         raise ValueError(f"stoke.pack: progress={progress!r}: expected a callable taking the records written")
     last = [-1]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
+import math
 import numbers
 import os
 import re
@@ -101,6 +102,15 @@ def _is_real(v: Any) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, (bool, np_bool))
 
 
+def _float(v: Any) -> float:
+    """`v` (a number) as a float; an int past a float's range as inf of its sign (the range checks
+    then name it), where float() raised OverflowError."""
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
+
+
 def _reals(v: Any, n: int) -> Optional[Tuple[float, ...]]:
     """`v` as n floats when it is a sequence (tuple, list, numpy array, ...) of n numbers, else None."""
     if isinstance(v, (str, bytes)):
@@ -109,7 +119,7 @@ def _reals(v: Any, n: int) -> Optional[Tuple[float, ...]]:
         items = list(v)
     except TypeError:
         return None
-    return tuple(float(x) for x in items) if len(items) == n and all(_is_real(x) for x in items) else None
+    return tuple(_float(x) for x in items) if len(items) == n and all(_is_real(x) for x in items) else None
 
 
 def _checked_options(**options: Any) -> Dict[str, Any]:
@@ -134,7 +144,7 @@ def _checked_options(**options: Any) -> Dict[str, Any]:
             ok, expected = converted is not None, "two numbers (min, max)"
         elif name in ("flip", "max_skip_fraction"):
             ok, expected = _is_real(value), "a number in [0, 1]"
-            converted = float(value) if ok else value
+            converted = _float(value) if ok else value
         elif name == "normalize":
             mean_std = None
             if value is not None and not isinstance(value, (str, bytes)):
@@ -327,6 +337,13 @@ class Loader:
                                                          ("batch_size", "size", "seed", "threads", "ring", "resize"))
         train, drop_last, rank, world_size = checked["train"], checked["drop_last"], checked["rank"], checked["world_size"]
         scale, flip, normalize = checked["scale"], checked["flip"], checked["normalize"]
+        # An option of the other mode would be ignored without a word: refused instead.
+        if train and resize != 0:
+            raise ValueError(f"stoke.torch.Loader: resize={resize}: applies to train=False only (the evaluation "
+                             "resize before the centre crop)")
+        if not train and (scale != (0.08, 1.0) or flip != 0.5):
+            raise ValueError(f"stoke.torch.Loader: scale={scale}, flip={flip}: apply to train=True only (the random "
+                             "crop and flip); evaluation takes a centre crop")
         self._device = _device_index(device)
         self._dataset = _stoke.Dataset(path)
         r, w = _rank_and_world(rank, world_size)

@@ -544,6 +544,17 @@ def test_bad_options_name_themselves(data):
     with pytest.raises(IndexError, match="record 18446744073709551616 out of range"):
         ds.record(2**64)  # beyond int64 is out of range too (it was a TypeError)
     assert ds.record(np.int64(-1))["index"] == 119
+    for flag in (True, np.bool_(False)):
+        with pytest.raises(TypeError, match="not a bool"):
+            ds.record(flag)
+    # An option of the other mode was ignored; a number past a float's range was an OverflowError.
+    with pytest.raises(ValueError, match="resize=40: applies to train=False only"):
+        Loader(data["train"], batch_size=8, size=32, resize=40)
+    with pytest.raises(ValueError, match="apply to train=True only"):
+        Loader(data["train"], batch_size=8, train=False, scale=(0.5, 0.1))
+    for key, value in [("flip", 10**400), ("max_skip_fraction", -10**400), ("scale", (10**400, 1))]:
+        with pytest.raises(ValueError, match=key):
+            Loader(data["train"], batch_size=8, **{key: value})
     # normalize= is checked when the Loader is made (it was at the first next()), non-finite too.
     for mean, std, dtype, why in [((0.5,) * 3, (0, 1, 1), None, "std.0. = 0"),
                                   ((math.nan, 0, 0), (1,) * 3, None, "mean.0. = nan"),
@@ -697,6 +708,10 @@ def test_pack_verify_and_progress(data, tmp_path):
     stoke.pack(images, str(tmp_path / "e.lmdb"), commit_every=60, progress=seen.append)
     assert seen == [60, 120]  # the last commit gave the total: not said twice
     assert stoke.Dataset(str(tmp_path / "c.lmdb")).verify() == []
+    # numpy's numbers and bools, as Loader takes them.
+    report = stoke.pack(images, str(tmp_path / "n.lmdb"), threads=np.int64(1), seed=np.uint64(3),
+                        val_fraction=np.float32(0.25), shuffle=np.bool_(True))
+    assert [s["records"] for s in report["splits"]] == [88, 32]  # 8 of each class's 30
     # A source folder and an output whose names are not UTF-8: packed, opened, read and iterated.
     odd_images, odd_out = os.fsencode(tmp_path) + b"/images\xff", os.fsencode(tmp_path) + b"/out\xfe.lmdb"
     os.symlink(images, odd_images)
@@ -760,6 +775,19 @@ def test_errors_of_pack_and_verify_keep_their_python_types(tmp_path):
     # Names that are not UTF-8 (they were a TypeError of the argument conversion).
     with pytest.raises(FileNotFoundError, match=r"nowhere\\xff"):
         stoke.pack(os.fsencode(tmp_path) + b"/nowhere\xff", os.fsencode(tmp_path) + b"/out\xff.lmdb")
+    # A NUL byte ended the name for the system calls: another file was opened, or overwritten.
+    with pytest.raises(ValueError, match="report=.*NUL"):
+        stoke.pack(str(tmp_path), str(tmp_path / "out.lmdb"), report=str(tmp_path / "kept.txt") + "\0x")
+    with pytest.raises(ValueError, match="output=.*NUL"):
+        stoke.pack(str(tmp_path), str(tmp_path / "out.lmdb") + "\0x")
+    with pytest.raises(ValueError, match="NUL byte"):
+        stoke.Dataset(str(tmp_path / "out.lmdb") + "\0junk")
+    # val_output without a share to hold out was ignored (the CLI refuses it too).
+    with pytest.raises(ValueError, match="val_output=.*needs val_fraction > 0"):
+        stoke.pack(str(tmp_path), str(tmp_path / "out.lmdb"), val_output=str(tmp_path / "val.lmdb"))
+    for key, value in [("val_fraction", 10**400), ("val_fraction", float("nan")), ("val_fraction", 1.0)]:
+        with pytest.raises(ValueError, match=f"stoke.pack: {key}=.*expected a number in"):
+            stoke.pack(str(tmp_path), str(tmp_path / "out.lmdb"), **{key: value})
     with pytest.raises(ValueError, match="index-intervals 65"):
         stoke.pack(str(tmp_path), str(tmp_path / "out.lmdb"), index_intervals=65)
     with pytest.raises(ValueError, match="commit"):
