@@ -746,6 +746,15 @@ PYBIND11_MODULE(_stoke, m) {
       .def_property_readonly("class_counts", [](const PyDataset& d) { return d.ds->manifest().class_counts; })
       .def_property_readonly("format_version", [](const PyDataset& d) { return d.ds->manifest().format_version; })
       .def_property_readonly("payload_bytes", [](const PyDataset& d) { return d.ds->manifest().payload_bytes; })
+      .def_property_readonly(
+          "fingerprint",
+          [](const PyDataset& d) {
+            // stoke pack's hash of the inputs (names, labels, classes) and options (order, seed):
+            // two datasets with the same one hold the same records in the same order.
+            const auto it = d.ds->manifest().packing.find("fingerprint");
+            return it != d.ds->manifest().packing.end() && it->is_string() ? it->get<std::string>() : std::string();
+          },
+          "stoke pack's fingerprint of the inputs and options this dataset was packed from ('' if none).")
       .def(
           "record",
           [](const std::shared_ptr<PyDataset>& d, const py::object& index_object) {

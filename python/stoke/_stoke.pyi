@@ -24,6 +24,9 @@ class Dataset:
     def format_version(self) -> int: ...
     @property
     def payload_bytes(self) -> int: ...
+    @property
+    def fingerprint(self) -> str:
+        """stoke pack's fingerprint of the inputs and options ('' if none)."""
     def record(self, index: int) -> Dict[str, Any]:
         """index, label, width, height, source, bytes (a read-only memoryview)."""
     def verify(self, threads: int = 0) -> List[Tuple[int, str, str]]: ...

@@ -496,7 +496,8 @@ class Loader:
         """What a state must match: the dataset (by content, not path) and the batches' order."""
         o = self._options
         return {"records": len(self._dataset), "classes": len(self._dataset.classes),
-                "payload_bytes": self._dataset.payload_bytes, "batch_size": o.batch_size, "seed": o.seed,
+                "payload_bytes": self._dataset.payload_bytes, "fingerprint": self._dataset.fingerprint,
+                "batch_size": o.batch_size, "seed": o.seed,
                 "world_size": o.world_size, "train": o.train, "drop_last": o.drop_last}
 
     def state_dict(self) -> Dict[str, Any]:
@@ -510,7 +511,8 @@ class Loader:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """The next ``iter()`` resumes where ``state`` was taken. Refuses a state of another dataset
-        (records, classes, bytes), batch size, seed, world size, mode or ``drop_last``."""
+        (records, classes, bytes, the pack's fingerprint: the same images packed in another order are
+        another dataset), batch size, seed, world size, mode or ``drop_last``."""
         def plain(v: Any) -> Any:
             """numpy's ints and bools (a state through np.savez, say) as Python's; anything else as is."""
             if isinstance(v, (bool, np_bool)):
@@ -521,6 +523,8 @@ class Loader:
             raise ValueError(f"stoke.torch.Loader.load_state_dict: expected a loader state (the dict that "
                              f"state_dict() returns), got {type(state).__name__}")
         for key, mine in self._identity().items():
+            if key == "fingerprint" and key not in state:
+                continue  # a state saved before states carried it
             theirs = plain(state.get(key))
             if key not in state or theirs != mine or type(theirs) is not type(mine):
                 raise ValueError(f"stoke.torch.Loader.load_state_dict: the state has {key}={state.get(key)!r} "

@@ -952,6 +952,15 @@ def test_load_state_dict_refuses_what_does_not_match(data, tmp_path):
         Loader(str(smaller), batch_size=16, size=32, seed=9).load_state_dict(state)
     with pytest.raises(ValueError, match="drop_last"):
         Loader(data["train"], batch_size=16, size=32, seed=9, drop_last=True).load_state_dict(state)
+    # The same images packed in another order: same records, classes and bytes, other batches.
+    shuffled = tmp_path / "shuffled.lmdb"
+    stoke.pack(images, str(shuffled), shuffle=True, seed=7)
+    assert stoke.Dataset(str(shuffled)).payload_bytes == stoke.Dataset(data["train"]).payload_bytes
+    with pytest.raises(ValueError, match="fingerprint"):
+        Loader(str(shuffled), batch_size=16, size=32, seed=9).load_state_dict(state)
+    # A state saved before states carried the fingerprint is taken on the rest.
+    Loader(data["train"], batch_size=16, size=32, seed=9).load_state_dict(
+        {k: v for k, v in state.items() if k != "fingerprint"})
     loader = Loader(data["train"], batch_size=16, size=32, seed=9)
     for key, value in (("epoch", -1), ("epoch", "3"), ("batch", 2.0), ("batch", 9), ("train", 1)):
         with pytest.raises(ValueError, match=key):
