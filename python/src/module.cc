@@ -8,6 +8,7 @@
 #include <pybind11/stl.h>
 
 #include <dlpack/dlpack.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cxxabi.h>
@@ -800,7 +801,22 @@ PYBIND11_MODULE(_stoke, m) {
           "Record `index`: its label, size, source path and encoded bytes (a read-only memoryview into the "
           "dataset's map, valid while it is referenced).")
       .def(
-          "verify", [](const PyDataset& d, int threads) { return Verify(d.ds->path().string(), threads); },
+          "verify",
+          [](const PyDataset& d, int threads) {
+            // Verify opens the dataset again by its path: the one there now must be the one open
+            // (it checked whatever had been moved or copied there since).
+            struct stat open_file {}, named {};
+            const std::string data = (d.ds->path() / "data.mdb").string();
+            if (d.ds->data_fd() >= 0 && ::fstat(d.ds->data_fd(), &open_file) == 0 &&
+                (::stat(data.c_str(), &named) != 0 || named.st_dev != open_file.st_dev ||
+                 named.st_ino != open_file.st_ino)) {
+              RaiseText(PyExc_ValueError,
+                        fmt::format("stoke.Dataset.verify: {}: no longer the dataset this object opened (moved or "
+                                    "replaced since); open it where it is now",
+                                    d.ds->path().string()));
+            }
+            return Verify(d.ds->path().string(), threads);
+          },
           py::arg("threads") = 0,
           "Checks every record's CRC and strictly decodes every image: a list of (index, source, reason) of "
           "the bad records, plus (-1, 'manifest', reason) where the manifest's class counts or payload bytes "

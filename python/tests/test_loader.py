@@ -3,6 +3,7 @@ exact resume, no threads or memory left behind, and clear errors."""
 import gc
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -754,6 +755,21 @@ def test_a_damaged_paths_table_costs_the_sources_only_and_verify_says_so(data, t
             problems = damaged.verify(threads=1)
             assert any(i == -1 and "source paths table" in why for i, _, why in problems), problems
     assert paths_lost > 0, "no page of the paths table was zeroed"
+
+
+def test_verify_checks_the_dataset_it_opened(data, tmp_path):
+    # verify() opens the dataset again by its path: a dataset moved away, with another put in its
+    # place, was checked in its stead.
+    moved = tmp_path / "moved.lmdb"
+    shutil.copytree(data["train"], moved)
+    ds = stoke.Dataset(str(moved))
+    assert ds.verify() == []
+    moved.rename(tmp_path / "elsewhere.lmdb")
+    shutil.copytree(data["damaged"], moved)
+    assert ds.record(3)["index"] == 3
+    with pytest.raises(ValueError, match="no longer the dataset this object opened"):
+        ds.verify()
+    assert len(stoke.Dataset(str(moved)).verify()) == 1  # opened where it is now
 
 
 def test_errors_of_pack_and_verify_keep_their_python_types(tmp_path):
