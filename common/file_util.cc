@@ -253,9 +253,13 @@ Status CheckOutputClear(std::string_view flag, const std::filesystem::path& outp
   namespace fs = std::filesystem;
   if (output.empty()) return OkStatus();
   for (const fs::path& f : files) {
-    std::error_code ec;
-    if (!f.empty() && fs::exists(output, ec) && fs::equivalent(output, f, ec)) {
-      return InvalidArgumentError(fmt::format("{} {}: that is {}, which this command reads; give another path",
+    std::error_code ec, ec2;
+    if (f.empty()) continue;
+    // The same file by any name, or (neither written yet) the same path.
+    const bool same = fs::exists(output, ec) ? fs::equivalent(output, f, ec)
+                                             : fs::weakly_canonical(output, ec) == fs::weakly_canonical(f, ec2) && !ec && !ec2;
+    if (same) {
+      return InvalidArgumentError(fmt::format("{} {}: that is {}, which this command reads or writes; give another path",
                                               flag, output.string(), f.string()));
     }
   }

@@ -56,7 +56,9 @@ check predict_others_still_run 3 "good3.jpg: class_" -- \
 check predict_all_bad_names_only_the_inputs 0 "^ok$" -- bash -c "out=\$('$stoke' predict --run '$run' '$work/notes.txt' '$work/cut.jpg' 2>&1)
   rc=\$?; if [[ \$rc == 3 && \$out == *notes.txt* && \$out == *cut.jpg* && \$out != *inputs.lmdb* && \$out != *stoke-predict* ]]; then echo ok; else echo \"exit \$rc: \$out\"; fi"
 check predict_folder_json 0 '"probability": ' -- "$stoke" predict --run "$run" "$work/demo/images/class_02" --json -k 2
-check predict_missing 1 "nothing.jpg: no such file" -- "$stoke" predict --run "$run" "$work/nothing.jpg"
+check predict_missing 3 "nothing.jpg: error: no such file or folder" -- "$stoke" predict --run "$run" "$work/nothing.jpg"
+# A missing input is one bad line among the others (it ended predict with no result for any).
+check predict_missing_among_others 3 "good3.jpg: class_03 " -- "$stoke" predict --run "$run" "$work/nothing.jpg" "$work/good3.jpg" -k 1
 # Names with spaces at either end, and a hidden file in a folder (left out, as pack does).
 cp "$work/good3.jpg" "$work/ spaced.jpg "
 mkdir -p "$work/folder" && cp "$work/good3.jpg" "$work/folder/" && echo junk >"$work/folder/.DS_Store"

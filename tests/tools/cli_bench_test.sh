@@ -29,6 +29,19 @@ check bench_json_not_into_the_dataset 1 "bench: --json .*: that is inside .*ds.l
 # What a bench packs goes in a folder of its own inside --work-dir, removed at the end (the packed
 # datasets and lists stayed there); what else is in --work-dir stays.
 touch "$work/scratch/mine.txt"
+# Nor --work-dir: its scratch folder was packed as one more input (25 images of 24).
+check bench_work_dir_not_in_the_images 1 "bench: --work-dir .*: that is inside .*src" -- \
+  "$stoke" bench pack --data "$work/src" "${quick[@]}" --work-dir "$work/src"
+# bench train's outputs: not over its config or dataset, nor over each other.
+printf 'data: {train: %s, image_size: 32, batch_size: 6}\nmodel: {preset: lenet, classes: 3}\n' "$work/ds.lmdb" >"$work/bt.yaml"
+check bench_train_json_not_into_the_dataset 1 "bench train: --json .*: that is inside .*ds.lmdb" -- \
+  "$stoke" bench train --config "$work/bt.yaml" --steps 2 --warmup 1 --repeats 1 --json "$work/ds.lmdb/data.mdb"
+check bench_train_model_json_not_over_the_config 1 "bench train: --model-json .*: that is .*bt.yaml" -- \
+  "$stoke" bench train --config "$work/bt.yaml" --steps 2 --warmup 1 --repeats 1 --model-json "$work/bt.yaml"
+check bench_train_json_not_over_the_model_json 1 "bench train: --json .*: that is .*m.json" -- \
+  "$stoke" bench train --config "$work/bt.yaml" --steps 2 --warmup 1 --repeats 1 --json "$work/m.json" \
+  --model-json "$work/m.json"
+check bench_train_refusals_left_the_dataset 0 "records +24" -- "$stoke" inspect "$work/ds.lmdb"
 check bench_work_dir_left_as_it_was 0 "^mine.txt$" -- ls -A "$work/scratch"
 check bench_decode 0 "whole sample .* img/s" -- "$stoke" bench decode "$work/ds.lmdb" --seconds 0.05 --repeats 2
 # A dataset of decoded pixels has nothing for a JPEG decode benchmark: said so, by its encoding.

@@ -121,6 +121,9 @@ Result<std::unique_ptr<Scratch>> MakeScratch(const BenchOptions& o, bool needed 
   // A folder of this bench's own, inside --work-dir when given (what else is there is not
   // touched), and removed at the end: a bench leaves nothing behind.
   const fs::path parent = o.work_dir.empty() ? fs::temp_directory_path() : o.work_dir;
+  // Not inside the images measured: its scratch files would be packed with them.
+  const fs::path measured[] = {o.data};
+  STOKE_RETURN_IF_ERROR(CheckOutputClear("bench: --work-dir", o.work_dir, {}, measured));
   RemoveOrphanScratch(parent);  // a killed bench's (also by a bench that needs no folder itself)
   if (!needed) return s;
   if (!o.work_dir.empty()) {

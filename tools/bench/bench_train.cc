@@ -384,6 +384,17 @@ Result<TrainBenchReport> BenchTrain(const BenchOptions& o, const TrainBenchOptio
   TrainBenchOptions t = options;
   t.warmup = std::max(1, t.warmup);
   STOKE_ASSIGN_OR_RETURN(train::TrainConfig c, train::LoadConfig(t.config.string()));
+  {
+    // Neither output over what the bench reads (the config, the datasets) or over the other one.
+    const std::filesystem::path read[] = {c.data.train, c.data.val};
+    const std::filesystem::path besides_json[] = {t.config, t.model_json}, besides_model[] = {t.config};
+    if (!o.json_out.empty()) {
+      STOKE_RETURN_IF_ERROR(CheckOutputClear("bench train: --json", o.json_out, besides_json, read));
+    }
+    if (!t.model_json.empty()) {
+      STOKE_RETURN_IF_ERROR(CheckOutputClear("bench train: --model-json", t.model_json, besides_model, read));
+    }
+  }
   if (o.threads > 0) c.compute_threads = o.threads, c.data.threads = o.threads;
   // Under mpirun or srun: one rank of a data-parallel step (the same as `stoke train` takes).
   STOKE_ASSIGN_OR_RETURN(auto comm, dist::Communicator::Create({.timeout_s = c.dist.timeout_s}));

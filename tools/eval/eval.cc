@@ -218,6 +218,7 @@ Result<std::vector<Prediction>> Predict(const PredictOptions& options) {
   // Inputs in the order given; folders expand to every regular file below them, sorted, leaving
   // out hidden files and folders (names starting with '.') as `stoke pack` does.
   std::vector<fs::path> files;
+  std::vector<bool> missing;  // by position in `files`: reported on its line, the others still run
   for (const std::string& in : options.inputs) {
     std::error_code ec;
     const fs::path p(in);
@@ -234,12 +235,13 @@ Result<std::vector<Prediction>> Predict(const PredictOptions& options) {
       if (ec) return IoError(fmt::format("{}: {}", in, ec.message()));
       std::sort(found.begin(), found.end());
       files.insert(files.end(), found.begin(), found.end());
-    } else if (fs::exists(p, ec)) {
-      files.push_back(p);
     } else {
-      return NotFoundError(fmt::format("{}: no such file or folder", in));
+      files.push_back(p);
+      missing.resize(files.size());
+      missing.back() = !fs::exists(p, ec);
     }
   }
+  missing.resize(files.size());
   if (files.empty()) return InvalidArgumentError("no image files among the inputs");
   if (options.top_k < 1) return InvalidArgumentError(fmt::format("--top {} must be >= 1", options.top_k));
   STOKE_ASSIGN_OR_RETURN(train::TrainedModel model, train::LoadTrainedModel(options.model));
@@ -274,6 +276,10 @@ Result<std::vector<Prediction>> Predict(const PredictOptions& options) {
     // a textual normalisation would not when dir is a symlink. Repeats are found by the real path.
     const fs::path abs = fs::absolute(files[i], ec);
     out[i].path = files[i].string();
+    if (missing[i]) {
+      out[i].error = "no such file or folder";
+      continue;
+    }
     const fs::path real = fs::weakly_canonical(abs, ec);
     const std::string same_key = ec ? abs.lexically_normal().string() : real.string();
     if (auto first = by_path.find(same_key); first != by_path.end()) {
