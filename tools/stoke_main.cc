@@ -269,7 +269,7 @@ int Run(int argc, char** argv) {
   bench_pipeline->add_option("--window-blocks", pipeline.window_blocks, "Storage run, block shuffle: blocks per window")
       ->check(kPositive);
   bench_pipeline->add_option("--io-threads", pipeline.io_threads, "Storage run: reads in flight")
-      ->check(kPositive);
+      ->check(kPositive & NumberAtMost(1024, " (data.io.threads' limit)"));
   bench_pipeline->add_flag("--cold", pipeline.cold, "Storage run: evict the dataset from the page cache before each run");
   add_common(bench_pipeline, true);
 
