@@ -1401,6 +1401,14 @@ TEST(Inspect, AVerifyStoppedEarlySaysSoAndBadThreadCountsAreRefused) {
   EXPECT_EQ(inspect::Inspect(dir / "out", io).status().code(), StatusCode::kInvalidArgument);
 }
 
+// A dataset folder `copy` holding only `data` as its data.mdb, verified.
+Result<inspect::InspectReport> VerifyCopy(const fs::path& copy, const std::vector<std::byte>& data) {
+  fs::remove_all(copy);
+  fs::create_directories(copy);
+  testing::WriteBytes(copy / "data.mdb", data);
+  return inspect::Inspect(copy, {.verify = true, .progress = false});
+}
+
 TEST(Inspect, RandomBitFlipsInTheDataFileAreCaughtOrHarmless) {
   // 1,000 copies of a packed dataset, each with one random bit of data.mdb flipped (B-tree pages,
   // meta pages, records, free space). Opening and verifying each must fail cleanly or report the
@@ -1415,13 +1423,10 @@ TEST(Inspect, RandomBitFlipsInTheDataFileAreCaughtOrHarmless) {
   int refused = 0, flagged = 0, harmless = 0;
   for (int trial = 0; trial < 1000; ++trial) {
     const fs::path copy = dir / ("flip" + std::to_string(trial % 2));
-    fs::remove_all(copy);
-    fs::create_directories(copy);
     auto bytes = data;
     const size_t pos = rng() % bytes.size();
     bytes[pos] ^= std::byte{static_cast<unsigned char>(1u << (rng() % 8))};
-    testing::WriteBytes(copy / "data.mdb", bytes);
-    auto report = inspect::Inspect(copy, {.verify = true, .progress = false});
+    auto report = VerifyCopy(copy, bytes);
     if (!report.ok()) {
       ++refused;
       EXPECT_NE(report.status().message().find(copy.filename().string()), std::string::npos)
@@ -1468,13 +1473,10 @@ TEST(Inspect, EveryZeroedPageIsCaughtOrHarmlessToRecordsAndPaths) {
   int refused = 0, reported = 0, harmless = 0;
   for (size_t page = 0; page * kPage < data.size(); ++page) {
     const fs::path copy = dir / "zeroed";
-    fs::remove_all(copy);
-    fs::create_directories(copy);
     auto bytes = data;
     std::fill(bytes.begin() + static_cast<ptrdiff_t>(page * kPage),
               bytes.begin() + static_cast<ptrdiff_t>(std::min(bytes.size(), (page + 1) * kPage)), std::byte{0});
-    testing::WriteBytes(copy / "data.mdb", bytes);
-    auto report = inspect::Inspect(copy, {.verify = true, .progress = false});
+    auto report = VerifyCopy(copy, bytes);
     if (!report.ok()) {
       ++refused;
       continue;
