@@ -2,6 +2,8 @@
 
 #include <climits>
 #include <cstdint>
+#include <map>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -47,6 +49,17 @@ Result<Manifest> Manifest::FromJson(const nlohmann::json& j) {
         return CorruptError(fmt::format("manifest: classes[{}] is {}, not a name (a string)", i, classes[i].type_name()));
       }
       m.classes.push_back(classes[i].get<std::string>());
+    }
+    {
+      // Names are how models, evaluation and predictions tell classes apart: two alike would
+      // merge them in every report.
+      std::map<std::string_view, size_t> first;
+      for (size_t i = 0; i < m.classes.size(); ++i) {
+        if (auto [at, fresh] = first.emplace(m.classes[i], i); !fresh) {
+          return CorruptError(fmt::format("manifest: classes[{}] and classes[{}] are both named '{}'", at->second, i,
+                                          m.classes[i]));
+        }
+      }
     }
     const nlohmann::json& counts = j.at("class_counts");
     if (!counts.is_array()) return CorruptError("manifest: 'class_counts' is not a list");

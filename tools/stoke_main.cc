@@ -118,6 +118,7 @@ CLI::Validator NumberAtMost(double most, const std::string& note) {
 const CLI::Validator kThreads = NumberAtLeast(0, true) & NumberAtMost(stoke::kMaxThreads, " (0 = every core)");
 // A bench run's duration: `inf` and the like ran for ever.
 const CLI::Validator kBenchSeconds = NumberAtLeast(0, false) & NumberAtMost(3600, " seconds per run");
+const CLI::Validator kBenchRepeats = kPositive & NumberAtMost(1000, " runs per figure");
 const CLI::Validator kFileName = CLI::Validator(
     [](std::string& v) { return v.empty() ? std::string("expected a file name, got an empty string") : std::string(); },
     "FILE", "");
@@ -229,7 +230,7 @@ int Run(int argc, char** argv) {
       cmd->add_option("--threads", bench.threads, "Threads for the N-thread runs (0 = all cores)")->check(kThreads);
     }
     cmd->add_option("--repeats", bench.repeats, "Timed runs per figure (median reported)")
-        ->check(kPositive);
+        ->check(kBenchRepeats);
     cmd->add_option("--seconds", bench.seconds,
                     "Duration of each timed run (default: pack 1, read 0.5, decode 0.5, pipeline 2)")
         ->check(kBenchSeconds);
@@ -292,7 +293,7 @@ int Run(int argc, char** argv) {
   bench_train->add_option("--peer-script", peer_script, "The peer (default: bench/peers/torch_train.py of the source tree)");
   bench_train->add_option("--threads", bench.threads, "Compute and loader threads (0 or unset: the config's)")
       ->check(kThreads);
-  bench_train->add_option("--repeats", bench.repeats, "Timed runs (median reported)")->check(kPositive);
+  bench_train->add_option("--repeats", bench.repeats, "Timed runs (median reported)")->check(kBenchRepeats);
   bench_train->add_option("--timeline", train_bench.timeline,
                           "After the runs, time N more end-to-end steps and their batches' copies on the GPU's clock "
                           "(CUDA backend): which step each copy overlapped, and the device's idle time between steps")

@@ -113,8 +113,8 @@ def _float(v: Any) -> float:
 
 def _reals(v: Any, n: int) -> Optional[Tuple[float, ...]]:
     """`v` as n floats when it is a sequence (tuple, list, numpy array, ...) of n numbers, else None."""
-    if isinstance(v, (str, bytes)):
-        return None
+    if isinstance(v, (str, bytes, collections.abc.Set, collections.abc.Mapping)):
+        return None  # a set's or a dict's order is no channel order
     try:
         items = list(v)
     except TypeError:

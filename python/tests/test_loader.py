@@ -516,7 +516,7 @@ def test_bad_options_name_themselves(data):
     # Wrong types name the option (they gave pybind11's "incompatible function arguments").
     for key, value in [("seed", -1), ("seed", 2**64), ("batch_size", 16.0), ("rank", 1.0), ("on_error", None),
                        ("train", "yes"), ("normalize", ((0.5, 0.5), (0.2, 0.2))), ("resize", -10),
-                       ("scale", 0.5), ("flip", "half")]:
+                       ("scale", 0.5), ("flip", "half"), ("normalize", ({0.1, 0.2, 0.3}, (1, 1, 1)))]:
         options = {"batch_size": 8, key: value}
         if key == "rank":
             options["world_size"] = 2

@@ -226,7 +226,8 @@ TEST(Manifest, FieldsOfTheWrongTypeAreNamed) {
   for (const auto& [body, key] : std::vector<std::pair<std::string, std::string>>{
            {R"("classes":["a",5]})", "classes[1] is number"},
            {R"("classes":"ab"})", "'classes' is not a list"},
-           {R"("classes":["a","b"],"has_paths":"yes"})", "'has_paths' is string, not true or false"}}) {
+           {R"("classes":["a","b"],"has_paths":"yes"})", "'has_paths' is string, not true or false"},
+           {R"("classes":["a","a"]})", "classes[0] and classes[1] are both named 'a'"}}) {
     auto m = Manifest::Parse(head + body);
     ASSERT_FALSE(m.ok()) << body;
     EXPECT_EQ(m.status().code(), StatusCode::kCorrupt) << body;

@@ -11,11 +11,13 @@
 #include <fstream>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <random>
 
 #include <fmt/format.h>
 
 #include "common/logging.h"
+#include "common/progress.h"
 #include "dataset/dataset.h"
 #include "prefetch/loader.h"
 #include "tools/pack/packer.h"
@@ -110,6 +112,9 @@ Result<EvalReport> Evaluate(const EvalOptions& options) {
   train::BatchStats total;
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t batches = loader->batches_per_epoch();
+  // A line on a terminal, plain lines now and then in a pipe; ended before any error is printed.
+  std::optional<ProgressReporter> progress;
+  if (options.progress) progress.emplace("eval", batches);
   while (true) {
     if (options.stop != nullptr && options.stop->load()) return UnavailableError("stopped (interrupted)");
     STOKE_ASSIGN_OR_RETURN(auto lease, loader->Next());
@@ -137,12 +142,10 @@ Result<EvalReport> Evaluate(const EvalOptions& options) {
       ++report.classes[static_cast<size_t>(predicted)].predicted;
       ++confusion[static_cast<size_t>(label) * static_cast<size_t>(classes) + static_cast<size_t>(predicted)];
     }
-    const int64_t done = lease->number + 1;
     lease.Release(net->stream());
-    if (options.progress) std::fprintf(stderr, "\reval: batch %lld/%lld", static_cast<long long>(done),
-                                       static_cast<long long>(batches));
+    if (progress) progress->Advance();
   }
-  if (options.progress) std::fprintf(stderr, "\n");
+  if (progress) progress->Finish();
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   report.samples = total.count;
   report.loss = total.loss();
