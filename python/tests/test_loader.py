@@ -1113,7 +1113,9 @@ def test_verify_stops_on_ctrl_c(slow_data):
         ds.verify(threads=1)
     timer.join()
     took = time.monotonic() - started
-    assert took < 0.05 + 0.3 and took < whole, f"verify took {took:.2f} s after Ctrl-C (a whole one {whole:.2f} s)"
+    # Stopped within about one record's decode (0.3 s on an idle machine; on a loaded one a record
+    # takes longer, and 0.42 s was seen beside a CI run): well before the whole verify's end.
+    assert took < max(0.05 + 0.3, whole / 4), f"verify took {took:.2f} s after Ctrl-C (a whole one {whole:.2f} s)"
 
 
 def test_the_type_stub_matches_the_native_module():
