@@ -330,6 +330,10 @@ int Run(int argc, char** argv) {
   std::string train_monitor;
   train_cmd->add_option("--monitor", train_monitor,
                         "Serve the live monitor page of this run on [HOST:]PORT while it trains (HOST: 127.0.0.1)");
+  // --print-config only prints: the flags of a run would be accepted unchecked and unused.
+  for (const char* run_flag : {"--resume", "--max-steps", "--monitor"}) {
+    train_cmd->get_option("--print-config")->excludes(train_cmd->get_option(run_flag));
+  }
 
   // ---- monitor
   std::vector<std::string> monitor_runs;

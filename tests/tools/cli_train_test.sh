@@ -89,6 +89,8 @@ done
 check demo_not_utf8 1 "the name is not UTF-8" -- "$stoke" demo --dir "$work/bad"$'\xff'"dir" --per-class 20 --epochs 1
 cfg=$work/demo/demo.yaml
 check print_config 0 "momentum: 0.9" -- "$stoke" train --config "$cfg" --print-config
+check print_config_takes_no_run_flags 108 "--print-config excludes --resume" -- \
+  "$stoke" train --config "$cfg" --print-config --resume nonexist.ckpt
 "$stoke" train --config "$cfg" --print-config >"$work/resolved.yaml"
 check print_config_reads_back 0 "batch_size: 64" -- "$stoke" train --config "$work/resolved.yaml" --print-config
 sed "s|run_dir: .*|run_dir: $work/run2|; s|^epochs: .*|epochs: 2|" "$cfg" >"$work/run2.yaml"
