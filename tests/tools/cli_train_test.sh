@@ -29,6 +29,10 @@ check demo_again_kept_notes 0 "mine" -- cat "$odd/notes.txt"
 # demo_signalled SIGNAL OUT: a long demo in $odd, sent SIGNAL once it is generating images (its
 # handler is set by then), however slow the build; its output in OUT; returns its exit code.
 demo_signalled() {
+  # Removed first: the redirection below truncates it only once the child runs, and the wait could
+  # meanwhile find the last run's "== 1." and signal the new demo before its handler is set (a
+  # background job ignores SIGINT until then: that demo ran to the end, seen under ASan in CI).
+  rm -f "$2"
   "$stoke" demo --dir "$odd" --per-class 5000 --epochs 1 --threads 2 >"$2" 2>&1 &
   local pid=$! waited=0
   until grep -q "^== 1\." "$2" 2>/dev/null || ((waited >= 300)); do
