@@ -71,9 +71,7 @@ class Section {
 
   // Looks up `key`; false when absent (the default stays).
   bool Has(const std::string& key, YAML::Node* out) {
-    keys_.insert(key);
-    if (!node_.IsMap()) return false;
-    YAML::Node n = node_[key];
+    YAML::Node n = Find(key);
     if (!n.IsDefined() || n.IsNull()) return false;
     *out = n;
     return true;
@@ -83,9 +81,7 @@ class Section {
   // value (`lr:` or `lr: ~`) is refused, not read as the default: a value deleted by mistake, or
   // one a template left blank, would otherwise train with a number nobody chose.
   Result<bool> Value(const std::string& key, YAML::Node* out) {
-    keys_.insert(key);
-    if (!node_.IsMap()) return false;
-    YAML::Node n = node_[key];
+    YAML::Node n = Find(key);
     if (!n.IsDefined()) return false;
     if (n.IsNull()) {
       // The key's line: an empty value's mark is where the next token starts.
@@ -221,6 +217,12 @@ class Section {
   const std::string& source() const { return source_; }
 
  private:
+  // `key`'s node (undefined when absent), noted as a key this section reads.
+  YAML::Node Find(const std::string& key) {
+    keys_.insert(key);
+    return node_.IsMap() ? node_[key] : YAML::Node(YAML::NodeType::Undefined);
+  }
+
   YAML::Node node_;
   std::string path_;
   const std::string& source_;

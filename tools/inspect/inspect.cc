@@ -179,7 +179,7 @@ Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOp
   // records read, and verified, as intact.
   const bool read_paths = m.has_paths && ds.paths_status().ok();
   std::atomic<int64_t> lost_paths{0};
-  tbb::concurrent_vector<BadRecord> first_lost;  // one of them, for the message
+  tbb::concurrent_vector<std::string> first_lost;  // the first failure's message (one at most)
   auto stopping = [&] { return options.stop != nullptr && options.stop->load(); };
   auto chain =
       tbb::make_filter<void, int64_t>(tbb::filter_mode::serial_in_order,
@@ -211,7 +211,7 @@ Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOp
           Status s = rec.ok() ? VerifyRecord(*rec, t.decoder, t.scratch) : rec.status();
           auto source = !s.ok() || read_paths ? t.reader->SourcePath(i) : Result<std::string>(std::string());
           if (!source.ok() && read_paths && lost_paths.fetch_add(1) == 0) {
-            first_lost.push_back({i, "", source.status().message()});
+            first_lost.push_back(std::string(source.status().message()));
           }
           if (!s.ok()) bad.push_back({i, source.ok() ? *source : "", s.message()});
         }
@@ -232,7 +232,7 @@ Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOp
   if (lost_paths.load() > 0) {
     report.manifest_problems.push_back(fmt::format(
         "the source paths table: {} of {} records' paths cannot be read (the images are not affected); one of them: {}",
-        lost_paths.load(), ds.size(), first_lost.empty() ? std::string("?") : first_lost[0].reason));
+        lost_paths.load(), ds.size(), first_lost.empty() ? std::string("?") : first_lost[0]));
     report.summary["manifest_problems"] = report.manifest_problems;
   }
   // Verify re-checks every record, including any the summary pass already listed.
