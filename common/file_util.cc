@@ -233,6 +233,39 @@ FileLock::~FileLock() {
   ::close(fd_);
 }
 
+Result<std::vector<std::filesystem::path>> MakeFolders(const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> missing;  // innermost first
+  std::error_code ec;
+  for (fs::path p = dir.lexically_normal(); !p.empty(); p = p.parent_path()) {
+    if (p.filename().empty() && p.has_parent_path() && p.parent_path() != p) continue;  // "a/b/"
+    if (fs::exists(fs::symlink_status(p, ec)) || p == p.root_path()) break;
+    missing.push_back(p);
+    if (!p.has_parent_path() || p.parent_path() == p) break;
+  }
+  std::vector<fs::path> made;
+  for (auto it = missing.rbegin(); it != missing.rend(); ++it) {
+    const bool created = fs::create_directory(*it, ec);
+    if (ec) {
+      RemoveEmptyFolders(made);
+      return IoError(fmt::format("cannot make {}: {}", it->string(), ec.message()));
+    }
+    if (created) made.push_back(*it);  // (not one another process made meanwhile)
+  }
+  if (!fs::is_directory(dir, ec)) {
+    RemoveEmptyFolders(made);
+    return IoError(fmt::format("cannot make {}: something other than a folder is there", dir.string()));
+  }
+  return made;
+}
+
+void RemoveEmptyFolders(std::span<const std::filesystem::path> made) {
+  for (auto it = made.rbegin(); it != made.rend(); ++it) {
+    std::error_code ec;
+    std::filesystem::remove(*it, ec);  // a folder with anything in it stays (ENOTEMPTY)
+  }
+}
+
 bool PathWithin(const std::filesystem::path& inner, const std::filesystem::path& outer) {
   namespace fs = std::filesystem;
   std::error_code ec;

@@ -47,6 +47,14 @@ Status CheckOutputClear(std::string_view flag, const std::filesystem::path& outp
                         std::span<const std::filesystem::path> files,
                         std::span<const std::filesystem::path> folders);
 
+// Makes `dir` and whichever of its parents are missing (as create_directories does) and returns
+// the folders it made, outermost first: a command that fails before writing into them takes them
+// away again with RemoveEmptyFolders instead of leaving an empty tree behind.
+Result<std::vector<std::filesystem::path>> MakeFolders(const std::filesystem::path& dir);
+// Removes those of `made` that are still empty, innermost first (best effort: errors are ignored,
+// a folder something was written into is kept).
+void RemoveEmptyFolders(std::span<const std::filesystem::path> made);
+
 // fsyncs a directory, so that the names created, renamed or removed in it survive a crash.
 Status SyncDirectory(const std::filesystem::path& dir);
 

@@ -324,7 +324,7 @@ int Run(int argc, char** argv) {
   train_cmd->add_option("--resume", resume, "Continue a run: 'latest' (newest checkpoint in run_dir) or a checkpoint file")
       ->expected(0, 1)
       ->default_str("latest");
-  train_cmd->add_option("--max-steps", train_run.max_steps, "Stop (with a checkpoint) at step N, counted from the run's start (a resumed run too)")
+  train_cmd->add_option("--max-steps", train_run.max_steps, "Stop (with a checkpoint) at step N, counted from the run's start (a resumed run too: N past its checkpoint's step)")
       ->check(kPositive);
   train_cmd->add_flag("-q,--quiet", train_quiet, "No progress line");
   std::string train_monitor;

@@ -355,16 +355,16 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   std::ofstream metrics;
   std::unique_ptr<EventWriter> events;
   KeptMetrics kept_metrics;  // rank 0's, of a resumed run
+  // The folders this start made: a start that fails (a --resume with nothing to resume from) takes
+  // them away again, not leaving an empty run_dir that looks like a run.
+  std::vector<std::filesystem::path> made_folders;
   // An exception on rank 0 alone must be agreed like any error, not leave the others waiting.
   Status start = CatchExceptions("train: starting the run", [&]() -> Status {
     if (!lead) return OkStatus();
-    std::error_code ec;
     // The checkpoints' folder too: a file in its place is found now, not at the first checkpoint.
-    std::filesystem::create_directories(run_dir / "checkpoints", ec);
-    if (ec) {
-      return IoError(fmt::format("run_dir {}: cannot make {}: {}", run_dir.string(), (run_dir / "checkpoints").string(),
-                                 ec.message()));
-    }
+    auto made = MakeFolders(run_dir / "checkpoints");
+    if (!made.ok()) return made.status().Prepend(fmt::format("run_dir {}", run_dir.string()));
+    made_folders = std::move(*made);
     if (run.resume.empty()) {
       if (!ListCheckpoints(run_dir).empty()) {
         return InvalidArgumentError(fmt::format(
@@ -447,6 +447,14 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
               path.string(), d));
         }
       }
+      // --max-steps counts from the run's start: at or below the checkpoint's step the resumed run
+      // would take no step and only write its figures again.
+      if (run.max_steps > 0 && ck.step >= run.max_steps && ck.step < summary.total_steps) {
+        return InvalidArgumentError(fmt::format(
+            "--max-steps {}: checkpoint {} is at step {} already (--max-steps counts from the run's start, not "
+            "from the resume); give a step past {}, or leave --max-steps out to train on to step {}",
+            run.max_steps, path.string(), ck.step, ck.step, summary.total_steps));
+      }
       step = ck.step;
       interval = ck.interval;
       epoch_stats = ck.epoch;
@@ -485,7 +493,10 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     }
     return OkStatus();
   });
-  STOKE_RETURN_IF_ERROR(agree_after_io(start));
+  if (Status agreed = agree_after_io(start); !agreed.ok()) {
+    RemoveEmptyFolders(made_folders);
+    return agreed;
+  }
   if (world > 1) {
     STOKE_RETURN_IF_ERROR(must(comm->Broadcast(&step, sizeof step, 0).Wait()));
     STOKE_RETURN_IF_ERROR(must(BroadcastState(*comm, *net)));

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <fstream>
 #include <numeric>
 #include <set>
 #include <string>
@@ -238,6 +239,34 @@ TEST(FileUtil, AtomicWriteRefusesWhatIsNotAFileAndFollowsALink) {
   ::close(fd);
   ASSERT_OK_AND_ASSIGN(auto kept, ReadFileBytes(dir / "out.txt"));
   EXPECT_EQ(kept.size(), 1u);
+}
+
+TEST(FileUtil, MakeFoldersReturnsWhatItMadeAndRemoveEmptyFoldersKeepsWhatWasWrittenInto) {
+  testing::TempDir dir;
+  ASSERT_OK_AND_ASSIGN(auto made, MakeFolders(dir / "a" / "b" / "c"));
+  ASSERT_EQ(made.size(), 3u);
+  EXPECT_EQ(made.front(), (dir / "a").lexically_normal());
+  EXPECT_EQ(made.back(), (dir / "a" / "b" / "c").lexically_normal());
+  ASSERT_OK_AND_ASSIGN(auto again, MakeFolders(dir / "a" / "b" / "c" / ""));  // all there: none made
+  EXPECT_TRUE(again.empty());
+  std::ofstream(dir / "a" / "kept.txt") << "x";
+  RemoveEmptyFolders(made);
+  EXPECT_FALSE(std::filesystem::exists(dir / "a" / "b"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "a" / "kept.txt"));
+  // A file in the way: an error naming it, and nothing left behind.
+  std::ofstream(dir / "file") << "x";
+  auto blocked = MakeFolders(dir / "file" / "below");
+  ASSERT_FALSE(blocked.ok());
+  EXPECT_NE(blocked.status().message().find("cannot make " + (dir / "file" / "below").string()), std::string::npos)
+      << blocked.status().ToString();
+  auto is_file = MakeFolders(dir / "file");
+  ASSERT_FALSE(is_file.ok());
+  EXPECT_NE(is_file.status().message().find("something other than a folder"), std::string::npos)
+      << is_file.status().ToString();
+  auto under_new = MakeFolders(dir / "new" / "file2");
+  ASSERT_OK(under_new.status());
+  RemoveEmptyFolders(*under_new);
+  EXPECT_FALSE(std::filesystem::exists(dir / "new"));
 }
 
 TEST(FileUtil, FileLockIsExclusiveNamesItsOwnerAndGoesAwayOnRelease) {

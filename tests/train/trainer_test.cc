@@ -535,6 +535,46 @@ TEST_F(TrainLoop, ResumeGivesIdenticalWeights) {
   }
 }
 
+// --max-steps counts from the run's start: a resume whose checkpoint is at or past it would take no
+// step, so it is refused, naming the checkpoint's step, before anything in the run folder moves.
+TEST_F(TrainLoop, AResumeAtOrPastMaxStepsIsRefused) {
+  TrainRunOptions first;
+  first.progress = false;
+  first.plot = false;
+  first.max_steps = 6;
+  const auto run_dir = dir_->path() / "short";
+  ASSERT_OK(Train(Config("short", 2), first).status());
+  const auto metrics_before = LossLines(run_dir / "metrics.jsonl");
+  for (int64_t n : {6, 3}) {
+    TrainRunOptions again = first;
+    again.resume = "latest";
+    again.max_steps = n;
+    auto r = Train(Config("short", 2), again);
+    ASSERT_FALSE(r.ok()) << "--max-steps " << n;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find(fmt::format("--max-steps {}: checkpoint ", n)), std::string::npos)
+        << r.status().message();
+    EXPECT_NE(r.status().message().find("is at step 6 already"), std::string::npos) << r.status().message();
+  }
+  EXPECT_EQ(ListCheckpoints(run_dir).back(), CheckpointPath(run_dir, 6));
+  // A resume into a run_dir that holds nothing to resume from fails without making the folder.
+  TrainConfig elsewhere = Config("new/parent/run", 2);
+  TrainRunOptions nothing = first;
+  nothing.resume = "latest";
+  auto none = Train(elsewhere, nothing);
+  ASSERT_FALSE(none.ok());
+  EXPECT_NE(none.status().message().find("no checkpoints in"), std::string::npos) << none.status().message();
+  EXPECT_FALSE(std::filesystem::exists(dir_->path() / "new")) << "a failed resume left an empty run_dir";
+  EXPECT_EQ(LossLines(run_dir / "metrics.jsonl"), metrics_before);
+  // Past the checkpoint, the resume trains on to it.
+  TrainRunOptions on = first;
+  on.resume = "latest";
+  on.max_steps = 9;
+  ASSERT_OK_AND_ASSIGN(TrainSummary s, Train(Config("short", 2), on));
+  EXPECT_EQ(s.start_step, 6);
+  EXPECT_EQ(s.steps, 9);
+}
+
 TEST_F(TrainLoop, ResumingFromAnOlderCheckpointSetsTheLaterOnesAside) {
   // The run's checkpoints at steps 16 and 24 (keep: 2); resumed from 16 and stopped at 20, the run
   // goes on from 20: step 24 of the first run moves aside instead of staying the "latest" (or
