@@ -119,9 +119,15 @@ const CLI::Validator kThreads = NumberAtLeast(0, true) & NumberAtMost(stoke::kMa
 // A bench run's duration: `inf` and the like ran for ever.
 const CLI::Validator kBenchSeconds = NumberAtLeast(0, false) & NumberAtMost(3600, " seconds per run");
 const CLI::Validator kBenchRepeats = kPositive & NumberAtMost(1000, " runs per figure");
-const CLI::Validator kFileName = CLI::Validator(
-    [](std::string& v) { return v.empty() ? std::string("expected a file name, got an empty string") : std::string(); },
-    "FILE", "");
+// A path: an empty one (`--json ""`, a shell variable that was not set) read as "not given" and the
+// output was silently not written.
+CLI::Validator PathName(const char* what, const char* name) {
+  return CLI::Validator(
+      [=](std::string& v) { return v.empty() ? fmt::format("expected {}, got an empty string", what) : std::string(); },
+      name, "");
+}
+const CLI::Validator kFileName = PathName("a file name", "FILE");
+const CLI::Validator kFolderName = PathName("a folder name", "DIR");
 
 int Fail(const stoke::Status& s) {
   std::fprintf(stderr, "stoke: %s\n", s.ToString().c_str());
@@ -156,7 +162,7 @@ int Run(int argc, char** argv) {
                        "Image folder tree (one sub-folder per class), or the root that --list "
                        "paths are relative to")
       ->required();
-  pack_cmd->add_option("OUT", pack.output, "Output dataset directory (e.g. train.lmdb)")->required();
+  pack_cmd->add_option("OUT", pack.output, "Output dataset directory (e.g. train.lmdb)")->required()->check(kFolderName);
   pack_cmd->add_option("--list", pack.list_file, "List file of 'relative/path label' lines")
       ->check(CLI::ExistingFile);
   pack_cmd->add_option("--threads", pack.threads, "Worker threads (0 = all cores)")
@@ -175,6 +181,7 @@ int Run(int argc, char** argv) {
                                ->check(CLI::Range(0.0, 0.999999));
   pack_cmd->add_option("--val-output", pack.val_output,
                        "Validation dataset directory (default: OUT with _val)")
+      ->check(kFolderName)
       ->needs(val_fraction_opt);
   pack_cmd->add_option("--on-error", on_error, "Bad inputs: skip (and report) or fail")
       ->check(CLI::IsMember({"skip", "fail"}));
@@ -192,7 +199,7 @@ int Run(int argc, char** argv) {
   pack_cmd->add_option("--index-intervals", pack.index_intervals_per_row,
                        "Restart intervals per MCU row with --index restart (at least; a divisor of the row)")
       ->check(CLI::Range(1, 64));
-  pack_cmd->add_option("--report", pack.report_file, "Write a JSON report of skipped inputs");
+  pack_cmd->add_option("--report", pack.report_file, "Write a JSON report of skipped inputs")->check(kFileName);
   pack_cmd->add_flag("--resume", pack.resume, "Continue an interrupted pack of the same inputs");
   pack_cmd->add_flag("--overwrite", pack.overwrite, "Replace existing outputs");
   pack_cmd->add_flag("--no-paths", no_paths, "Do not store source paths");
@@ -235,8 +242,9 @@ int Run(int argc, char** argv) {
                     "Duration of each timed run (default: pack 1, read 0.5, decode 0.5, pipeline 2)")
         ->check(kBenchSeconds);
     auto* work = cmd->add_option("--work-dir", bench.work_dir,
-                                 "Where the scratch folder for packed datasets goes (removed at the end)");
-    cmd->add_option("--json", bench.json_out, "Also write the results as JSON here");
+                                 "Where the scratch folder for packed datasets goes (removed at the end)")
+                     ->check(kFolderName);
+    cmd->add_option("--json", bench.json_out, "Also write the results as JSON here")->check(kFileName);
     // A given dataset is measured as it is: nothing is packed from --data, nothing made in --work-dir.
     if (auto* db = cmd->get_option_no_throw("DB")) db->excludes(data)->excludes(work);
   };
@@ -283,14 +291,20 @@ int Run(int argc, char** argv) {
       ->check(kPositive);
   bench_train->add_option("--seconds", bench.seconds, "Duration of each timed run when --steps is not given (default 2)")
       ->check(kBenchSeconds);
-  bench_train->add_option("--warmup", train_bench.warmup, "Untimed steps before each run")->check(kNonNegative);
+  bench_train->add_option("--warmup", train_bench.warmup,
+                          "Untimed steps before each run (at least 1: the first steps build kernels)")
+      ->check(kPositive & NumberAtMost(100000, " untimed steps per run"));
   std::string model_json;
-  bench_train->add_option("--model-json", model_json, "Write the resolved model as JSON (for the PyTorch peer)");
+  bench_train->add_option("--model-json", model_json, "Write the resolved model as JSON (for the PyTorch peer)")
+      ->check(kFileName);
   bench_train->add_flag("--peer", train_bench.peer,
                         "Also run PyTorch's training step on the same model, batch and threads (on the GPU with autocast for the CUDA backend), and the ratio");
-  bench_train->add_option("--python", train_bench.python, "Python with torch for --peer")->default_str("/usr/bin/python3");
+  bench_train->add_option("--python", train_bench.python, "Python with torch for --peer")
+      ->default_str("/usr/bin/python3")
+      ->check(kFileName);
   std::string peer_script;
-  bench_train->add_option("--peer-script", peer_script, "The peer (default: bench/peers/torch_train.py of the source tree)");
+  bench_train->add_option("--peer-script", peer_script, "The peer (default: bench/peers/torch_train.py of the source tree)")
+      ->check(kFileName);
   bench_train->add_option("--threads", bench.threads, "Compute and loader threads (0 or unset: the config's)")
       ->check(kThreads);
   bench_train->add_option("--repeats", bench.repeats, "Timed runs (median reported)")->check(kBenchRepeats);
@@ -298,7 +312,7 @@ int Run(int argc, char** argv) {
                           "After the runs, time N more end-to-end steps and their batches' copies on the GPU's clock "
                           "(CUDA backend): which step each copy overlapped, and the device's idle time between steps")
       ->check(kNonNegative);
-  bench_train->add_option("--json", bench.json_out, "Also write the results as JSON here");
+  bench_train->add_option("--json", bench.json_out, "Also write the results as JSON here")->check(kFileName);
 
   // ---- synth
   std::string synth_dir;

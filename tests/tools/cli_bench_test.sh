@@ -44,6 +44,15 @@ check bench_train_json_not_over_the_model_json 1 "bench train: --json .*: that i
 check bench_train_refusals_left_the_dataset 0 "records +24" -- "$stoke" inspect "$work/ds.lmdb"
 check bench_repeats_bounded 105 "--repeats: must be at most 1000 runs per figure" -- \
   "$stoke" bench decode "$work/ds.lmdb" --seconds 0.05 --repeats 100000000
+check bench_train_warmup_at_least_one 105 "--warmup: must be > 0, not 0" -- \
+  "$stoke" bench train --config "$work/bt.yaml" --steps 2 --warmup 0 --repeats 1
+# An empty output path was read as "not given": the figures were silently not written.
+check bench_json_empty 105 "--json: expected a file name, got an empty string" -- \
+  "$stoke" bench decode "$work/ds.lmdb" --seconds 0.05 --repeats 1 --json ""
+check bench_work_dir_empty 105 "--work-dir: expected a folder name, got an empty string" -- \
+  "$stoke" bench pack --data "$work/src" "${quick[@]}" --work-dir ""
+check bench_train_model_json_empty 105 "--model-json: expected a file name, got an empty string" -- \
+  "$stoke" bench train --config "$work/bt.yaml" --steps 2 --warmup 1 --repeats 1 --model-json ""
 check bench_pipeline_io_threads_bounded 105 "--io-threads: must be at most 1024" -- \
   "$stoke" bench pipeline "$work/ds.lmdb" --shuffle full --io-threads 20000 --seconds 0.05 --repeats 1
 check bench_work_dir_left_as_it_was 0 "^mine.txt$" -- ls -A "$work/scratch"

@@ -49,6 +49,10 @@ mkdir -p "$work/allbad/c" && printf 'not a jpeg' >"$work/allbad/c/a.jpg"
 check pack_nothing_packed 0 "none of the 1 inputs could be packed .*allbad.lmdb holds no record" -- \
   "$stoke" pack "$work/allbad" "$work/allbad.lmdb" -q
 check pack_missing_src 1 "no-such-dir" -- "$stoke" pack "$work/no-such-dir" "$work/x.lmdb" -q
+check pack_empty_report 105 "--report: expected a file name, got an empty string" -- \
+  "$stoke" pack "$work/src" "$work/r.lmdb" --report ""
+check pack_empty_val_output 105 "--val-output: expected a folder name, got an empty string" -- \
+  "$stoke" pack "$work/src" "$work/r.lmdb" --val-fraction 0.2 --val-output ""
 check pack_bad_flag 105 "quality" -- "$stoke" pack "$work/src" "$work/y.lmdb" --quality 0
 check pack_on_error_fail 1 "broken.jpg.*--on-error fail" -- \
   "$stoke" pack "$work/src" "$work/z.lmdb" -q --on-error fail
