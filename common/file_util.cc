@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <string_view>
 
@@ -264,6 +265,18 @@ void RemoveEmptyFolders(std::span<const std::filesystem::path> made) {
     std::error_code ec;
     std::filesystem::remove(*it, ec);  // a folder with anything in it stays (ENOTEMPTY)
   }
+}
+
+Result<std::filesystem::path> TemporaryFolder(std::string_view what) {
+  const char* env = std::getenv("TMPDIR");
+  const bool from_env = env != nullptr && env[0] != '\0';
+  const std::filesystem::path dir = from_env ? env : "/tmp";
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) {
+    return IoError(fmt::format("no folder for {}: {}{} is not a folder (set TMPDIR to a writable folder)", what,
+                               from_env ? "TMPDIR=" : "", dir.string()));
+  }
+  return dir;
 }
 
 bool PathWithin(const std::filesystem::path& inner, const std::filesystem::path& outer) {

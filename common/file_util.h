@@ -55,6 +55,10 @@ Result<std::vector<std::filesystem::path>> MakeFolders(const std::filesystem::pa
 // a folder something was written into is kept).
 void RemoveEmptyFolders(std::span<const std::filesystem::path> made);
 
+// The folder for scratch files: $TMPDIR when set and not empty (an empty one is unset, as POSIX
+// has it), else /tmp. kIoError naming `what` and the folder when it is not one.
+Result<std::filesystem::path> TemporaryFolder(std::string_view what);
+
 // fsyncs a directory, so that the names created, renamed or removed in it survive a crash.
 Status SyncDirectory(const std::filesystem::path& dir);
 

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <numeric>
@@ -267,6 +268,34 @@ TEST(FileUtil, MakeFoldersReturnsWhatItMadeAndRemoveEmptyFoldersKeepsWhatWasWrit
   ASSERT_OK(under_new.status());
   RemoveEmptyFolders(*under_new);
   EXPECT_FALSE(std::filesystem::exists(dir / "new"));
+}
+
+// An empty TMPDIR is an unset one (std::filesystem::temp_directory_path refused it, and predict
+// with it); one that names no folder is an error naming it.
+TEST(FileUtil, TemporaryFolderTakesAnEmptyTmpdirAsUnset) {
+  testing::TempDir dir;
+  const char* was = std::getenv("TMPDIR");
+  const std::string saved = was != nullptr ? was : "";
+  ::setenv("TMPDIR", "", 1);
+  auto empty = TemporaryFolder("x");
+  ::setenv("TMPDIR", dir.path().c_str(), 1);
+  auto set = TemporaryFolder("x");
+  ::setenv("TMPDIR", (dir / "missing").c_str(), 1);
+  auto missing = TemporaryFolder("the scratch files");
+  if (was != nullptr) {
+    ::setenv("TMPDIR", saved.c_str(), 1);
+  } else {
+    ::unsetenv("TMPDIR");
+  }
+  ASSERT_OK(empty.status());
+  EXPECT_EQ(*empty, std::filesystem::path("/tmp"));
+  ASSERT_OK(set.status());
+  EXPECT_EQ(*set, dir.path());
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("no folder for the scratch files: TMPDIR=" + (dir / "missing").string() +
+                                            " is not a folder"),
+            std::string::npos)
+      << missing.status().ToString();
 }
 
 TEST(FileUtil, FileLockIsExclusiveNamesItsOwnerAndGoesAwayOnRelease) {

@@ -120,7 +120,10 @@ Result<std::unique_ptr<Scratch>> MakeScratch(const BenchOptions& o, bool needed 
   std::error_code ec;
   // A folder of this bench's own, inside --work-dir when given (what else is there is not
   // touched), and removed at the end: a bench leaves nothing behind.
-  const fs::path parent = o.work_dir.empty() ? fs::temp_directory_path() : o.work_dir;
+  fs::path parent = o.work_dir;
+  if (parent.empty()) {
+    STOKE_ASSIGN_OR_RETURN(parent, TemporaryFolder("the bench's scratch datasets"));
+  }
   // Not inside the images measured: its scratch files would be packed with them.
   const fs::path measured[] = {o.data};
   STOKE_RETURN_IF_ERROR(CheckOutputClear("bench: --work-dir", o.work_dir, {}, measured));

@@ -152,8 +152,11 @@ Result<TrainBenchReport> RunTrainBench(const BenchOptions& o, const TrainBenchOp
 #ifdef STOKE_SOURCE_DIR
     if (peer_opts.peer_script.empty()) peer_opts.peer_script = std::filesystem::path(STOKE_SOURCE_DIR) / "bench/peers/torch_train.py";
 #endif
-    peer_model = t.model_json.empty() ? std::filesystem::temp_directory_path() / fmt::format("stoke-model-{}.json", getpid())
-                                      : t.model_json;
+    peer_model = t.model_json;
+    if (peer_model.empty()) {
+      STOKE_ASSIGN_OR_RETURN(const auto tmp, TemporaryFolder("the peer's model file"));
+      peer_model = tmp / fmt::format("stoke-model-{}.json", getpid());
+    }
     STOKE_RETURN_IF_ERROR(WriteFileAtomic(peer_model, model_json.dump(1) + "\n"));
   }
   // The temporary model file goes however this function returns (an error below left it in /tmp).

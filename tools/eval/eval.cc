@@ -16,6 +16,7 @@
 
 #include <fmt/format.h>
 
+#include "common/file_util.h"
 #include "common/logging.h"
 #include "common/progress.h"
 #include "dataset/dataset.h"
@@ -257,11 +258,7 @@ Result<std::vector<Prediction>> Predict(const PredictOptions& options) {
   ScratchDir scratch;
   {
     std::error_code ec;
-    const fs::path tmp = fs::temp_directory_path(ec);
-    if (ec) {
-      return IoError(fmt::format("no folder for predict's scratch files: {} (set TMPDIR to a writable folder)",
-                                 ec.message()));
-    }
+    STOKE_ASSIGN_OR_RETURN(const fs::path tmp, TemporaryFolder("predict's scratch files"));
     std::random_device rd;
     scratch.path = tmp / fmt::format("stoke-predict-{}-{:08x}", getpid(), rd());
     fs::create_directories(scratch.path / "inputs", ec);
