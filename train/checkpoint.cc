@@ -65,8 +65,12 @@ Result<Checkpoint> ParseCheckpoint(std::span<const std::byte> bytes, const std::
   auto corrupt = [&](const std::string& what) {
     return CorruptError(fmt::format("checkpoint {}: {}", source, what));
   };
-  if (bytes.size() < kFixed + sizeof(uint32_t) || std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) {
+  if (bytes.size() < sizeof(kMagic) || std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) {
     return corrupt(fmt::format("not a stoke checkpoint ({} bytes, no STOKECKP header)", bytes.size()));
+  }
+  if (bytes.size() < kFixed + sizeof(uint32_t)) {
+    return corrupt(fmt::format("truncated: {} bytes, fewer than a checkpoint's fixed header and checksum ({})",
+                               bytes.size(), kFixed + sizeof(uint32_t)));
   }
   const auto version = Get<uint32_t>(bytes.data() + sizeof(kMagic));
   if (version != kCheckpointFormatVersion) {

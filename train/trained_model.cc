@@ -29,6 +29,10 @@ Result<TrainedModel> LoadTrainedModel(const TrainedModelSource& source) {
                                               source.run_dir.string()));
     }
     if (!std::filesystem::is_directory(source.run_dir, ec)) {
+      if (std::filesystem::exists(source.run_dir, ec)) {
+        return InvalidArgumentError(fmt::format("{} is not a run directory (neither a folder nor a file)",
+                                                source.run_dir.string()));
+      }
       return NotFoundError(fmt::format("run directory {} does not exist", source.run_dir.string()));
     }
     auto all = ListCheckpoints(source.run_dir);

@@ -237,6 +237,9 @@ TEST(TrainedModel, RefusesWeightsThatAreNotFiniteAndARunDirThatIsAFile) {
   m = LoadTrainedModel({.run_dir = run.checkpoint});
   ASSERT_FALSE(m.ok());
   EXPECT_NE(m.status().message().find("is a file, not a run directory"), std::string::npos) << m.status().message();
+  m = LoadTrainedModel({.run_dir = "/dev/null"});  // there, but neither: not "does not exist"
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("/dev/null is not a run directory"), std::string::npos) << m.status().message();
 }
 
 TEST(TrainedModel, RefusesATruncatedCheckpointNamingTheFile) {

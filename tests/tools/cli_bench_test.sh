@@ -22,6 +22,8 @@ cp "$work"/src/class_00/img_000[0-2].jpg "$work/looped/a/"
 ln -s self.jpg "$work/looped/a/self.jpg"
 check bench_pack_link_loop 0 "img/s" -- "$stoke" bench pack --data "$work/looped" "${quick[@]}" --work-dir "$work/scratch"
 # --json never into what is measured.
+check bench_data_is_a_file 1 "bench: .*ds.lmdb/data.mdb: not a folder; --data takes an image folder tree" -- \
+  "$stoke" bench pack --data "$work/ds.lmdb/data.mdb" "${quick[@]}"
 check bench_json_not_into_the_images 1 "bench: --json .*: that is inside .*src" -- \
   "$stoke" bench read --data "$work/src" "${quick[@]}" --work-dir "$work/scratch" --json "$work/src/class_00/img_0000.jpg"
 check bench_json_not_into_the_dataset 1 "bench: --json .*: that is inside .*ds.lmdb" -- \

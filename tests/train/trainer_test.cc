@@ -395,6 +395,11 @@ TEST(Checkpoint, RoundTripAndDamageIsRefused) {
   }
   auto r = ParseCheckpoint(std::span(bytes).first(bytes.size() - 8), "x.ckpt");
   EXPECT_NE(r.status().message().find("checksum mismatch"), std::string::npos) << r.status().ToString();
+  // Cut inside the fixed header: the magic is there, so "truncated", not "no STOKECKP header".
+  r = ParseCheckpoint(std::span(bytes).first(12), "x.ckpt");
+  EXPECT_NE(r.status().message().find("truncated: 12 bytes"), std::string::npos) << r.status().ToString();
+  r = ParseCheckpoint(std::span(bytes).first(5), "x.ckpt");
+  EXPECT_NE(r.status().message().find("no STOKECKP header"), std::string::npos) << r.status().ToString();
 }
 
 // ------------------------------------------------------------------ the training loop

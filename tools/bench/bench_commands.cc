@@ -161,6 +161,12 @@ std::vector<fs::path> ListFiles(const fs::path& root) {
 Status CheckData(const BenchOptions& o) {
   std::error_code ec;
   if (!fs::is_directory(o.data, ec)) {
+    if (fs::exists(o.data, ec)) {
+      return InvalidArgumentError(fmt::format(
+          "bench: {}: not a folder; --data takes an image folder tree (one sub-folder per class), a packed "
+          "dataset goes as the DB argument of bench decode and pipeline",
+          o.data.string()));
+    }
     return NotFoundError(fmt::format(
         "bench: {}: no such image folder (pass --data, e.g. ../shared/data/imagenet_like)",
         o.data.string()));
