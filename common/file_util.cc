@@ -316,6 +316,16 @@ Status CheckOutputClear(std::string_view flag, const std::filesystem::path& outp
           output.string(), d.string()));
     }
   }
+  // Nor into another dataset's folder (an LMDB environment: data.mdb there): `export -o
+  // other.lmdb/data.mdb` replaced that dataset's records with an ONNX file.
+  std::error_code ec;
+  const fs::path where = fs::weakly_canonical(fs::absolute(output, ec), ec).parent_path();
+  if (!ec && fs::exists(where / "data.mdb", ec)) {
+    return InvalidArgumentError(fmt::format(
+        "{} {}: that is inside the dataset {} (an LMDB folder: its data.mdb is there), whose files it would "
+        "replace or mix with; give a path outside it",
+        flag, output.string(), where.string()));
+  }
   return OkStatus();
 }
 

@@ -42,7 +42,8 @@ bool PathWithin(const std::filesystem::path& inner, const std::filesystem::path&
 
 // kInvalidArgument when writing `output` (what the flag `flag` names) would overwrite what the
 // command reads or writes besides: the same file as one of `files` (by any name), or a path at or
-// below one of `folders` (a dataset, an image folder). Empty paths in either list are ignored.
+// below one of `folders` (a dataset, an image folder), or a path in any LMDB dataset's folder (a
+// data.mdb beside it). Empty paths in either list are ignored.
 Status CheckOutputClear(std::string_view flag, const std::filesystem::path& output,
                         std::span<const std::filesystem::path> files,
                         std::span<const std::filesystem::path> folders);

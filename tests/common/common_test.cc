@@ -298,6 +298,28 @@ TEST(FileUtil, TemporaryFolderTakesAnEmptyTmpdirAsUnset) {
       << missing.status().ToString();
 }
 
+TEST(FileUtil, CheckOutputClearRefusesTheInputsAndAnyDatasetFolder) {
+  testing::TempDir dir;
+  std::filesystem::create_directories(dir / "in");
+  std::ofstream(dir / "config.yaml") << "x";
+  const std::filesystem::path files[] = {dir / "config.yaml"}, folders[] = {dir / "in"};
+  EXPECT_OK(CheckOutputClear("--out", dir / "out.json", files, folders));
+  EXPECT_FALSE(CheckOutputClear("--out", dir / "sub" / ".." / "config.yaml", files, folders).ok());
+  EXPECT_FALSE(CheckOutputClear("--out", dir / "in" / "x.json", files, folders).ok());
+  // Any LMDB folder, read by the command or not.
+  std::filesystem::create_directories(dir / "other.lmdb");
+  std::ofstream(dir / "other.lmdb" / "data.mdb") << "records";
+  const Status s = CheckOutputClear("--out", dir / "other.lmdb" / "data.mdb", files, folders);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("that is inside the dataset " + (dir / "other.lmdb").string()), std::string::npos)
+      << s.ToString();
+  EXPECT_FALSE(CheckOutputClear("--out", dir / "other.lmdb" / "new.json", files, folders).ok());
+  // Through a link to the dataset's folder, too.
+  std::filesystem::create_directory_symlink(dir / "other.lmdb", dir / "link");
+  EXPECT_FALSE(CheckOutputClear("--out", dir / "link" / "x.onnx", files, folders).ok());
+  EXPECT_OK(CheckOutputClear("--out", dir / "other.lmdb.onnx", files, folders));
+}
+
 TEST(FileUtil, FileLockIsExclusiveNamesItsOwnerAndGoesAwayOnRelease) {
   testing::TempDir dir;
   const auto path = dir / "out.lock";

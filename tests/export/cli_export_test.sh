@@ -34,6 +34,13 @@ if "$stoke" export --help >/dev/null 2>&1 && "$stoke" export --run "$run" -o "$w
   check export_left_the_checkpoint 0 "" -- cmp "$ckpt" "$work/ckpt.before"
   check export_not_over_the_config 1 "export: --output .*config.yaml: that is" -- \
     "$stoke" export --run "$run" -o "$run/config.yaml"
+  # Nor into a dataset's folder it does not read (it replaced another dataset's data.mdb).
+  cp "$work/demo/train.lmdb/data.mdb" "$work/data.before"
+  check export_not_into_a_dataset 1 "export: --output .*train.lmdb/data.mdb: that is inside the dataset" -- \
+    "$stoke" export --run "$run" -o "$work/demo/train.lmdb/data.mdb"
+  check export_not_beside_a_dataset_s_records 1 "that is inside the dataset .*train.lmdb" -- \
+    "$stoke" export --run "$run" -o "$work/demo/train.lmdb/model.onnx"
+  check export_left_the_dataset 0 "" -- cmp "$work/demo/train.lmdb/data.mdb" "$work/data.before"
 else
   check export_unavailable 1 "no ONNX export" -- cat "$work/export.txt"
 fi

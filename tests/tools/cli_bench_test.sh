@@ -36,7 +36,7 @@ check bench_work_dir_not_in_the_images 1 "bench: --work-dir .*: that is inside .
   "$stoke" bench pack --data "$work/src" "${quick[@]}" --work-dir "$work/src"
 # bench train's outputs: not over its config or dataset, nor over each other.
 printf 'data: {train: %s, image_size: 32, batch_size: 6}\nmodel: {preset: lenet, classes: 3}\n' "$work/ds.lmdb" >"$work/bt.yaml"
-check bench_train_json_not_into_the_dataset 1 "bench train: --json .*: that is inside .*ds.lmdb" -- \
+check bench_train_json_not_into_the_dataset 1 "--json .*: that is inside .*ds.lmdb" -- \
   "$stoke" bench train --config "$work/bt.yaml" --steps 2 --warmup 1 --repeats 1 --json "$work/ds.lmdb/data.mdb"
 check bench_train_model_json_not_over_the_config 1 "bench train: --model-json .*: that is .*bt.yaml" -- \
   "$stoke" bench train --config "$work/bt.yaml" --steps 2 --warmup 1 --repeats 1 --model-json "$work/bt.yaml"
