@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "common/limits.h"
+#include "common/logging.h"
 #include "dataset/dataset.h"
 #include "train/trainer.h"
 
@@ -109,7 +110,13 @@ Result<TrainedModel> LoadTrainedModel(const TrainedModelSource& source) {
   // Class names: the checkpoint's (written since 0.3), else the training dataset's manifest.
   m.classes = m.checkpoint.classes;
   if (m.classes.empty()) {
-    if (auto ds = dataset::Dataset::Open(m.config.data.train); ds.ok()) m.classes = ds->manifest().classes;
+    // (A relative data.train is taken from the working directory, as the run took it.)
+    if (auto ds = dataset::Dataset::Open(m.config.data.train); ds.ok()) {
+      m.classes = ds->manifest().classes;
+    } else {
+      STOKE_LOG(WARN, "{} holds no class names and its data.train cannot be opened ({}): classes are named by number",
+                Describe(m), ds.status().message());
+    }
   }
   if (static_cast<int>(m.classes.size()) > m.config.model.classes) {
     return InvalidArgumentError(fmt::format("{}: {} class names for a model of {} classes", Describe(m),

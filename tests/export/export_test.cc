@@ -210,6 +210,23 @@ TEST(TrainedModel, LoadsTheCheckpointWithItsOwnConfigAndClassNames) {
   EXPECT_EQ(net->backend(), "cpu");
 }
 
+// A checkpoint of no class names (written before they were stored) whose training dataset is gone:
+// classes named by number, and a warning saying why, not a silent fallback.
+TEST(TrainedModel, ACheckpointWithoutClassNamesWarnsWhenItsDatasetIsGone) {
+  SavedRun run;
+  ASSERT_NO_FATAL_FAILURE(SaveRun(run, kLayers));
+  ASSERT_OK_AND_ASSIGN(Checkpoint ck, LoadCheckpoint(run.checkpoint));
+  ck.classes.clear();
+  ASSERT_OK(SaveCheckpoint(run.checkpoint, ck));
+  ::testing::internal::CaptureStderr();
+  auto m = LoadTrainedModel({.checkpoint = run.checkpoint});
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  ASSERT_OK(m.status());
+  EXPECT_EQ(m->classes, (std::vector<std::string>{"0", "1", "2"}));
+  EXPECT_NE(err.find("holds no class names and its data.train cannot be opened"), std::string::npos) << err;
+  EXPECT_NE(err.find("none.lmdb"), std::string::npos) << err;
+}
+
 TEST(TrainedModel, AReducedPrecisionRunEvaluatesOnTheCpuInFloat32) {
   SavedRun run;
   ASSERT_NO_FATAL_FAILURE(SaveRun(run, kLayers));
