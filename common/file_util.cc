@@ -234,6 +234,23 @@ FileLock::~FileLock() {
   ::close(fd_);
 }
 
+Status CheckFileWritable(std::string_view flag, const std::filesystem::path& path) {
+  namespace fs = std::filesystem;
+  auto target = WriteTarget(path);
+  // (Its messages begin with the path refused: the one given, or where its link leads.)
+  if (!target.ok()) return Status(target.status().code(), fmt::format("{} {}", flag, target.status().message()));
+  const fs::path folder = target->has_parent_path() ? target->parent_path() : fs::path(".");
+  std::error_code ec;
+  if (!fs::is_directory(folder, ec)) {
+    return NotFoundError(fmt::format("{} {}: no folder {} to write it in", flag, path.string(), folder.string()));
+  }
+  if (::access(folder.c_str(), W_OK) != 0) {
+    return IoError(fmt::format("{} {}: cannot write in {}: {}", flag, path.string(), folder.string(),
+                               std::strerror(errno)));
+  }
+  return OkStatus();
+}
+
 Result<std::vector<std::filesystem::path>> MakeFolders(const std::filesystem::path& dir) {
   namespace fs = std::filesystem;
   std::vector<fs::path> missing;  // innermost first

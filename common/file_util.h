@@ -48,6 +48,11 @@ Status CheckOutputClear(std::string_view flag, const std::filesystem::path& outp
                         std::span<const std::filesystem::path> files,
                         std::span<const std::filesystem::path> folders);
 
+// Whether WriteFileAtomic(path) could write there, checked before a long run whose result goes
+// there: kNotFound when its folder is missing, kIoError when that folder is not writable,
+// kInvalidArgument when a folder, FIFO or device is at `path`. Messages begin with "flag path: ".
+Status CheckFileWritable(std::string_view flag, const std::filesystem::path& path);
+
 // Makes `dir` and whichever of its parents are missing (as create_directories does) and returns
 // the folders it made, outermost first: a command that fails before writing into them takes them
 // away again with RemoveEmptyFolders instead of leaving an empty tree behind.

@@ -1204,3 +1204,12 @@ def test_a_relative_path_still_names_the_same_dataset_after_a_chdir(data, tmp_pa
     assert sum(b["replaced"] for b in loader) == 0
     assert ds.verify() == []
     loader.close()
+
+
+def test_a_report_that_cannot_be_written_is_refused_before_packing(data, tmp_path):
+    images = os.path.join(os.path.dirname(data["train"]), "images")
+    with pytest.raises(ValueError, match="exists and is not a regular file"):
+        stoke.pack(images, tmp_path / "out.lmdb", report=tmp_path)  # a folder
+    with pytest.raises(FileNotFoundError, match="no folder"):
+        stoke.pack(images, tmp_path / "out.lmdb", report=tmp_path / "missing" / "r.json")
+    assert not (tmp_path / "out.lmdb").exists() and not (tmp_path / "out.lmdb.partial").exists()

@@ -320,6 +320,27 @@ TEST(FileUtil, CheckOutputClearRefusesTheInputsAndAnyDatasetFolder) {
   EXPECT_OK(CheckOutputClear("--out", dir / "other.lmdb.onnx", files, folders));
 }
 
+TEST(FileUtil, CheckFileWritableSaysWhyBeforeTheWrite) {
+  testing::TempDir dir;
+  EXPECT_OK(CheckFileWritable("--out", dir / "new.json"));
+  std::ofstream(dir / "old.json") << "x";
+  EXPECT_OK(CheckFileWritable("--out", dir / "old.json"));
+  Status s = CheckFileWritable("--out", dir / "missing" / "r.json");
+  EXPECT_EQ(s.code(), StatusCode::kNotFound);
+  EXPECT_NE(s.message().find("--out " + (dir / "missing" / "r.json").string() + ": no folder"), std::string::npos)
+      << s.ToString();
+  s = CheckFileWritable("--out", dir.path());
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("--out " + dir.path().string() + ": exists and is not a regular file (a folder)"),
+            std::string::npos)
+      << s.ToString();
+  // A link is followed: into a missing folder is refused, to a file is fine.
+  std::filesystem::create_symlink(dir / "gone" / "x.json", dir / "dangling");
+  EXPECT_EQ(CheckFileWritable("--out", dir / "dangling").code(), StatusCode::kNotFound);
+  std::filesystem::create_symlink(dir / "old.json", dir / "to_old");
+  EXPECT_OK(CheckFileWritable("--out", dir / "to_old"));
+}
+
 TEST(FileUtil, FileLockIsExclusiveNamesItsOwnerAndGoesAwayOnRelease) {
   testing::TempDir dir;
   const auto path = dir / "out.lock";

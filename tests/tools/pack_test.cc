@@ -935,12 +935,21 @@ TEST(Pack, OutputsThatWouldDestroyOrSwallowTheSourceAreRefused) {
   auto strict = Options(src, dir / "strict.lmdb");
   strict.on_error = OnError::kFail;
   EXPECT_FALSE(Pack(strict).ok());
-  // A report that cannot be written is an error (the dataset itself is complete).
+  // A report that cannot be written is refused before the pack, not found after it.
   auto report = Options(src, dir / "reported.lmdb");
   report.report_file = dir / "no" / "such" / "r.json";
   auto r = Pack(report);
   ASSERT_FALSE(r.ok());
-  EXPECT_NE(r.status().message().find("the datasets themselves are complete"), std::string::npos) << r.status().message();
+  EXPECT_NE(r.status().message().find("pack: --report " + report.report_file.string() + ": no folder"),
+            std::string::npos)
+      << r.status().message();
+  report.report_file = dir.path();  // a folder
+  r = Pack(report);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("exists and is not a regular file (a folder)"), std::string::npos)
+      << r.status().message();
+  EXPECT_FALSE(fs::exists(dir / "reported.lmdb"));
+  EXPECT_FALSE(fs::exists(dir / "reported.lmdb.partial"));
 }
 
 TEST(Pack, NonJpegImagesOverThePixelCapAreSkippedBeforeDecoding) {

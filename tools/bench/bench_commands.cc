@@ -182,21 +182,7 @@ Status CheckJsonOut(const BenchOptions& o, const fs::path& dataset) {
   // Not into what is measured: the image folder (--data) or the dataset.
   const fs::path read[] = {o.data, dataset};
   STOKE_RETURN_IF_ERROR(CheckOutputClear("bench: --json", o.json_out, {}, read));
-  const fs::path folder = o.json_out.has_parent_path() ? o.json_out.parent_path() : fs::path(".");
-  std::error_code ec;
-  if (!fs::is_directory(folder, ec)) {
-    return NotFoundError(fmt::format("bench: --json {}: no folder {} to write it in", o.json_out.string(),
-                                     folder.string()));
-  }
-  if (::access(folder.c_str(), W_OK) != 0) {
-    return IoError(fmt::format("bench: --json {}: cannot write in {}: {}", o.json_out.string(), folder.string(),
-                               std::strerror(errno)));
-  }
-  const auto st = fs::status(o.json_out, ec);
-  if (fs::exists(st) && !fs::is_regular_file(st)) {
-    return InvalidArgumentError(fmt::format("bench: --json {}: exists and is not a file", o.json_out.string()));
-  }
-  return OkStatus();
+  return CheckFileWritable("bench: --json", o.json_out);
 }
 
 namespace {

@@ -396,6 +396,7 @@ Result<TrainBenchReport> BenchTrain(const BenchOptions& o, const TrainBenchOptio
     }
     if (!t.model_json.empty()) {
       STOKE_RETURN_IF_ERROR(CheckOutputClear("bench train: --model-json", t.model_json, besides_model, read));
+      STOKE_RETURN_IF_ERROR(CheckFileWritable("bench train: --model-json", t.model_json));
     }
   }
   if (o.threads > 0) c.compute_threads = o.threads, c.data.threads = o.threads;

@@ -1329,6 +1329,8 @@ Status CheckOutputsAgainstSource(const PackOptions& o) {
       folders.push_back(out.string() + ".partial");
     }
     STOKE_RETURN_IF_ERROR(CheckOutputClear("pack: --report", o.report_file, files, folders));
+    // Before the pack, not after it (an hour of packing, then "cannot write the report").
+    STOKE_RETURN_IF_ERROR(CheckFileWritable("pack: --report", o.report_file));
   }
   for (const fs::path& out : outputs) {
     for (const fs::path& p : {out, fs::path(out.string() + ".partial")}) {
