@@ -1213,3 +1213,14 @@ def test_a_report_that_cannot_be_written_is_refused_before_packing(data, tmp_pat
     with pytest.raises(FileNotFoundError, match="no folder"):
         stoke.pack(images, tmp_path / "out.lmdb", report=tmp_path / "missing" / "r.json")
     assert not (tmp_path / "out.lmdb").exists() and not (tmp_path / "out.lmdb.partial").exists()
+
+
+def test_verify_threads_is_checked_by_name(data):
+    ds = stoke.Dataset(data["train"])
+    for bad in (True, 1.5, "2"):
+        with pytest.raises(TypeError, match=r"stoke.Dataset.verify: threads=.*: expected an int from 0 to"):
+            ds.verify(threads=bad)
+    for bad in (-1, 5000, 2**31, 2**80):  # past C's int was a TypeError listing the overloads
+        with pytest.raises(ValueError, match=rf"threads={bad}: expected an int from 0 to"):
+            ds.verify(threads=bad)
+    assert ds.verify(threads=np.int64(2)) == []
