@@ -12,6 +12,7 @@ import math
 import numbers
 import os
 import re
+import struct
 import threading
 import weakref
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Union
@@ -111,6 +112,14 @@ def _float(v: Any) -> float:
         return math.inf if v > 0 else -math.inf
 
 
+def _float32(v: float) -> float:
+    """`v` rounded to float32 (inf past its range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", v))[0]
+    except OverflowError:
+        return math.copysign(math.inf, v)
+
+
 def _reals(v: Any, n: int) -> Optional[Tuple[float, ...]]:
     """`v` as n floats when it is a sequence (tuple, list, numpy array, ...) of n numbers, else None."""
     if isinstance(v, (str, bytes, collections.abc.Set, collections.abc.Mapping)):
@@ -157,6 +166,16 @@ def _checked_options(**options: Any) -> Dict[str, Any]:
             ok = value is None or (mean_std is not None and None not in mean_std)
             expected = "None or ((mean r, g, b), (std r, g, b))"
             converted = mean_std if value is not None else None
+            if ok and mean_std is not None:
+                # The loader holds them as float32: a std of 1e-46 became 0 and 1e300 inf, and were
+                # reported as such, not as the values given.
+                for part, values in zip(("mean", "std"), mean_std):
+                    for i, v in enumerate(values):
+                        f32 = _float32(v)
+                        if math.isfinite(v) and (not math.isfinite(f32) or (f32 == 0) != (v == 0)):
+                            raise ValueError(f"stoke.torch.Loader: normalize: {part}[{i}] = {v!r} is "
+                                             f"{f32} as a float32 (the loader's precision); expected a number "
+                                             "float32 holds")
         else:  # batch_size, size, threads, ring, resize: whole numbers
             ok, expected = _is_count(value) and value < 2**31, "an int in [0, 2**31)"
             converted = int(value) if ok else value

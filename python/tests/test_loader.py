@@ -561,7 +561,10 @@ def test_bad_options_name_themselves(data):
                                   ((math.nan, 0, 0), (1,) * 3, None, "mean.0. = nan"),
                                   ((0,) * 3, (1, math.inf, 1), None, "std.1. = inf"),
                                   ((0,) * 3, (1e-40,) * 3, None, "largest value 3.4"),
-                                  ((0,) * 3, (1e-5,) * 3, torch.float16, "largest value 65504")]:
+                                  ((0,) * 3, (1e-5,) * 3, torch.float16, "largest value 65504"),
+                                  # Named as given, not as float32 made them (they read "= 0", "= inf").
+                                  ((0.5,) * 3, (1e-46, 1, 1), None, r"std\[0\] = 1e-46 is 0.0 as a float32"),
+                                  ((0, 0, 1e300), (1,) * 3, None, r"mean\[2\] = 1e\+300 is inf as a float32")]:
         with pytest.raises(ValueError, match=why):
             Loader(data["train"], batch_size=8, normalize=(mean, std), dtype=dtype)
     # A size whose default evaluation resize overflows is refused by name (it said "after resize 0").
