@@ -296,17 +296,8 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
         }
       }
     }
-    const auto dataset_classes = static_cast<int64_t>(train_set->manifest().classes.size());
-    if (dataset_classes > config.model.classes) {
-      return InvalidArgumentError(fmt::format("{}: model.classes is {}, but {} has {} classes", config.source,
-                                              config.model.classes, config.data.train, dataset_classes));
-    }
+    STOKE_RETURN_IF_ERROR(CheckTrainSet(config, *train_set));
     steps_per_epoch = train_set->size() / config.data.batch_size;
-    if (steps_per_epoch < 1) {
-      return InvalidArgumentError(fmt::format("{}: data.batch_size {} is larger than the {} records of {}",
-                                              config.source, config.data.batch_size, train_set->size(),
-                                              config.data.train));
-    }
     STOKE_ASSIGN_OR_RETURN(net, CreateNetwork(config, comm));
     return OkStatus();
   }();
@@ -915,6 +906,20 @@ Result<TrainSummary> Train(const TrainConfig& config, const TrainRunOptions& run
     if (run.comm != nullptr && run.comm->size() > 1) run.comm->Abort(s);
     return s;
   }
+}
+
+Status CheckTrainSet(const TrainConfig& config, const dataset::Dataset& train_set) {
+  const auto dataset_classes = static_cast<int64_t>(train_set.manifest().classes.size());
+  if (dataset_classes > config.model.classes) {
+    return InvalidArgumentError(fmt::format("{}: model.classes is {}, but {} has {} classes", config.source,
+                                            config.model.classes, config.data.train, dataset_classes));
+  }
+  if (train_set.size() < config.data.batch_size) {
+    return InvalidArgumentError(fmt::format("{}: data.batch_size {} is larger than the {} records of {}",
+                                            config.source, config.data.batch_size, train_set.size(),
+                                            config.data.train));
+  }
+  return OkStatus();
 }
 
 void FeedNetwork(const Network& net, prefetch::LoaderOptions& o) {

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "common/status.h"
+#include "dataset/dataset.h"
 #include "dist/communicator.h"
 #include "train/config.h"
 
@@ -72,6 +73,9 @@ Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& config, const 
 // ring's device copies (a lease dropped without Release(stream) returns its slot on the network's
 // stream); host memory otherwise.
 void FeedNetwork(const Network& net, prefetch::LoaderOptions& o);
+// Whether the training set `train_set` (config.data.train, opened) fits `config`: the model has an
+// output for each of its classes, and it holds at least one batch. Errors name the config's file.
+Status CheckTrainSet(const TrainConfig& config, const dataset::Dataset& train_set);
 // Whether CreateNetwork would pick the CUDA backend for `config` on this machine.
 bool SelectsCudaBackend(const TrainConfig& config);
 

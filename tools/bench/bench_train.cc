@@ -124,6 +124,7 @@ Result<TrainBenchReport> RunTrainBench(const BenchOptions& o, const TrainBenchOp
   const int world = comm->size(), rank = comm->rank();
   auto db = dataset::Dataset::Open(c.data.train);
   STOKE_RETURN_IF_ERROR(agree(db.status()));
+  STOKE_RETURN_IF_ERROR(agree(train::CheckTrainSet(c, *db)));  // as `stoke train` checks it
   auto created = train::CreateNetwork(c, comm.get());
   STOKE_RETURN_IF_ERROR(agree(created.status()));
   auto net = std::move(*created);
