@@ -12,6 +12,7 @@ Datasets are made by `stoke pack` (the command line tool).
 import math
 import numbers
 import os
+import re
 from typing import Any, Callable, Dict, Optional, Union
 
 from . import _stoke
@@ -24,6 +25,25 @@ except ImportError:  # pragma: no cover
         pass
 
 __all__ = ["Dataset", "pack", "__version__"]
+
+
+# pack's messages name its command-line flags; each one found is given in stoke.pack's spelling too.
+_FLAG_ARGUMENTS = {"--overwrite": "overwrite=True", "--resume": "resume=True", "--report": "report=",
+                   "--val-fraction": "val_fraction=", "--val-output": "val_output=", "--list": "list_file=",
+                   "--index-intervals": "index_intervals=", "--no-paths": "store_paths=False",
+                   "--max-side": "max_side=", "--quality": "quality=", "--threads": "threads=",
+                   "--on-error": "on_error=", "--shuffle": "shuffle=True", "--seed": "seed=",
+                   "--encoding": "encoding=", "--validate": "validate=", "--index": "index=",
+                   "--commit-every": "commit_every="}
+
+
+def _in_pack_spelling(message: str) -> str:
+    named = []
+    for flag in re.findall(r"--[a-z][a-z-]*", message):
+        argument = _FLAG_ARGUMENTS.get(flag)
+        if argument is not None and f"{flag} is {argument}" not in named:
+            named.append(f"{flag} is {argument}")
+    return f"{message} (in stoke.pack: {', '.join(named)})" if named else message
 
 
 _PATHS = {"source", "output", "list_file", "val_output", "report"}
@@ -109,8 +129,13 @@ def pack(source: _Path, output: _Path, *, list_file: Optional[_Path] = None, val
         last[0] = records
         return progress(records)  # type: ignore[misc]
 
-    report = _stoke._pack(_checked("source", source), _checked("output", output), options,
-                          None if progress is None else told)
+    try:
+        report = _stoke._pack(_checked("source", source), _checked("output", output), options,
+                              None if progress is None else told)
+    except Exception as e:
+        if len(e.args) == 1 and isinstance(e.args[0], str):
+            e.args = (_in_pack_spelling(e.args[0]),)
+        raise
     total = sum(split["records"] for split in report["splits"])
     if progress is not None and total != last[0]:
         progress(total)  # and once at the end, unless the last commit said it already

@@ -1227,3 +1227,11 @@ def test_verify_threads_is_checked_by_name(data):
         with pytest.raises(ValueError, match=rf"threads={bad}: expected an int from 0 to"):
             ds.verify(threads=bad)
     assert ds.verify(threads=np.int64(2)) == []
+
+
+def test_pack_errors_name_the_flags_as_arguments_too(data, tmp_path):
+    images = os.path.join(os.path.dirname(data["train"]), "images")
+    with pytest.raises(ValueError, match=r"--overwrite to replace it\).*\(in stoke.pack: --overwrite is overwrite=True\)"):
+        stoke.pack(images, data["train"])
+    with pytest.raises(ValueError, match=r"in stoke.pack: --resume is resume=True, --overwrite is overwrite=True\)$"):
+        stoke.pack(images, tmp_path / "x.lmdb", resume=True, overwrite=True)
