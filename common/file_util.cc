@@ -255,11 +255,11 @@ Result<std::vector<std::filesystem::path>> MakeFolders(const std::filesystem::pa
   namespace fs = std::filesystem;
   std::vector<fs::path> missing;  // innermost first
   std::error_code ec;
-  for (fs::path p = dir.lexically_normal(); !p.empty(); p = p.parent_path()) {
-    if (p.filename().empty() && p.has_parent_path() && p.parent_path() != p) continue;  // "a/b/"
-    if (fs::exists(fs::symlink_status(p, ec)) || p == p.root_path()) break;
+  fs::path p = dir.lexically_normal();
+  if (p.filename().empty() && p != p.root_path()) p = p.parent_path();  // "a/b/"
+  for (; !p.empty() && !fs::exists(fs::symlink_status(p, ec)); p = p.parent_path()) {
     missing.push_back(p);
-    if (!p.has_parent_path() || p.parent_path() == p) break;
+    if (p == p.parent_path()) break;  // (a root that is not there)
   }
   std::vector<fs::path> made;
   for (auto it = missing.rbegin(); it != missing.rend(); ++it) {

@@ -415,6 +415,15 @@ class TrainLoop : public ::testing::Test {
     dir_ = nullptr;
   }
 
+  // A run that prints nothing and draws no plot, stopping at step `max_steps` (0: at its end).
+  static TrainRunOptions Quiet(int64_t max_steps = 0) {
+    TrainRunOptions o;
+    o.progress = false;
+    o.plot = false;
+    o.max_steps = max_steps;
+    return o;
+  }
+
   static TrainConfig Config(const std::string& run, int epochs, const std::string& extra = "") {
     const std::string yaml = fmt::format(R"(data:
   train: {0}/train.lmdb
@@ -508,9 +517,7 @@ TEST_F(TrainLoop, LearnsAndWritesMetricsConfigAndPlot) {
 TEST_F(TrainLoop, ResumeGivesIdenticalWeights) {
   // 3 epochs of 8 steps. Uninterrupted, versus stopped at step 11 (mid-epoch, between
   // checkpoints) and resumed, versus stopped at 16 (an epoch boundary) and resumed.
-  TrainRunOptions quiet;
-  quiet.progress = false;
-  quiet.plot = false;
+  TrainRunOptions quiet = Quiet();
   ASSERT_OK_AND_ASSIGN(TrainSummary full, Train(Config("full", 3), quiet));
   ASSERT_EQ(full.steps, 24);
   const auto want = FinalState(full);
@@ -543,10 +550,7 @@ TEST_F(TrainLoop, ResumeGivesIdenticalWeights) {
 // --max-steps counts from the run's start: a resume whose checkpoint is at or past it would take no
 // step, so it is refused, naming the checkpoint's step, before anything in the run folder moves.
 TEST_F(TrainLoop, AResumeAtOrPastMaxStepsIsRefused) {
-  TrainRunOptions first;
-  first.progress = false;
-  first.plot = false;
-  first.max_steps = 6;
+  TrainRunOptions first = Quiet(6);
   const auto run_dir = dir_->path() / "short";
   ASSERT_OK(Train(Config("short", 2), first).status());
   const auto metrics_before = LossLines(run_dir / "metrics.jsonl");
@@ -584,9 +588,7 @@ TEST_F(TrainLoop, ResumingFromAnOlderCheckpointSetsTheLaterOnesAside) {
   // The run's checkpoints at steps 16 and 24 (keep: 2); resumed from 16 and stopped at 20, the run
   // goes on from 20: step 24 of the first run moves aside instead of staying the "latest" (or
   // the new checkpoint being pruned at once as the oldest).
-  TrainRunOptions quiet;
-  quiet.progress = false;
-  quiet.plot = false;
+  TrainRunOptions quiet = Quiet();
   const auto run_dir = dir_->path() / "branch";
   ASSERT_OK(Train(Config("branch", 3), quiet).status());
   ASSERT_EQ(ListCheckpoints(run_dir).size(), 2u);
@@ -618,9 +620,7 @@ TEST_F(TrainLoop, ResumingFromAnOlderCheckpointSetsTheLaterOnesAside) {
 // its checkpoint is not written (it pruned the last good one, and eval, predict and export refuse
 // it). The infinity is put into a checkpoint, and the run resumed from it.
 TEST_F(TrainLoop, ADivergedModelEndsTheRunAndKeepsTheLastGoodCheckpoint) {
-  TrainRunOptions quiet;
-  quiet.progress = false;
-  quiet.plot = false;
+  TrainRunOptions quiet = Quiet();
   const auto run_dir = dir_->path() / "diverge";
   ASSERT_OK(Train(Config("diverge", 1), quiet).status());
   const auto first = ListCheckpoints(run_dir);
@@ -667,10 +667,7 @@ TEST(ModelDifference, ComparesWhatTheLayersComputeNotDropoutsP) {
 // A resume with a config of another model whose tensors are the same (a ReLU given as a max pool
 // of one pixel) is refused, naming the layer: it trained on another function of the weights.
 TEST_F(TrainLoop, AResumeWithAnotherModelOfTheSameTensorsIsRefused) {
-  TrainRunOptions quiet;
-  quiet.progress = false;
-  quiet.plot = false;
-  quiet.max_steps = 4;
+  TrainRunOptions quiet = Quiet(4);
   ASSERT_OK(Train(Config("arch", 2), quiet).status());
   TrainConfig other = Config("arch", 2);
   auto relu = std::find_if(other.model.layers.begin(), other.model.layers.end(),
@@ -693,10 +690,7 @@ TEST_F(TrainLoop, AResumeWithAnotherModelOfTheSameTensorsIsRefused) {
 }
 
 TEST_F(TrainLoop, ACheckpointOrValidationSetOfAnotherDatasetIsRefused) {
-  TrainRunOptions quiet;
-  quiet.progress = false;
-  quiet.plot = false;
-  quiet.max_steps = 2;
+  TrainRunOptions quiet = Quiet(2);
   const auto run_dir = dir_->path() / "other";
   ASSERT_OK_AND_ASSIGN(TrainSummary a, Train(Config("other", 1), quiet));
   ASSERT_OK_AND_ASSIGN(Checkpoint ck, LoadCheckpoint(a.checkpoint));
@@ -742,10 +736,7 @@ TEST_F(TrainLoop, ACheckpointOrValidationSetOfAnotherDatasetIsRefused) {
 
 TEST_F(TrainLoop, TensorBoardEventsHoldTheMetricsAcrossAResume) {
   if (!EventWriter::Available()) GTEST_SKIP() << "this build has no TensorBoard event files (no protobuf)";
-  TrainRunOptions first;
-  first.progress = false;
-  first.plot = false;
-  first.max_steps = 11;  // checkpoints at 8 (the epoch's end) and 11 (the stop)
+  TrainRunOptions first = Quiet(11);  // checkpoints at 8 (the epoch's end) and 11 (the stop)
   ASSERT_OK(Train(Config("tb", 2), first).status());
   // Resuming from step 8 (as after a crash past it) replaces what followed: steps 9-11.
   const auto run_dir = dir_->path() / "tb";
@@ -820,9 +811,7 @@ TEST_F(TrainLoop, SkippedRecordsAreWrittenToTheMetricsAsTheyHappen) {
   const auto data = dir_->path() / "with_bad.lmdb";
   prefetch::WriteDataset(data, {.records = 64, .bad = {5, 17}});
   ASSERT_OK_AND_ASSIGN(TrainConfig c, SmallConvConfig(data, dir_->path() / "bad_run", 2, /*validate=*/true));
-  TrainRunOptions run;
-  run.progress = false;
-  run.plot = false;
+  TrainRunOptions run = Quiet();
   ASSERT_OK_AND_ASSIGN(TrainSummary s, Train(c, run));
   EXPECT_EQ(s.bad_records, 2);
   // Validation over the same records scores each good one once: the loader's stand-ins for the two
@@ -854,10 +843,7 @@ TEST_F(TrainLoop, TheRunsConfigResumesFromAnotherDirectory) {
   c.data.train = "train.lmdb";
   c.data.val = "./train_val.lmdb";
   c.run_dir = "relative";
-  TrainRunOptions quiet;
-  quiet.progress = false;
-  quiet.plot = false;
-  quiet.max_steps = 5;
+  TrainRunOptions quiet = Quiet(5);
   auto first = Train(c, quiet);
   std::filesystem::current_path(cwd);
   ASSERT_OK(first.status());
@@ -878,10 +864,7 @@ TEST_F(TrainLoop, AResumeReportsEachBadRecordOnceAndDropsACutLine) {
   prefetch::WriteDataset(data, {.records = 64, .bad = {5, 17}});
   const auto run_dir = dir_->path() / "bad_resumed";
   ASSERT_OK_AND_ASSIGN(TrainConfig c, SmallConvConfig(data, run_dir, 3, /*validate=*/false));
-  TrainRunOptions run;
-  run.progress = false;
-  run.plot = false;
-  run.max_steps = 6;  // into the second epoch: both bad records reported in the first
+  TrainRunOptions run = Quiet(6);  // into the second epoch: both bad records reported in the first
   ASSERT_OK(Train(c, run).status());
   {
     // A crash (or a full disk) cut the last line written after the checkpoint short.
@@ -916,10 +899,7 @@ TEST_F(TrainLoop, AResumedRunHoldsTheBadRecordsMetBeforeItAgainstTheBudget) {
   ASSERT_OK_AND_ASSIGN(TrainConfig c, SmallConvConfig(data, run_dir, 1, /*validate=*/false));
   c.data.shuffle = "sequential";
   c.data.max_skip_fraction = 0.04;  // 2 of 64
-  TrainRunOptions run;
-  run.progress = false;
-  run.plot = false;
-  run.max_steps = 2;
+  TrainRunOptions run = Quiet(2);
   ASSERT_OK_AND_ASSIGN(TrainSummary first, Train(c, run));
   EXPECT_GE(first.bad_records, 2) << "and record 40 when the ring read its batch ahead";
   run.max_steps = 0;
@@ -932,9 +912,7 @@ TEST_F(TrainLoop, AResumedRunHoldsTheBadRecordsMetBeforeItAgainstTheBudget) {
 // eval.every_steps evaluates every such step, the ones that end an epoch too (they were left out
 // when eval.every_epochs did not evaluate them), and none twice.
 TEST_F(TrainLoop, EveryStepsEvaluatesAtEpochEndsToo) {
-  TrainRunOptions quiet;
-  quiet.progress = false;
-  quiet.plot = false;
+  TrainRunOptions quiet = Quiet();
   ASSERT_OK_AND_ASSIGN(TrainSummary s, Train(Config("every_step", 2, "eval: {every_steps: 1, every_epochs: 0}\n"), quiet));
   std::vector<int64_t> evaluated, expected;
   for (const auto& [type, step, loss, top1] : LossLines(dir_->path() / "every_step" / "metrics.jsonl")) {
@@ -945,9 +923,7 @@ TEST_F(TrainLoop, EveryStepsEvaluatesAtEpochEndsToo) {
 }
 
 TEST_F(TrainLoop, ResumingAFinishedRunEvaluatesNothingTwice) {
-  TrainRunOptions quiet;
-  quiet.progress = false;
-  quiet.plot = false;
+  TrainRunOptions quiet = Quiet();
   ASSERT_OK_AND_ASSIGN(TrainSummary done, Train(Config("finished", 1), quiet));
   const auto run_dir = dir_->path() / "finished";
   const auto checkpoints = ListCheckpoints(run_dir);
@@ -979,10 +955,7 @@ TEST_F(TrainLoop, ResumingAFinishedRunEvaluatesNothingTwice) {
 }
 
 TEST_F(TrainLoop, DamagedCheckpointIsRefusedAndThePreviousOneStillWorks) {
-  TrainRunOptions quiet;
-  quiet.progress = false;
-  quiet.plot = false;
-  quiet.max_steps = 16;  // checkpoints at steps 8 and 16
+  TrainRunOptions quiet = Quiet(16);  // checkpoints at steps 8 and 16
   ASSERT_OK(Train(Config("damage", 3), quiet).status());
   const auto run_dir = dir_->path() / "damage";
   auto all = ListCheckpoints(run_dir);
@@ -1027,10 +1000,7 @@ TEST_F(TrainLoop, DamagedCheckpointIsRefusedAndThePreviousOneStillWorks) {
 }
 
 TEST_F(TrainLoop, DiskFullDuringACheckpointLeavesThePreviousOneUsable) {
-  TrainRunOptions quiet;
-  quiet.progress = false;
-  quiet.plot = false;
-  quiet.max_steps = 8;  // one checkpoint, at step 8
+  TrainRunOptions quiet = Quiet(8);  // one checkpoint, at step 8
   ASSERT_OK(Train(Config("diskfull", 3), quiet).status());
   const auto run_dir = dir_->path() / "diskfull";
   const auto first = ListCheckpoints(run_dir);
