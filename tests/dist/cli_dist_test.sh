@@ -159,7 +159,9 @@ fi
 # when it stops inside a step is Reducer.AStuckRankEndsTheOthersFinishAtTheFirstTimeout's.)
 dist_keys=", bucket_mb: 0.001" config stuck 500
 sed -i 's/timeout_s: 60/timeout_s: 1/' "$work/stuck.yaml"
-timeout 300 "${mpi[@]}" -np 2 "$stoke" train --config "$work/stuck.yaml" -q >"$work/stuck.out" 2>&1 &
+# (Bounded well inside ctest's limit: once, under ASan in CI, this job did not end, and ctest's
+# timeout hid which check it was; the processes' states are kept for the failure's report.)
+timeout 60 "${mpi[@]}" -np 2 "$stoke" train --config "$work/stuck.yaml" -q >"$work/stuck.out" 2>&1 &
 job=$! victim=""
 for _ in $(seq 1 600); do
   grep -qs '"type":"train"' "$work/stuck/metrics.jsonl" && victim=$(rank1 stuck) && [[ -n $victim ]] && break
@@ -172,8 +174,12 @@ if [[ -z $victim ]]; then
 else
   start=$(date +%s%N)
   kill -STOP "$victim"
+  (sleep 10 && kill -0 "$job" && ps -o pid,stat,wchan:32,etime,args -C stoke,mpiexec,mpirun,prted,orted \
+    >"$work/stuck.ps") >/dev/null 2>&1 &
+  watcher=$!
   wait "$job"
   rc=$?
+  kill "$watcher" 2>/dev/null
   ms=$((($(date +%s%N) - start) / 1000000))
   kill -9 "$victim" 2>/dev/null
   if [[ $rc -ne 0 && $ms -lt 6000 ]] && grep -q "has not finished after 1 s" "$work/stuck.out"; then
@@ -182,6 +188,7 @@ else
   else
     echo "FAIL stuck_rank_ends_the_others: exit $rc after $ms ms"
     sed 's/^/    /' "$work/stuck.out" | tail -20
+    [[ -s $work/stuck.ps ]] && sed 's/^/    ps: /' "$work/stuck.ps"
     failures=$((failures + 1))
   fi
 fi
