@@ -12,9 +12,12 @@
 #include <string>
 
 #include "common/status.h"
-#include "dataset/dataset.h"
 #include "dist/communicator.h"
 #include "train/config.h"
+
+namespace stoke::dataset {
+class Dataset;
+}  // namespace stoke::dataset
 
 namespace stoke::train {
 

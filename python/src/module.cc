@@ -805,19 +805,17 @@ PYBIND11_MODULE(_stoke, m) {
           "verify",
           [](const PyDataset& d, const py::object& threads_arg) {
             // A bool is an int to pybind11, and an int past C's range a TypeError listing overloads.
-            const std::string want = fmt::format("expected an int from 0 to {} (0 = every core)", stoke::kMaxThreads);
-            if (PyBool_Check(threads_arg.ptr()) || !PyIndex_Check(threads_arg.ptr())) {  // (numpy ints pass)
-              RaiseText(PyExc_TypeError, fmt::format("stoke.Dataset.verify: threads={}: {}",
-                                                     py::repr(threads_arg).cast<std::string>(), want));
-            }
-            const py::int_ index = py::reinterpret_steal<py::int_>(PyNumber_Index(threads_arg.ptr()));
+            const auto refuse = [&](PyObject* type) {
+              RaiseText(type, fmt::format("stoke.Dataset.verify: threads={}: expected an int from 0 to {} (0 = "
+                                          "every core)",
+                                          py::repr(threads_arg).cast<std::string>(), stoke::kMaxThreads));
+            };
+            if (PyBool_Check(threads_arg.ptr()) || !PyIndex_Check(threads_arg.ptr())) refuse(PyExc_TypeError);
+            const py::int_ index = py::reinterpret_steal<py::int_>(PyNumber_Index(threads_arg.ptr()));  // numpy ints
             if (!index) throw py::error_already_set();
             int overflow = 0;
             const long long t = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
-            if (overflow != 0 || t < 0 || t > stoke::kMaxThreads) {
-              RaiseText(PyExc_ValueError, fmt::format("stoke.Dataset.verify: threads={}: {}",
-                                                      py::repr(threads_arg).cast<std::string>(), want));
-            }
+            if (overflow != 0 || t < 0 || t > stoke::kMaxThreads) refuse(PyExc_ValueError);
             const int threads = static_cast<int>(t);
             // Verify opens the dataset again by its path: the one there now must be the one open
             // (it checked whatever had been moved or copied there since).

@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cerrno>
-#include <cstring>
 #include <ctime>
 #include <fstream>
 #include <functional>
