@@ -4,11 +4,13 @@
 #include <benchmark/benchmark.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <memory>
 
 #include "bench_data.h"
 #include "common/crc32c.h"
+#include "common/file_util.h"
 #include "common/random.h"
 #include "dataset/dataset.h"
 #include "dataset/writer.h"
@@ -22,7 +24,12 @@ struct BenchDataset {
   fs::path dir;
   std::unique_ptr<dataset::Dataset> ds;
   BenchDataset() {
-    dir = fs::temp_directory_path() / ("stoke-dataset-bench-" + std::to_string(::getpid()));
+    Result<fs::path> tmp = TemporaryFolder("the benchmark's dataset");
+    if (!tmp.ok()) {
+      std::fprintf(stderr, "dataset_bench: %s\n", tmp.status().ToString().c_str());
+      std::exit(1);
+    }
+    dir = *tmp / ("stoke-dataset-bench-" + std::to_string(::getpid()));
     fs::remove_all(dir);
     const auto& images = LoadBenchImages();
     auto writer = dataset::DatasetWriter::Create(dir, {});

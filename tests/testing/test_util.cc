@@ -7,17 +7,28 @@
 #include <csignal>
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+
+#include "common/file_util.h"
 
 namespace stoke::testing {
 namespace fs = std::filesystem;
 
 TempDir::TempDir() {
-  std::string tmpl = (fs::temp_directory_path() / "stoke-test-XXXXXX").string();
+  Result<fs::path> tmp = TemporaryFolder("the test's scratch folder");
+  if (!tmp.ok()) {
+    std::fprintf(stderr, "%s\n", tmp.status().ToString().c_str());
+    std::abort();
+  }
+  std::string tmpl = (*tmp / "stoke-test-XXXXXX").string();
   char* made = ::mkdtemp(tmpl.data());
-  if (made == nullptr) std::abort();
+  if (made == nullptr) {
+    std::perror(("mkdtemp " + tmpl).c_str());
+    std::abort();
+  }
   path_ = made;
 }
 
