@@ -120,12 +120,21 @@ def _float32(v: float) -> float:
         return math.copysign(math.inf, v)
 
 
+def _scalar(v: Any) -> Any:
+    """A 0-d tensor of numbers (what a tensor's elements are, one by one) as its Python number, so
+    that tensors are taken where numbers are; anything else as it is."""
+    if isinstance(v, torch.Tensor) and v.dim() == 0 and v.dtype != torch.bool and not v.is_complex():
+        return v.item()
+    return v
+
+
 def _reals(v: Any, n: int) -> Optional[Tuple[float, ...]]:
-    """`v` as n floats when it is a sequence (tuple, list, numpy array, ...) of n numbers, else None."""
+    """`v` as n floats when it is a sequence (tuple, list, numpy array, tensor, ...) of n numbers,
+    else None."""
     if isinstance(v, (str, bytes, collections.abc.Set, collections.abc.Mapping)):
         return None  # a set's or a dict's order is no channel order
     try:
-        items = list(v)
+        items = [_scalar(x) for x in v]
     except TypeError:
         return None
     return tuple(_float(x) for x in items) if len(items) == n and all(_is_real(x) for x in items) else None
@@ -136,6 +145,7 @@ def _checked_options(**options: Any) -> Dict[str, Any]:
     (the values' ranges are checked by stoke, which names them too)."""
     out: Dict[str, Any] = {}
     for name, value in options.items():
+        value = _scalar(value)
         converted: Any = value
         if name in ("train", "drop_last"):
             ok, expected = isinstance(value, (bool, np_bool)), "True or False"
@@ -573,7 +583,12 @@ class Loader:
                 and utf8(b[1]) and (len(b) == 2 or isinstance(b[2], (bool, np_bool))) for b in bad):
             raise ValueError("stoke.torch.Loader.load_state_dict: bad_records: expected a list of [record index, "
                              f"reason, own] with indices below {records}, reasons UTF-8 text and own True or False")
-        self._known_bad = {int(b[0]): (b[1], True if len(b) == 2 else bool(b[2])) for b in bad}
+        # Another rank's state (one rank saved the checkpoint every rank loads: the position is the
+        # same on every rank) knows which records are bad, not which were this rank's samples: they
+        # are all taken as not its own, each counted when met at one of this rank's samples.
+        theirs = plain(state.get("rank", self._options.rank))
+        same_rank = theirs == self._options.rank and type(theirs) is type(self._options.rank)
+        self._known_bad = {int(b[0]): (b[1], same_rank and (len(b) == 2 or bool(b[2]))) for b in bad}
         self._detach_current()
         self._restart = True
         self._next_epoch, self._start_batch = int(epoch), int(batch)

@@ -585,9 +585,17 @@ def test_normalize_gives_floats_of_the_same_pixels(data):
         assert images.dtype == dtype and images.shape == (8, 3, 32, 32)
         assert torch.allclose(images.float(), want, atol=tol), dtype
         loader.close()
+    # Tensors are taken where numbers are: mean and std as tensors, a batch size as one.
+    tensors = Loader(data["train"], batch_size=torch.tensor(8), size=32, seed=2,
+                     normalize=(torch.tensor(mean), torch.tensor(std)))
+    assert torch.allclose(next(iter(tensors))["images"], want, atol=1e-5)
+    tensors.close()
+    assert len(Loader(data["train"], batch_size=8, scale=torch.tensor([0.5, 1.0]))) == 15
     raw.close()
     with pytest.raises(ValueError, match="normalize"):
         Loader(data["train"], batch_size=8, dtype=torch.float16)
+    with pytest.raises(ValueError, match="normalize"):
+        Loader(data["train"], batch_size=8, normalize=(torch.tensor(mean), torch.ones(2)))
 
 
 def _gpu_reason():
@@ -906,6 +914,62 @@ def test_state_dict_follows_set_epoch_and_load_state_dict(data):
     loader.set_epoch(3)
     assert (loader.state_dict()["epoch"], loader.state_dict()["batch"]) == (3, 0)
     loader.close()
+
+
+def test_after_a_break_the_state_is_the_epoch_left_and_set_epoch_saves_the_next(data):
+    # A break or close() leaves the epoch where it stopped: its state resumes inside it (a run
+    # stopped that way), while the same loader's next iter() starts the next epoch (a DataLoader's).
+    kw = dict(batch_size=16, size=32, seed=9)
+    loader = Loader(data["train"], **kw)
+    for i, _ in enumerate(loader):
+        if i == 2:
+            break
+    assert (loader.state_dict()["epoch"], loader.state_dict()["batch"]) == (0, 3)
+    state = loader.state_dict()
+    assert next(iter(loader))["epoch"] == 1
+    loader.close()
+    assert (loader.state_dict()["epoch"], loader.state_dict()["batch"]) == (1, 1)
+    resumed = Loader(data["train"], **kw)
+    resumed.load_state_dict(state)
+    assert [(b["epoch"], b["batch"]) for b in resumed][0] == (0, 3)
+    # A loop of a fixed number of steps per epoch saves the next epoch's start.
+    steps = Loader(data["train"], **kw)
+    for i, _ in enumerate(steps):
+        if i == 2:
+            break
+    steps.set_epoch(1)
+    assert (steps.state_dict()["epoch"], steps.state_dict()["batch"]) == (1, 0)
+    for one in (loader, resumed, steps):
+        one.close()
+
+
+def test_another_ranks_state_resumes_at_its_batch_and_its_bad_records_are_not_this_ranks_own(data):
+    # Rank 0 writes the checkpoint both ranks load: the position is every rank's, the bad records
+    # rank 0 met at its own samples are not rank 1's, so they do not use rank 1's budget at once.
+    kw = dict(batch_size=4, size=32, seed=3, train=False, world_size=2)
+    zero = Loader(data["damaged"], **kw, rank=0, max_skip_fraction=0.5)
+    one = Loader(data["damaged"], **kw, rank=1, max_skip_fraction=0.5)
+    met = [sum(b["replaced"] for b in loader) for loader in (zero, one)]
+    owner = met.index(1)  # the rank whose shard holds the damaged record
+    states = [zero.state_dict(), one.state_dict()]
+    assert [own for _, _, own in states[owner]["bad_records"]] == [True]
+    assert states[owner]["rank"] == owner
+    other = 1 - owner
+    # Over a budget of none, the damaged record counts against the owner's budget only.
+    tight = dict(kw, max_skip_fraction=0.0)
+    for rank in (owner, other):
+        loader = Loader(data["damaged"], **tight, rank=rank)
+        loader.load_state_dict({**states[owner], "epoch": 0, "batch": 0})
+        assert loader.state_dict()["bad_records"][0][2] == (rank == owner)
+        if rank == owner:
+            with pytest.raises(ValueError, match="max_skip_fraction"):
+                for _ in loader:
+                    pass
+        else:
+            assert sum(1 for _ in loader) == len(loader)
+        loader.close()
+    for loader in (zero, one):
+        loader.close()
 
 
 def test_set_epoch_after_load_state_dict_keeps_the_states_batch(data):
