@@ -475,7 +475,15 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
         if (!ec) *path = absolute.lexically_normal().string();
       }
     }
-    STOKE_RETURN_IF_ERROR(WriteFileAtomic(run_dir / "config.yaml", ConfigToYaml(resolved)));
+    // Not over the config the run was started from, when its author keeps it in run_dir under
+    // that name: its comments and its own spelling of paths stay as they were written.
+    const std::filesystem::path copy = run_dir / "config.yaml";
+    std::error_code same_ec;
+    if (!config.source.empty() && std::filesystem::equivalent(config.source, copy, same_ec)) {
+      STOKE_LOG(INFO, "{} is the config this run was started from: left as it is", copy.string());
+    } else {
+      STOKE_RETURN_IF_ERROR(WriteFileAtomic(copy, ConfigToYaml(resolved)));
+    }
     metrics.open(metrics_path, std::ios::app);
     if (!metrics) return IoError(fmt::format("cannot append to {}", metrics_path.string()));
     // The TensorBoard files replay the metrics kept (none on a fresh start), then follow them.

@@ -112,6 +112,17 @@ sed 's/^epochs: .*/epochs: 1/' "$work/run2.yaml" >"$work/run2_short.yaml"
 check resume_past_the_end 1 "is at step 10, past the 5 steps this config trains" -- \
   "$stoke" train --config "$work/run2_short.yaml" --resume -q
 check metrics_file 0 '"type":"val"' -- cat "$work/run2/metrics.jsonl"
+# A config its author keeps in run_dir as config.yaml is the run's copy: not rewritten (its
+# comments were lost to the resolved config), whether named through run_dir or another path.
+mkdir -p "$work/own"
+{ echo "# my notes"; sed "s|run_dir: .*|run_dir: $work/own|; s|^epochs: .*|epochs: 1|" "$cfg"; } >"$work/own/config.yaml"
+cp "$work/own/config.yaml" "$work/own.expected"
+check train_keeps_its_own_config 0 "" -- "$stoke" train --config "$work/own/config.yaml" --max-steps 2 -q
+check train_kept_its_own_config 0 "" -- cmp "$work/own/config.yaml" "$work/own.expected"
+ln -s "$work/own" "$work/own_link"
+check train_keeps_its_own_config_through_a_link 0 "" -- \
+  "$stoke" train --config "$work/own_link/./config.yaml" --resume -q
+check train_kept_its_own_config_through_a_link 0 "" -- cmp "$work/own/config.yaml" "$work/own.expected"
 sed 's/momentum: 0.9/momentum: 1.5/' "$cfg" >"$work/bad.yaml"
 check train_bad_value 1 "bad.yaml:[0-9]+: optimizer.momentum: 1.5 is out of range; expected a number in \[0, 1\)" -- \
   "$stoke" train --config "$work/bad.yaml"
