@@ -129,6 +129,13 @@ check pack_report_not_into_the_source 1 "pack: --report .*: that is inside .*src
   "$stoke" pack "$work/src" "$work/rep.lmdb" -q --report "$work/src/class_00/img_0000.jpg"
 check pack_report_not_into_the_output 1 "pack: --report .*: that is inside .*rep.lmdb" -- \
   "$stoke" pack "$work/src" "$work/rep.lmdb" -q --report "$work/rep.lmdb/data.mdb"
+# A list's images may be anywhere: none of them is written over (one was, with the report's JSON).
+cp -r "$work/src/class_00" "$work/listed"
+printf 'img_0000.jpg 0\nimg_0001.jpg 0\n' >"$work/listed.txt"
+cp "$work/listed/img_0001.jpg" "$work/listed.expected"
+check pack_report_not_over_a_listed_image 1 "pack: --report .*img_0001.jpg: that is the input image" -- \
+  "$stoke" pack "$work/listed" "$work/rep.lmdb" -q --list "$work/listed.txt" --report "$work/listed/img_0001.jpg"
+check pack_report_left_the_listed_image 0 "" -- cmp "$work/listed/img_0001.jpg" "$work/listed.expected"
 check pack_val_output_needs_fraction 107 "--val-output requires --val-fraction" -- \
   "$stoke" pack "$work/src" "$work/rep.lmdb" -q --val-output "$work/rep_val.lmdb"
 # Past int64 the index was once read as 9223372036854775807 and reported as that record.

@@ -256,6 +256,22 @@ Result<InputSet> ReadListFile(const fs::path& list, const fs::path& root) {
   return set;
 }
 
+// A list's inputs may be anywhere (and a folder tree's links lead out of it): the report must be
+// none of them, or writing it would overwrite that image. Only a report file already there can be.
+Status CheckReportIsNoInput(const fs::path& report, const std::vector<Input>& inputs) {
+  struct stat st {};
+  if (report.empty() || ::stat(report.c_str(), &st) != 0) return OkStatus();
+  const std::string identity = FileIdentity(report);
+  for (const Input& in : inputs) {
+    if (FileIdentity(in.path) == identity) {
+      return InvalidArgumentError(fmt::format(
+          "pack: --report {}: that is the input image {}, which writing the report would overwrite; give another "
+          "path", report.string(), in.path.string()));
+    }
+  }
+  return OkStatus();
+}
+
 // ---- Per-image work ---------------------------------------------------------------------------
 
 struct Processed {
@@ -1370,6 +1386,7 @@ Result<PackSummary> Pack(const PackOptions& options) {
   } else {
     STOKE_ASSIGN_OR_RETURN(set, ListFolderTree(o.source));
   }
+  STOKE_RETURN_IF_ERROR(CheckReportIsNoInput(o.report_file, set.inputs));
   STOKE_LOG(DEBUG, "pack: listed {} inputs in {} classes in {:.3f} s", set.inputs.size(),
             set.classes.size(),
             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
