@@ -298,9 +298,18 @@ Result<std::filesystem::path> TemporaryFolder(std::string_view what) {
 
 bool PathWithin(const std::filesystem::path& inner, const std::filesystem::path& outer) {
   namespace fs = std::filesystem;
-  std::error_code ec;
-  const fs::path a = fs::weakly_canonical(fs::absolute(inner, ec), ec);
-  const fs::path b = fs::weakly_canonical(fs::absolute(outer, ec), ec);
+  // A path that cannot be resolved (a loop of links, a name too long) is compared as written: an
+  // empty one would have held everything.
+  auto resolved = [](const fs::path& p) {
+    std::error_code ec;
+    fs::path absolute = fs::absolute(p, ec);
+    if (ec) absolute = p;
+    fs::path canonical = fs::weakly_canonical(absolute, ec);
+    return ec ? absolute.lexically_normal() : canonical;
+  };
+  const fs::path a = resolved(inner);
+  const fs::path b = resolved(outer);
+  if (b.empty()) return false;
   auto ai = a.begin();
   for (auto bi = b.begin(); bi != b.end(); ++bi) {
     if (bi->empty()) continue;  // a trailing separator

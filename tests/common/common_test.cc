@@ -320,6 +320,21 @@ TEST(FileUtil, CheckOutputClearRefusesTheInputsAndAnyDatasetFolder) {
   EXPECT_OK(CheckOutputClear("--out", dir / "other.lmdb.onnx", files, folders));
 }
 
+TEST(FileUtil, PathWithinComparesAPathItCannotResolveAsWritten) {
+  testing::TempDir dir;
+  std::filesystem::create_directories(dir / "src" / "a");
+  EXPECT_TRUE(PathWithin(dir / "src" / "a", dir / "src"));
+  EXPECT_TRUE(PathWithin(dir / "src" / "b" / ".." / "a", dir / "src/"));
+  EXPECT_FALSE(PathWithin(dir / "src", dir / "src" / "a"));
+  // A loop of links, and a name past the file system's limit, resolve to nothing: that held
+  // every path ("the output holds the source: replacing it would delete the images").
+  std::filesystem::create_symlink("loop", dir / "loop");
+  EXPECT_FALSE(PathWithin(dir / "src", dir / "loop" / "out.lmdb"));
+  EXPECT_TRUE(PathWithin(dir / "loop" / "out.lmdb", dir / "loop"));
+  const std::string long_name(300, 'n');
+  EXPECT_FALSE(PathWithin(dir / "src", dir / long_name));
+}
+
 TEST(FileUtil, CheckFileWritableSaysWhyBeforeTheWrite) {
   testing::TempDir dir;
   EXPECT_OK(CheckFileWritable("--out", dir / "new.json"));

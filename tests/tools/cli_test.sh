@@ -49,6 +49,22 @@ mkdir -p "$work/allbad/c" && printf 'not a jpeg' >"$work/allbad/c/a.jpg"
 check pack_nothing_packed 0 "none of the 1 inputs could be packed .*allbad.lmdb holds no record" -- \
   "$stoke" pack "$work/allbad" "$work/allbad.lmdb" -q
 check pack_missing_src 1 "no-such-dir" -- "$stoke" pack "$work/no-such-dir" "$work/x.lmdb" -q
+# An output that is a link is written through, dangling or not (a dangling one was taken for a
+# file in the way once the pack was done, and could then be neither resumed nor overwritten).
+mkdir -p "$work/store" && ln -s store/linked.lmdb "$work/linked.lmdb"
+check pack_through_a_dangling_link 0 "train: 30 records, 3 classes, .* -> .*store/linked.lmdb" -- \
+  "$stoke" pack "$work/src" "$work/linked.lmdb" -q
+check pack_through_a_link_overwrites 0 "train: 30 records" -- \
+  "$stoke" pack "$work/src" "$work/linked.lmdb" -q --overwrite
+check pack_through_a_link_left_the_link 0 "records +30" -- bash -c \
+  "test -L '$work/linked.lmdb' && test ! -e '$work/linked.lmdb.partial' && '$stoke' inspect '$work/linked.lmdb'"
+ln -s loop_b "$work/loop_a" && ln -s loop_a "$work/loop_b"
+check pack_into_a_loop_of_links 1 "loop_a: a loop of symbolic links" -- "$stoke" pack "$work/src" "$work/loop_a" -q
+# A name too long for the working copies' names, refused before the work (it failed after it).
+long=$(printf 'n%.0s' $(seq 250))
+check pack_name_too_long 1 "a name of 250 bytes; .* 11 more \('.publishing'\), past the 255-byte limit" -- \
+  "$stoke" pack "$work/src" "$work/$long" -q
+check pack_name_too_long_wrote_nothing 0 "" -- bash -c "! ls '$work' | grep -q '^nnnnn'"
 check pack_empty_report 105 "--report: expected a file name, got an empty string" -- \
   "$stoke" pack "$work/src" "$work/r.lmdb" --report ""
 check pack_empty_val_output 105 "--val-output: expected a folder name, got an empty string" -- \

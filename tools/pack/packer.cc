@@ -34,6 +34,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "common/digest.h"
 #include "common/file_util.h"
@@ -732,6 +733,44 @@ fs::path PublishingPath(const fs::path& output) {
   return p;
 }
 
+// An output that is a symbolic link (dangling or not) is written through: the dataset goes where
+// the link leads, and so do its working copies (.partial and the others go beside the dataset,
+// where its publication renames them). The link was once taken for a file in the way, after the
+// whole pack.
+Result<fs::path> FollowOutputLinks(const fs::path& output) {
+  fs::path p = output;
+  for (int hops = 0; hops < 40; ++hops) {  // as the kernel's limit on a chain of links
+    std::error_code ec;
+    if (!fs::is_symlink(fs::symlink_status(p, ec))) {
+      if (p != output) STOKE_LOG(INFO, "pack: {} is a link: writing the dataset at {}", output.string(), p.string());
+      return p;
+    }
+    const fs::path target = fs::read_symlink(p, ec);
+    if (ec) return IoError(fmt::format("pack: {}: reading the link: {}", p.string(), ec.message()));
+    p = (target.is_absolute() ? target : p.parent_path() / target).lexically_normal();
+    if (!p.has_filename()) p = p.parent_path();  // a link to "dir/"
+  }
+  return InvalidArgumentError(fmt::format("pack: {}: a loop of symbolic links; give the output's own path",
+                                          output.string()));
+}
+
+// The longest name pack gives an output's working copies is its name + ".publishing": past the
+// file system's limit on a name, the pack would fail only once all of it was done.
+Status CheckOutputNameLength(const fs::path& output) {
+  const std::string name = output.filename().string();
+  const fs::path parent = output.has_parent_path() ? output.parent_path() : fs::path(".");
+  const long limit = ::pathconf(parent.c_str(), _PC_NAME_MAX);
+  const size_t longest = name.size() + PublishingPath("").string().size();
+  if (longest > static_cast<size_t>(limit > 0 ? limit : 255)) {
+    return InvalidArgumentError(fmt::format(
+        "pack: {}: a name of {} bytes; the names of pack's working copies add up to {} more ('{}'), past the "
+        "{}-byte limit on a name in {}; give a shorter name",
+        output.string(), name.size(), longest - name.size(), PublishingPath("").string(),
+        limit > 0 ? limit : 255, parent.string()));
+  }
+  return OkStatus();
+}
+
 // A processed input on its way from the pipeline to the writer thread.
 struct Slot {
   size_t index;
@@ -1376,6 +1415,11 @@ Result<PackSummary> Pack(const PackOptions& options) {
   o.output = strip(o.output.lexically_normal());
   if (!o.val_output.empty()) o.val_output = strip(o.val_output.lexically_normal());
   if (o.val_fraction > 0 && o.val_output.empty()) o.val_output = DefaultValOutput(o.output);
+  for (fs::path* out : {&o.output, &o.val_output}) {
+    if (out->empty()) continue;
+    STOKE_ASSIGN_OR_RETURN(*out, FollowOutputLinks(*out));
+    STOKE_RETURN_IF_ERROR(CheckOutputNameLength(*out));
+  }
   STOKE_RETURN_IF_ERROR(CheckOutputsAgainstSource(o));
   // Non-JPEG inputs are decoded by OpenCV, which reads its pixel cap once from the environment.
   setenv("OPENCV_IO_MAX_IMAGE_PIXELS", std::to_string(o.max_pixels).c_str(), /*overwrite=*/0);
