@@ -49,6 +49,15 @@ mkdir -p "$work/allbad/c" && printf 'not a jpeg' >"$work/allbad/c/a.jpg"
 check pack_nothing_packed 0 "none of the 1 inputs could be packed .*allbad.lmdb holds no record" -- \
   "$stoke" pack "$work/allbad" "$work/allbad.lmdb" -q
 check pack_missing_src 1 "no-such-dir" -- "$stoke" pack "$work/no-such-dir" "$work/x.lmdb" -q
+# Images beside the class folders belong to no class: said, not dropped in silence; and a
+# dataset's root given for one split (its "classes" train and val) is pointed out.
+mkdir -p "$work/loose/cat" "$work/roots/train/cat" "$work/roots/val/cat"
+cp "$work/src/class_00/img_0000.jpg" "$work/loose/cat/" && cp "$work/src/class_00/img_0001.jpg" "$work/loose/"
+cp "$work/src/class_00/img_0000.jpg" "$work/roots/train/cat/" && cp "$work/src/class_00/img_0001.jpg" "$work/roots/val/cat/"
+check pack_names_loose_images 0 "loose: 1 file\(s\) directly in it \(e.g. img_0001.jpg\) are in no class folder" -- \
+  "$stoke" pack "$work/loose" "$work/loose.lmdb" -q
+check pack_names_a_roots_splits 0 "roots: its class folders are all named as splits \(train, val\)" -- \
+  "$stoke" pack "$work/roots" "$work/roots.lmdb" -q
 # An output that is a link is written through, dangling or not (a dangling one was taken for a
 # file in the way once the pack was done, and could then be neither resumed nor overwritten).
 mkdir -p "$work/store" && ln -s store/linked.lmdb "$work/linked.lmdb"

@@ -26,6 +26,7 @@
 #endif
 #include <opencv2/imgproc.hpp>
 #include <optional>
+#include <set>
 #include <span>
 #include <system_error>
 #include <thread>
@@ -90,18 +91,36 @@ Result<InputSet> ListFolderTree(const fs::path& root) {
   }
   InputSet set;
   std::vector<fs::path> class_dirs;
+  std::vector<std::string> loose;  // files beside the class folders: in no class, so not packed
   for (const auto& e : fs::directory_iterator(root, ec)) {
     std::error_code entry_ec;  // a symlink loop or a dangling link is no class folder, not a failure
     if (e.path().filename().string()[0] == '.') continue;
     if (e.is_directory(entry_ec)) {
       class_dirs.push_back(e.path());
-    } else if (e.is_symlink(entry_ec)) {
+    } else if (e.is_symlink(entry_ec) && !e.exists(entry_ec)) {
       // Dropped, it would shift the labels of every class after it: said, not silent.
       STOKE_LOG(WARN, "pack: {}: a link to no readable folder (dangling or a loop) is not a class", e.path().string());
+    } else {
+      loose.push_back(e.path().filename().string());
     }
   }
   if (ec) return IoError(fmt::format("pack: {}: {}", root.string(), ec.message()));
   std::sort(class_dirs.begin(), class_dirs.end());
+  if (!loose.empty() && !class_dirs.empty()) {
+    std::sort(loose.begin(), loose.end());
+    STOKE_LOG(WARN, "pack: {}: {} file(s) directly in it (e.g. {}) are in no class folder and are not packed "
+              "(expected SRC/<class>/<image>)", root.string(), loose.size(), loose.front());
+  }
+  // A dataset's root, given for one of its splits: its classes would be the splits.
+  static const std::set<std::string> kSplitNames = {"train", "val", "validation", "valid", "test"};
+  if (class_dirs.size() > 1 && std::all_of(class_dirs.begin(), class_dirs.end(), [](const fs::path& d) {
+        return kSplitNames.count(d.filename().string()) > 0;
+      })) {
+    std::string names;
+    for (const fs::path& d : class_dirs) names += (names.empty() ? "" : ", ") + d.filename().string();
+    STOKE_LOG(WARN, "pack: {}: its class folders are all named as splits ({}): if it is a dataset's root, pack "
+              "each split's folder instead (e.g. {})", root.string(), names, class_dirs.back().string());
+  }
   if (class_dirs.empty()) {
     return InvalidArgumentError(
         fmt::format("pack: {}: no class sub-folders (expected SRC/<class>/<image>, or pass --list)",
