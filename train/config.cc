@@ -582,21 +582,30 @@ Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::str
   c.cuda.input_channels = std::stoi(channels);
   STOKE_RETURN_IF_ERROR(cu.Finish());
   STOKE_RETURN_IF_ERROR(top.Finish());
+  // What is checked against other sections names the line of its own section.
+  auto line_of = [&root](std::string_view key) {
+    int line = 0;
+    for (const auto& kv : root) {
+      if (kv.first.Scalar() == key) line = Line(kv.first);
+    }
+    return line;
+  };
   for (int m : c.schedule.milestones) {
     if (m > c.epochs) {
-      return InvalidArgumentError(fmt::format("{}: schedule.milestones: epoch {} is past the last epoch ({})", source, m,
-                                              c.epochs));
+      return InvalidArgumentError(fmt::format("{}:{}: schedule.milestones: epoch {} is past the last epoch ({})", source,
+                                              line_of("schedule"), m, c.epochs));
     }
+  }
+  if (c.schedule.warmup_epochs > c.epochs) {
+    return InvalidArgumentError(fmt::format(
+        "{}:{}: schedule.warmup_epochs: {} is past the last epoch ({}): the learning rate would never reach "
+        "optimizer.lr; expected at most epochs", source, line_of("schedule"), c.schedule.warmup_epochs, c.epochs));
   }
   // The model must fit the input: resolve it now so its errors come with the file name.
   ModelSpec spec = ModelFromConfig(c.model);
   auto shapes = ResolveModel(spec, {3, c.data.image_size, c.data.image_size});
   if (!shapes.ok()) {
-    int line = 0;
-    for (const auto& kv : root) {
-      if (kv.first.Scalar() == "model") line = Line(kv.first);
-    }
-    return InvalidArgumentError(fmt::format("{}:{}: model: {} (input 3x{}x{})", source, line,
+    return InvalidArgumentError(fmt::format("{}:{}: model: {} (input 3x{}x{})", source, line_of("model"),
                                             shapes.status().message(), c.data.image_size, c.data.image_size));
   }
   return c;

@@ -153,6 +153,13 @@ TEST(Config, ErrorsNameFileLineKeyAndExpectation) {
   EXPECT_EQ(unknown.rfind("run.yaml:8: optimizer.momentun: unknown key; expected one of: ", 0), 0u) << unknown;
   EXPECT_NE(unknown.find("momentum"), std::string::npos);
   EXPECT_EQ(ErrorOf(base + "backend: tpu\n"), "run.yaml:7: backend: 'tpu' is not allowed; expected one of: auto, cpu, cuda");
+  // Against the run's length: a warm-up longer than the run trained it all at a fraction of lr.
+  EXPECT_EQ(ErrorOf(base + "epochs: 2\nschedule: {type: cosine, warmup_epochs: 50}\n"),
+            "run.yaml:8: schedule.warmup_epochs: 50 is past the last epoch (2): the learning rate would never "
+            "reach optimizer.lr; expected at most epochs");
+  EXPECT_EQ(ErrorOf(base + "epochs: 2\nschedule: {type: cosine, warmup_epochs: 2}\n"), "(parsed)");
+  EXPECT_EQ(ErrorOf(base + "epochs: 8\nschedule: {type: multistep, milestones: [4, 9]}\n"),
+            "run.yaml:8: schedule.milestones: epoch 9 is past the last epoch (8)");
   EXPECT_EQ(ErrorOf(base + "schedule: {type: cosine, gamma: 0}\n"),
             "run.yaml:7: schedule.gamma: 0 is out of range; expected a number in [1e-09, 1]");
   const std::string bad_list = ErrorOf(base + "data2: 1\n");
