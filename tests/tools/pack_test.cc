@@ -704,6 +704,40 @@ TEST(Pack, ResumeWithOtherOptionsIsRefused) {
   ASSERT_OK(Pack(o).status());  // with the options it was made with, it resumes
 }
 
+// An image replaced after it was packed (same name, other bytes) was kept as it had been by a
+// resume: refused, naming it. One not packed yet is taken as it is now.
+TEST(Pack, ResumeRefusesAnInputChangedSinceItWasPacked) {
+  TempDir dir;
+  const auto paths = testing::MakeImageTree(dir / "src", kClasses, 10);
+  auto o = Options(dir / "src", dir / "out");
+  StopAfterTheFirstCommit(o);  // the first 4 inputs, in sorted order
+  o.resume = true;
+  const auto replace = [](const fs::path& with, const fs::path& path) {
+    fs::copy_file(with, path, fs::copy_options::overwrite_existing);
+  };
+  replace(paths.back(), paths[9]);  // not packed yet: packed as it is now
+  replace(paths.back(), paths[1]);
+  // (Later than the images written just before the pack, whatever the file times' granularity.)
+  fs::last_write_time(paths[1], fs::last_write_time(paths[1]) + std::chrono::seconds(2));
+  auto r = Pack(o);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("inputs packed before the interruption changed since (their sizes or "
+                                      "modification times differ; the one modified last is " + paths[1].string()),
+            std::string::npos)
+      << r.status().message();
+  EXPECT_NE(r.status().message().find("pass --overwrite instead of --resume"), std::string::npos);
+  EXPECT_TRUE(fs::exists(dir / "out.partial"));  // left as it was
+  o.resume = false;
+  o.overwrite = true;
+  ASSERT_OK(Pack(o).status());
+  // The same inputs, packed from the start, resume after a stop to the dataset of one pack.
+  auto again = Options(dir / "src", dir / "again");
+  StopAfterTheFirstCommit(again);
+  again.resume = true;
+  ASSERT_OK(Pack(again).status());
+  EXPECT_EQ(Comparable(dir / "again"), Comparable(dir / "out"));
+}
+
 // A partial pack whose resume state and records table disagree on how many records were committed
 // is damaged: resuming would number the next records wrongly. Refused, naming both counts.
 TEST(Pack, ResumeRefusesAStateThatCountsOtherRecordsThanTheTable) {

@@ -603,14 +603,15 @@ std::string Fingerprint(const std::vector<Input>& inputs, const std::vector<std:
   return fmt::format("{:016x}", h);
 }
 
-std::string NowIso8601() {
-  std::time_t t = std::time(nullptr);
+std::string Utc(std::time_t t, const char* format) {
   std::tm tm{};
   gmtime_r(&t, &tm);
   char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  std::strftime(buf, sizeof buf, format, &tm);
   return buf;
 }
+
+std::string NowIso8601() { return Utc(std::time(nullptr), "%Y-%m-%dT%H:%M:%SZ"); }
 
 // What --overwrite may replace: a folder holding only LMDB's files (a dataset, finished or not), or
 // nothing. Anything else at the output is the user's, not a dataset's.
@@ -651,9 +652,25 @@ struct SplitJob {
   std::vector<Input> inputs;
 };
 
+// What a resume compares of the inputs packed before it: each file's size and modification time,
+// folded in input order (an input that cannot be stat'ed folds as -1 -1). An image replaced after
+// it was packed was kept as it had been, without a word.
+struct InputStamp {
+  int64_t size = -1, mtime_ns = -1;
+};
+
+InputStamp StampOf(const fs::path& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return {};
+  return {static_cast<int64_t>(st.st_size), static_cast<int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec};
+}
+
+uint64_t FoldStamp(uint64_t h, const InputStamp& s) { return Fnv1a(fmt::format("{} {}\n", s.size, s.mtime_ns), h); }
+
 struct SplitState {
   int64_t next_input = 0;
   std::string created;
+  uint64_t inputs_stamp = kFnvBasis;  // FoldStamp over inputs [0, next_input); 0: not known (an older state)
   std::vector<BadInput> bad;
   std::vector<int64_t> class_counts;
   int64_t payload_bytes = 0;
@@ -667,7 +684,7 @@ struct SplitState {
                           {"created", created},           {"bad", bad_json},
                           {"class_counts", class_counts}, {"payload_bytes", payload_bytes},
                           {"converted", converted},       {"reencoded", reencoded},
-                          {"reoriented", reoriented}}
+                          {"reoriented", reoriented},     {"inputs_stamp", fmt::format("{:016x}", inputs_stamp)}}
         .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   }
   static Result<SplitState> FromJson(const std::string& text, const std::string& fingerprint,
@@ -698,7 +715,7 @@ struct SplitState {
             "with (the same command plus --resume), or pass --overwrite instead of --resume to discard it and "
             "start over",
             where.string(), committed,
-            differ.empty() ? "from other inputs (files, labels or classes changed since) or options"
+            differ.empty() ? "from other inputs (files added, removed or relabelled, or other classes) or options"
                            : fmt::format("with other options: {}", fmt::join(differ, ", "))));
       }
       SplitState s;
@@ -710,6 +727,8 @@ struct SplitState {
       s.converted = j.at("converted").get<int64_t>();
       s.reencoded = j.at("reencoded").get<int64_t>();
       s.reoriented = j.at("reoriented").get<int64_t>();
+      s.inputs_stamp = 0;  // states of earlier versions did not keep one
+      if (j.contains("inputs_stamp")) s.inputs_stamp = std::stoull(j.at("inputs_stamp").get<std::string>(), nullptr, 16);
       if (s.class_counts.size() != classes || s.next_input < 0 ||
           static_cast<size_t>(s.next_input) > inputs) {
         throw std::runtime_error("counts do not match the inputs");
@@ -887,6 +906,7 @@ class SplitPacker {
                                                     classes_.size(), job_.inputs.size(), partial,
                                                     writer->committed_records()));
       }
+      STOKE_RETURN_IF_ERROR(CheckPackedInputsUnchanged(partial));
       STOKE_LOG(INFO, "resuming {} at input {} of {} ({} records committed)", partial.string(),
                 state_.next_input, job_.inputs.size(), writer->committed_records());
     } else {
@@ -1077,6 +1097,37 @@ class SplitPacker {
     fs::path named = job_.output;
     if (!named.has_filename()) named = named.parent_path();  // "out/"
     return named.has_parent_path() ? named.parent_path() : fs::path(".");
+  }
+
+  // kInvalidArgument when an input packed before the interruption is no longer the file it was
+  // (its size or modification time differs): resuming would keep the old image under its name.
+  Status CheckPackedInputsUnchanged(const fs::path& partial) const {
+    if (state_.inputs_stamp == 0) return OkStatus();  // an earlier version's state: not known
+    uint64_t h = kFnvBasis;
+    const Input* gone = nullptr;
+    const Input* newest = nullptr;  // what a replaced image most likely is
+    int64_t newest_ns = -1;
+    for (size_t i = 0; i < static_cast<size_t>(state_.next_input); ++i) {
+      const InputStamp stamp = StampOf(job_.inputs[i].path);
+      h = FoldStamp(h, stamp);
+      if (stamp.size < 0 && gone == nullptr) gone = &job_.inputs[i];
+      if (stamp.mtime_ns > newest_ns) {
+        newest_ns = stamp.mtime_ns;
+        newest = &job_.inputs[i];
+      }
+    }
+    if (h == state_.inputs_stamp) return OkStatus();
+    std::string which = "their sizes or modification times differ";
+    if (gone != nullptr) {
+      which = fmt::format("{} is gone", gone->path.string());
+    } else if (newest != nullptr) {
+      which += fmt::format("; the one modified last is {}, at {}", newest->path.string(),
+                           Utc(static_cast<std::time_t>(newest_ns / 1'000'000'000), "%Y-%m-%d %H:%M:%S UTC"));
+    }
+    return InvalidArgumentError(fmt::format(
+        "pack: {}: inputs packed before the interruption changed since ({}); resuming would keep them as they "
+        "were: pass --overwrite instead of --resume to pack them all again",
+        partial.string(), which));
   }
 
   // kInvalidArgument unless the finished dataset at `path` was packed from these inputs and
@@ -1273,6 +1324,7 @@ class SplitPacker {
       state_.reoriented += r.reoriented;
       writer_->Append(r.header, std::move(r.payload), input.key);
     }
+    if (state_.inputs_stamp != 0) state_.inputs_stamp = FoldStamp(state_.inputs_stamp, StampOf(input.path));
     state_.next_input = static_cast<int64_t>(index) + 1;
     if (writer_->ShouldCommit()) {
       Status s = Commit();
