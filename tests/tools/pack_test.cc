@@ -483,37 +483,50 @@ TEST(Pack, StoppedPackResumesToTheSameDataset) {
   AddBadInputs(dir / "src");
   auto full = Options(dir / "src", dir / "full");
   full.shuffle = true;
-  full.seed = 9;
+  full.seed = 1;
   full.val_fraction = 0.2;
-  ASSERT_OK(Pack(full).status());
-
-  auto o = full;
-  o.output = dir / "part";
-  o.commit_every = 7;
-  std::atomic<bool> stop{false};
-  o.stop = &stop;
-  o.after_commit = [&](int64_t committed) {
-    if (committed >= 21) stop = true;
+  ASSERT_OK_AND_ASSIGN(PackSummary whole, Pack(full));
+  // Bad inputs in both splits: the report lists the training split's first, also after a resume.
+  ASSERT_EQ(whole.splits.size(), 2u);
+  for (const SplitSummary& split : whole.splits) ASSERT_GT(split.inputs, split.records) << split.name;
+  const auto paths = [](const PackSummary& s) {
+    std::vector<std::string> out;
+    for (const auto& b : s.bad) out.push_back(b.path);
+    return out;
   };
-  auto first = Pack(o);
-  EXPECT_EQ(first.status().code(), StatusCode::kUnavailable);
-  EXPECT_NE(first.status().message().find("--resume"), std::string::npos);
-  EXPECT_TRUE(fs::exists(dir / "part.partial"));
-  EXPECT_FALSE(fs::exists(dir / "part"));
-  // Without --resume, the partial pack is neither lost nor silently restarted.
-  o.stop = nullptr;
-  o.after_commit = nullptr;
-  EXPECT_EQ(Pack(o).status().code(), StatusCode::kInvalidArgument);
-  o.resume = true;
-  ASSERT_OK_AND_ASSIGN(PackSummary s, Pack(o));
-  EXPECT_EQ(s.bad.size(), 4u);
-  EXPECT_EQ(ReadAll(dir / "part"), ReadAll(dir / "full"));
-  EXPECT_EQ(ReadAll(dir / "part_val"), ReadAll(dir / "full_val"));
-  auto a = Comparable(dir / "part"), b = Comparable(dir / "full");
-  EXPECT_EQ(a, b);
-  // Resuming a finished pack is a no-op that reports it complete.
-  ASSERT_OK_AND_ASSIGN(PackSummary again, Pack(o));
-  EXPECT_TRUE(again.splits[0].already_complete);
+
+  // Stopped in the training split, and in the validation split (the training one finished).
+  for (const int64_t stop_at : {21, 84}) {
+    SCOPED_TRACE(fmt::format("stopped after {} records", stop_at));
+    auto o = full;
+    o.output = dir / fmt::format("part{}", stop_at);
+    o.commit_every = 7;
+    std::atomic<bool> stop{false};
+    o.stop = &stop;
+    o.after_commit = [&](int64_t committed) {
+      if (committed >= stop_at) stop = true;
+    };
+    auto first = Pack(o);
+    EXPECT_EQ(first.status().code(), StatusCode::kUnavailable);
+    EXPECT_NE(first.status().message().find("--resume"), std::string::npos);
+    EXPECT_TRUE(fs::exists(o.output.string() + ".partial"));
+    EXPECT_FALSE(fs::exists(o.output));
+    // Without --resume, the partial pack is neither lost nor silently restarted.
+    o.stop = nullptr;
+    o.after_commit = nullptr;
+    EXPECT_EQ(Pack(o).status().code(), StatusCode::kInvalidArgument);
+    o.resume = true;
+    ASSERT_OK_AND_ASSIGN(PackSummary s, Pack(o));
+    EXPECT_EQ(s.bad.size(), 4u);
+    EXPECT_EQ(paths(s), paths(whole));  // in the same order (a finished split's came last)
+    EXPECT_EQ(ReadAll(o.output), ReadAll(dir / "full"));
+    EXPECT_EQ(ReadAll(o.output.string() + "_val"), ReadAll(dir / "full_val"));
+    EXPECT_EQ(Comparable(o.output), Comparable(dir / "full"));
+    // Resuming a finished pack is a no-op that reports it complete.
+    ASSERT_OK_AND_ASSIGN(PackSummary again, Pack(o));
+    EXPECT_TRUE(again.splits[0].already_complete);
+    EXPECT_EQ(paths(again), paths(whole));
+  }
 }
 
 // Re-executes this test binary with one environment variable (NAME=value), which selects one

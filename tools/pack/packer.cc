@@ -949,6 +949,10 @@ class SplitPacker {
     return summary;
   }
 
+  // The inputs this split skipped (the report lists them split by split, in input order: a split
+  // finished by an earlier pack learns its own only as it is published).
+  const std::vector<BadInput>& bad() const { return bad_; }
+
   // Publishes what Run finished (nothing when the output was complete already). `summary` is Run's.
   Result<SplitSummary> Publish(SplitSummary summary, PackSummary& total) {
     if (!to_publish_) return summary;
@@ -1152,7 +1156,7 @@ class SplitPacker {
     // Written by this tool (the fingerprint matched); still read defensively.
     try {
       for (const auto& b : packing.value("bad", nlohmann::json::array())) {
-        total.bad.push_back({b.at(0).get<std::string>(), b.at(1).get<std::string>()});
+        bad_.push_back({b.at(0).get<std::string>(), b.at(1).get<std::string>()});
       }
       total.converted += packing.value("converted", int64_t{0});
       total.reencoded += packing.value("reencoded", int64_t{0});
@@ -1193,8 +1197,8 @@ class SplitPacker {
     return m;
   }
 
-  void Accumulate(PackSummary& total) const {
-    total.bad.insert(total.bad.end(), state_.bad.begin(), state_.bad.end());
+  void Accumulate(PackSummary& total) {
+    bad_.insert(bad_.end(), state_.bad.begin(), state_.bad.end());
     total.converted += state_.converted;
     total.reencoded += state_.reencoded;
     total.reoriented += state_.reoriented;
@@ -1343,6 +1347,7 @@ class SplitPacker {
   int64_t reported_;  // the count after_commit was last given
   std::string fingerprint_;
   SplitState state_;
+  std::vector<BadInput> bad_;  // what Accumulate or AlreadyComplete found
   dataset::DatasetWriter* writer_ = nullptr;
   std::atomic<bool> stopped_{false};  // set by the input stage or the writer thread
   std::optional<FileLock> lock_;      // the output's, from Run to Publish
@@ -1607,6 +1612,7 @@ Result<PackSummary> Pack(const PackOptions& options) {
     }
     summary.splits.push_back(*split);
   }
+  for (const auto& p : packers) summary.bad.insert(summary.bad.end(), p->bad().begin(), p->bad().end());
   summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (!o.report_file.empty()) {
     Status s = WriteReport(o.report_file, summary);
