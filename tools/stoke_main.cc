@@ -407,6 +407,10 @@ int Run(int argc, char** argv) {
   eval_cmd->add_option("--backend", eval.backend, "Backend")->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   eval_cmd->add_option("--classes", eval_max_classes, "Classes listed, least accurate first (0 = all)")
       ->check(kNonNegative);
+  eval_cmd->add_option("--max-skip-fraction", eval.max_skip_fraction,
+                       "Fraction of the records that may be bad, each left out (default: the config's "
+                       "data.max_skip_fraction)")
+      ->check(CLI::Range(0.0, 1.0));
   eval_cmd->add_flag("--json", eval_json, "Machine-readable output");
 
   stoke::evaluate::PredictOptions predict;

@@ -20,6 +20,21 @@ check eval_per_class 0 "most often mistaken for" -- "$stoke" eval --run "$run" -
 check eval_needs_model 1 "give the model with --run RUN_DIR or --checkpoint FILE" -- "$stoke" eval --data "$val"
 check eval_missing_data 1 "nowhere.lmdb" -- "$stoke" eval --run "$run" --data "$work/nowhere.lmdb"
 check eval_empty_run 1 "holds no checkpoints" -- "$stoke" eval --run "$work" --data "$val"
+# Bad records are left out up to a budget: the config's, or eval's own --max-skip-fraction.
+cp -r "$val" "$work/damaged.lmdb"
+/usr/bin/python3 - "$work/damaged.lmdb/data.mdb" <<'PY'
+import sys
+raw = bytearray(open(sys.argv[1], "rb").read())
+at = raw.find(b"\xff\xd8\xff", len(raw) // 3)
+raw[at + 2:at + 300] = bytes(298)  # one record's bytes no longer match its CRC
+open(sys.argv[1], "wb").write(bytes(raw))
+PY
+check eval_over_the_configs_budget 1 "more than max_skip_fraction 0.01 .*--max-skip-fraction sets eval's own" -- \
+  "$stoke" eval --run "$run" --data "$work/damaged.lmdb" --threads 2
+check eval_within_its_own_budget 0 "skipped 1 bad record" -- \
+  "$stoke" eval --run "$run" --data "$work/damaged.lmdb" --threads 2 --max-skip-fraction 0.1
+check eval_budget_checked 105 "--max-skip-fraction: Value 2 not in range" -- \
+  "$stoke" eval --run "$run" --data "$val" --max-skip-fraction 2
 
 if "$stoke" export --help >/dev/null 2>&1 && "$stoke" export --run "$run" -o "$work/m.onnx" >"$work/export.txt" 2>&1; then
   check export_report 0 "output 'logits' N x 10" -- cat "$work/export.txt"

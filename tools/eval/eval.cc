@@ -99,8 +99,10 @@ Result<EvalReport> Evaluate(const EvalOptions& options) {
   }
   const int batch = static_cast<int>(std::min<int64_t>(wanted, data.size()));
   STOKE_ASSIGN_OR_RETURN(auto net, train::CreateTrainedNetwork(model, options.backend, batch, threads));
+  const bool own_budget = options.max_skip_fraction >= 0;
   STOKE_ASSIGN_OR_RETURN(auto loader, ValidationLoader(model, *net, data, batch, threads,
-                                                        model.config.data.max_skip_fraction));
+                                                        own_budget ? options.max_skip_fraction
+                                                                   : model.config.data.max_skip_fraction));
 
   EvalReport report;
   report.model = train::Describe(model);
@@ -118,7 +120,14 @@ Result<EvalReport> Evaluate(const EvalOptions& options) {
   if (options.progress) progress.emplace("eval", batches);
   while (true) {
     if (options.stop != nullptr && options.stop->load()) return UnavailableError("stopped (interrupted)");
-    STOKE_ASSIGN_OR_RETURN(auto lease, loader->Next());
+    auto next = loader->Next();
+    if (!next.ok()) {
+      const Status& s = next.status();
+      if (own_budget || s.message().find("max_skip_fraction") == std::string::npos) return s;
+      return Status(s.code(), fmt::format("{} (the budget is the config's data.max_skip_fraction; "
+                                          "--max-skip-fraction sets eval's own)", s.message()));
+    }
+    prefetch::BatchLease lease = std::move(*next);
     if (!lease) break;
     STOKE_RETURN_IF_ERROR(net->Evaluate(*lease).status());
     const std::vector<float> logits = net->LastLogits();

@@ -21,6 +21,9 @@ struct EvalOptions {
   int batch = 0;            // 0: the config's data.batch_size (at most 64 on the CPU backend)
   int threads = 0;          // decoding and compute threads; 0: every core
   std::string backend = "cpu";  // cpu | cuda | auto
+  // The fraction of the records that may be bad (each left out) before eval fails; < 0: the
+  // config's data.max_skip_fraction.
+  double max_skip_fraction = -1;
   bool progress = true;
   const std::atomic<bool>* stop = nullptr;
 };
