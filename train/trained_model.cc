@@ -22,6 +22,7 @@ Result<TrainedModel> LoadTrainedModel(const TrainedModelSource& source) {
   TrainedModel m;
   if (!source.checkpoint.empty()) {
     m.checkpoint_path = source.checkpoint;
+    STOKE_ASSIGN_OR_RETURN(m.checkpoint, LoadCheckpoint(m.checkpoint_path));
   } else {
     if (source.run_dir.empty()) return InvalidArgumentError("give a run directory or a checkpoint file");
     std::error_code ec;
@@ -42,8 +43,16 @@ Result<TrainedModel> LoadTrainedModel(const TrainedModelSource& source) {
                                        source.run_dir.string()));
     }
     m.checkpoint_path = all.back();
+    auto newest = LoadCheckpoint(m.checkpoint_path);
+    if (!newest.ok()) {
+      // A run's newest checkpoint damaged (cut by a full disk, say): the one before it may be whole.
+      const Status& s = newest.status();
+      if (all.size() < 2) return s;
+      return Status(s.code(), fmt::format("{} (the run's newest checkpoint; the one before it is {}: give that "
+                                          "with --checkpoint)", s.message(), all[all.size() - 2].string()));
+    }
+    m.checkpoint = std::move(newest).value();
   }
-  STOKE_ASSIGN_OR_RETURN(m.checkpoint, LoadCheckpoint(m.checkpoint_path));
   if (!source.config.empty()) {
     m.config_path = source.config;
     STOKE_ASSIGN_OR_RETURN(m.config, LoadConfig(source.config.string()));

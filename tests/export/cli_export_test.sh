@@ -102,6 +102,13 @@ head -c 5000 "$ck" >"$work/cut.ckpt"
 check eval_truncated_checkpoint 1 "cut.ckpt.*(truncated|damaged)" -- "$stoke" eval --checkpoint "$work/cut.ckpt" --data "$val"
 check predict_truncated_checkpoint 1 "cut.ckpt" -- "$stoke" predict --checkpoint "$work/cut.ckpt" "$work/good0.jpg"
 check export_truncated_checkpoint 1 "cut.ckpt" -- "$stoke" export --checkpoint "$work/cut.ckpt" -o "$work/x.onnx"
+# A run whose newest checkpoint is cut: the refusal names the one before it.
+cp -r "$run" "$work/cut_run"
+newest=$(ls "$work/cut_run"/checkpoints/*.ckpt | tail -1) before=$(ls "$work/cut_run"/checkpoints/*.ckpt | tail -2 | head -1)
+check cut_run_has_two_checkpoints 0 "" -- test "$newest" != "$before"
+head -c 5000 "$ck" >"$newest"
+check eval_cut_newest_names_the_one_before 1 "the run's newest checkpoint; the one before it is ${before//./\\.}" -- \
+  "$stoke" eval --run "$work/cut_run" --data "$val"
 check eval_config_mismatch 1 "config .*residual_layers.yaml does not match checkpoint .*$(basename "$ck")" -- \
   "$stoke" eval --checkpoint "$ck" --config "$src/configs/residual_layers.yaml" --data "$val"
 check export_config_mismatch 1 "residual_layers.yaml does not match" -- \
