@@ -349,6 +349,10 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   // The folders this start made: a start that fails (a --resume with nothing to resume from) takes
   // them away again, not leaving an empty run_dir that looks like a run.
   std::vector<std::filesystem::path> made_folders;
+  // One run at a time in a run_dir, held by rank 0 to the end: a second one started there (or a
+  // --resume of it while it runs) was accepted, and the two replaced each other's metrics and
+  // pruned each other's checkpoints.
+  std::optional<FileLock> run_lock;
   // An exception on rank 0 alone must be agreed like any error, not leave the others waiting.
   Status start = CatchExceptions("train: starting the run", [&]() -> Status {
     if (!lead) return OkStatus();
@@ -356,6 +360,9 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     auto made = MakeFolders(run_dir / "checkpoints");
     if (!made.ok()) return made.status().Prepend(fmt::format("run_dir {}", run_dir.string()));
     made_folders = std::move(*made);
+    STOKE_ASSIGN_OR_RETURN(FileLock lock, FileLock::TryAcquire(run_dir / "train.lock",
+                                                               fmt::format("train: run_dir {}", run_dir.string())));
+    run_lock.emplace(std::move(lock));
     if (run.resume.empty()) {
       if (!ListCheckpoints(run_dir).empty()) {
         return InvalidArgumentError(fmt::format(
@@ -493,6 +500,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     return OkStatus();
   });
   if (Status agreed = agree_after_io(start); !agreed.ok()) {
+    run_lock.reset();  // its file is in run_dir
     RemoveEmptyFolders(made_folders);
     return agreed;
   }

@@ -112,6 +112,23 @@ sed 's/^epochs: .*/epochs: 1/' "$work/run2.yaml" >"$work/run2_short.yaml"
 check resume_past_the_end 1 "is at step 10, past the 5 steps this config trains" -- \
   "$stoke" train --config "$work/run2_short.yaml" --resume -q
 check metrics_file 0 '"type":"val"' -- cat "$work/run2/metrics.jsonl"
+# One run at a time in a run_dir: a second start there, or a --resume while it runs, is refused
+# at once (the two replaced each other's metrics and pruned each other's checkpoints).
+sed "s|run_dir: .*|run_dir: $work/busy|; s|^epochs: .*|epochs: 200|" "$cfg" >"$work/busy.yaml"
+"$stoke" train --config "$work/busy.yaml" -q >"$work/busy.out" 2>&1 &
+busy=$!
+for _ in $(seq 1 600); do
+  grep -qs '"type":"train"' "$work/busy/metrics.jsonl" && break
+  sleep 0.1
+done
+check train_refuses_a_busy_run_dir 1 "train: run_dir .*busy: another process \(pid $busy\) holds .*train.lock" -- \
+  "$stoke" train --config "$work/busy.yaml" -q
+check train_refuses_a_resume_of_a_running_run 1 "another process \(pid $busy\) holds" -- \
+  "$stoke" train --config "$work/busy.yaml" --resume -q
+kill -INT "$busy"
+wait "$busy"
+check train_busy_run_resumes_once_stopped 0 "checkpoint: " -- \
+  "$stoke" train --config "$work/busy.yaml" --resume --max-steps 400 -q
 # A config its author keeps in run_dir as config.yaml is the run's copy: not rewritten (its
 # comments were lost to the resolved config), whether named through run_dir or another path.
 mkdir -p "$work/own"
