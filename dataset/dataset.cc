@@ -176,12 +176,12 @@ Result<Dataset> Dataset::Open(const std::filesystem::path& path) {
   const auto file_bytes = std::filesystem::file_size(data_file, ec);
   if (ec) return IoError(fmt::format("{}: {}", where, ec.message()));
 
-  Dataset d;
-  d.path_ = path;
+  auto d = std::make_shared<State>();
+  d->path = path;
   MDB_env* raw = nullptr;
   int rc = mdb_env_create(&raw);
   if (rc != MDB_SUCCESS) return MdbStatus(rc, where + ": create environment");
-  d.env_.reset(raw);
+  d->env.reset(raw);
   // A damaged page inside a guarded read is an error, not abort().
   mdb_env_set_assert(raw, detail::OnMdbAssert);
   mdb_env_set_maxdbs(raw, 4);
@@ -225,13 +225,13 @@ Result<Dataset> Dataset::Open(const std::filesystem::path& path) {
   auto manifest = Manifest::Parse(
       std::string_view(static_cast<const char*>(v.mv_data), v.mv_size));
   if (!manifest.ok()) return manifest.status().Prepend(where);
-  d.manifest_ = std::move(manifest).value();
-  if (!ReadableFormatVersion(d.manifest_.format_version)) {
+  d->manifest = std::move(manifest).value();
+  if (!ReadableFormatVersion(d->manifest.format_version)) {
     return InvalidArgumentError(fmt::format("{}: format v{}, this stoke reads v{} to v{} (re-pack it)", where,
-                                            d.manifest_.format_version, kOldestFormatVersion, kFormatVersion));
+                                            d->manifest.format_version, kOldestFormatVersion, kFormatVersion));
   }
   STOKE_ASSIGN_OR_RETURN(rc,
-                         detail::OpenTableGuarded(txn.get(), kRecordsDb, &d.records_dbi_, path));
+                         detail::OpenTableGuarded(txn.get(), kRecordsDb, &d->records_dbi, path));
   if (rc == MDB_NOTFOUND) return CorruptError(where + ": no records table");
   if (rc == MDB_INCOMPATIBLE) {
     return InvalidArgumentError(
@@ -239,21 +239,21 @@ Result<Dataset> Dataset::Open(const std::filesystem::path& path) {
   }
   if (rc != MDB_SUCCESS) return MdbStatus(rc, where + ": open records table");
   MDB_stat rs;
-  rc = mdb_stat(txn.get(), d.records_dbi_, &rs);
+  rc = mdb_stat(txn.get(), d->records_dbi, &rs);
   if (rc != MDB_SUCCESS) return MdbStatus(rc, where + ": stat records");
-  if (static_cast<int64_t>(rs.ms_entries) != d.manifest_.records) {
+  if (static_cast<int64_t>(rs.ms_entries) != d->manifest.records) {
     return CorruptError(fmt::format("{}: records table holds {} records, manifest says {}{}", where,
-                                    rs.ms_entries, d.manifest_.records,
-                                    DescribeRecordKeys(txn.get(), d.records_dbi_, d.manifest_.records)));
+                                    rs.ms_entries, d->manifest.records,
+                                    DescribeRecordKeys(txn.get(), d->records_dbi, d->manifest.records)));
   }
   STOKE_RETURN_IF_ERROR(
-      CheckRecordKeys(txn.get(), d.records_dbi_, d.manifest_.records, file_bytes, path));
-  STOKE_ASSIGN_OR_RETURN(rc, detail::OpenTableGuarded(txn.get(), kPathsDb, &d.paths_dbi_, path));
-  d.has_paths_dbi_ = rc == MDB_SUCCESS;
-  if (rc != MDB_SUCCESS && (rc != MDB_NOTFOUND || d.manifest_.has_paths)) {
+      CheckRecordKeys(txn.get(), d->records_dbi, d->manifest.records, file_bytes, path));
+  STOKE_ASSIGN_OR_RETURN(rc, detail::OpenTableGuarded(txn.get(), kPathsDb, &d->paths_dbi, path));
+  d->has_paths_dbi = rc == MDB_SUCCESS;
+  if (rc != MDB_SUCCESS && (rc != MDB_NOTFOUND || d->manifest.has_paths)) {
     // The records do not depend on it: the dataset opens, and whatever asks for a source path
     // (inspect, a bad-record report, eval) gets this error instead of an empty path.
-    d.paths_status_ = CorruptError(fmt::format(
+    d->paths_status = CorruptError(fmt::format(
         "{}: the table of source paths {} (the records themselves are not affected; repack to have the paths)",
         where, rc == MDB_NOTFOUND ? "that the manifest lists is missing"
                                   : fmt::format("cannot be opened ({})", mdb_strerror(rc))));
@@ -261,41 +261,41 @@ Result<Dataset> Dataset::Open(const std::filesystem::path& path) {
   // Absolute: the storage stage opens it again later, perhaps after the process changed its
   // working directory (and a relative name would then find another file, or none).
   std::error_code abs_ec;
-  d.data_file_ = std::filesystem::absolute(data_file, abs_ec);
-  if (abs_ec) d.data_file_ = data_file;
+  d->data_file = std::filesystem::absolute(data_file, abs_ec);
+  if (abs_ec) d->data_file = data_file;
   if (map_start != nullptr) {
-    d.map_ = std::span<const std::byte>(map_start, static_cast<size_t>(std::min<uint64_t>(file_bytes, info.me_mapsize)));
+    d->map = std::span<const std::byte>(map_start, static_cast<size_t>(std::min<uint64_t>(file_bytes, info.me_mapsize)));
   }
   // Committing (not aborting) keeps the table handles open for later transactions.
   STOKE_RETURN_IF_ERROR(CommitTxn(txn, where));
-  return d;
+  return Dataset(std::move(d));
 }
 
 Result<Reader> Dataset::NewReader(ReaderOptions options) const {
   STOKE_ASSIGN_OR_RETURN(MdbTxn txn,
-                         BeginTxn(env_.get(), MDB_RDONLY, "dataset: " + path_.string()));
-  return Reader(this, std::move(txn), options);
+                         BeginTxn(s_->env.get(), MDB_RDONLY, "dataset: " + s_->path.string()));
+  return Reader(*this, std::move(txn), options);
 }
 
 Result<RecordView> Dataset::CheckRecord(std::span<const std::byte> value, int64_t index, bool verify_crc) const {
   auto record = ParseRecord(value, index);
-  if (!record.ok()) return record.status().Prepend("dataset: " + path_.string());
+  if (!record.ok()) return record.status().Prepend("dataset: " + s_->path.string());
   if (verify_crc) {
     Status s = CheckCrc(*record);
-    if (!s.ok()) return s.Prepend("dataset: " + path_.string());
+    if (!s.ok()) return s.Prepend("dataset: " + s_->path.string());
   }
   const int32_t label = record->header.label;
-  if (label < 0 || static_cast<size_t>(label) >= manifest_.classes.size()) {
-    return CorruptError(fmt::format("dataset: {}: record {}: label {} not in [0, {})", path_.string(), index, label,
-                                    manifest_.classes.size()));
+  if (label < 0 || static_cast<size_t>(label) >= s_->manifest.classes.size()) {
+    return CorruptError(fmt::format("dataset: {}: record {}: label {} not in [0, {})", s_->path.string(), index, label,
+                                    s_->manifest.classes.size()));
   }
   return record;
 }
 
 uint64_t Dataset::Fingerprint() const {
-  uint64_t h = Fnv1a(fmt::format("{} records, {} payload bytes\n", manifest_.records, manifest_.payload_bytes));
-  for (size_t c = 0; c < manifest_.classes.size(); ++c) {
-    h = Fnv1a(fmt::format("{}\t{}\n", manifest_.classes[c], manifest_.class_counts[c]), h);
+  uint64_t h = Fnv1a(fmt::format("{} records, {} payload bytes\n", s_->manifest.records, s_->manifest.payload_bytes));
+  for (size_t c = 0; c < s_->manifest.classes.size(); ++c) {
+    h = Fnv1a(fmt::format("{}\t{}\n", s_->manifest.classes[c], s_->manifest.class_counts[c]), h);
   }
   const int64_t n = size();
   if (n == 0) return h;
@@ -318,35 +318,35 @@ uint64_t Dataset::Fingerprint() const {
 }
 
 Result<RecordView> Reader::Check(const MDB_val& value, int64_t index) const {
-  return dataset_->CheckRecord(Bytes(value), index, options_.verify_crc);
+  return dataset_.CheckRecord(Bytes(value), index, options_.verify_crc);
 }
 
 Result<std::vector<RecordExtent>> Dataset::RecordExtents() const {
-  const std::string where = "dataset: " + path_.string();
+  const std::string where = "dataset: " + s_->path.string();
   std::vector<RecordExtent> extents(static_cast<size_t>(size()));
   if (extents.empty()) return extents;
-  if (map_.empty()) return UnavailableError(where + ": the map's address is unknown (no /proc/self/maps?)");
-  STOKE_ASSIGN_OR_RETURN(MdbTxn txn, BeginTxn(env_.get(), MDB_RDONLY, where));
+  if (s_->map.empty()) return UnavailableError(where + ": the map's address is unknown (no /proc/self/maps?)");
+  STOKE_ASSIGN_OR_RETURN(MdbTxn txn, BeginTxn(s_->env.get(), MDB_RDONLY, where));
   MDB_cursor* raw = nullptr;
-  int rc = mdb_cursor_open(txn.get(), records_dbi_, &raw);
+  int rc = mdb_cursor_open(txn.get(), s_->records_dbi, &raw);
   if (rc != MDB_SUCCESS) return MdbStatus(rc, where + ": open cursor");
   MdbCursor cursor(raw);
   MDB_val k, v;
   // Only the leaf pages are read: LMDB hands out a large value's address without touching it.
   GuardedRead read{.cursor = raw, .op = MDB_FIRST, .key = &k, .value = &v, .touch_value = false};
-  const auto* base = map_.data();
-  const uint64_t file_bytes = map_.size();
+  const auto* base = s_->map.data();
+  const uint64_t file_bytes = s_->map.size();
   // The leaf pages lie scattered through the file between the records: without this each cold
   // one would make the kernel read around it (up to read_ahead_kb, often megabytes), and the
   // walk would read most of the file.
-  ::madvise(const_cast<std::byte*>(base), map_.size(), MADV_RANDOM);
+  ::madvise(const_cast<std::byte*>(base), s_->map.size(), MADV_RANDOM);
   struct RestoreAdvice {
     const std::byte* base;
     size_t size;
     ~RestoreAdvice() { ::madvise(const_cast<std::byte*>(base), size, MADV_NORMAL); }
-  } restore{base, map_.size()};
+  } restore{base, s_->map.size()};
   for (;;) {
-    if (!RunGuarded(read)) return MapFault(path_, "records table");
+    if (!RunGuarded(read)) return MapFault(s_->path, "records table");
     if (read.rc == MDB_NOTFOUND) break;
     if (read.rc != MDB_SUCCESS) return MdbStatus(read.rc, where + ": walk records table");
     read.op = MDB_NEXT;
@@ -367,36 +367,36 @@ void Reader::Renew() {
 }
 
 Result<RecordView> Reader::Get(int64_t index) {
-  if (index < 0 || index >= dataset_->size()) {
+  if (index < 0 || index >= dataset_.size()) {
     return InvalidArgumentError(fmt::format("dataset: {}: record {} out of range [0, {})",
-                                            dataset_->path_.string(), index, dataset_->size()));
+                                            dataset_.s_->path.string(), index, dataset_.size()));
   }
   std::array<std::byte, 8> key;
   EncodeKey(static_cast<uint64_t>(index), key);
   MDB_val k = Val(key.data(), key.size()), v;
-  GuardedRead read{.txn = txn_.get(), .dbi = dataset_->records_dbi_, .key = &k, .value = &v};
+  GuardedRead read{.txn = txn_.get(), .dbi = dataset_.s_->records_dbi, .key = &k, .value = &v};
   if (!RunGuarded(read)) {
     Renew();
-    return MapFault(dataset_->path_, fmt::format("record {}", index));
+    return MapFault(dataset_.s_->path, fmt::format("record {}", index));
   }
   const int rc = read.rc;
   if (rc == MDB_NOTFOUND) {
     return CorruptError(
-        fmt::format("dataset: {}: record {} missing", dataset_->path_.string(), index));
+        fmt::format("dataset: {}: record {} missing", dataset_.s_->path.string(), index));
   }
   if (rc != MDB_SUCCESS) {
     Renew();
-    return MdbStatus(rc, fmt::format("dataset: {}: record {}", dataset_->path_.string(), index));
+    return MdbStatus(rc, fmt::format("dataset: {}: record {}", dataset_.s_->path.string(), index));
   }
   return Check(v, index);
 }
 
 Status Reader::Scan(int64_t begin, int64_t end,
                     const std::function<Status(const RecordView&)>& fn) {
-  const std::string where = "dataset: " + dataset_->path_.string();
-  if (begin < 0 || end > dataset_->size() || begin > end) {
+  const std::string where = "dataset: " + dataset_.s_->path.string();
+  if (begin < 0 || end > dataset_.size() || begin > end) {
     return InvalidArgumentError(fmt::format("{}: range [{}, {}) not within [0, {})", where, begin,
-                                            end, dataset_->size()));
+                                            end, dataset_.size()));
   }
   if (begin == end) return OkStatus();
   // Declared before the cursor, so that a renewal after a failed read comes after its close.
@@ -408,7 +408,7 @@ Status Reader::Scan(int64_t begin, int64_t end,
     }
   } renew{this};
   MDB_cursor* raw = nullptr;
-  int rc = mdb_cursor_open(txn_.get(), dataset_->records_dbi_, &raw);
+  int rc = mdb_cursor_open(txn_.get(), dataset_.s_->records_dbi, &raw);
   if (rc != MDB_SUCCESS) return MdbStatus(rc, where + ": open cursor");
   MdbCursor cursor(raw);
   std::array<std::byte, 8> key;
@@ -416,7 +416,7 @@ Status Reader::Scan(int64_t begin, int64_t end,
   MDB_val k = Val(key.data(), key.size()), v;
   GuardedRead read{.cursor = raw, .op = MDB_SET_KEY, .key = &k, .value = &v};
   renew.failed = true;  // until the read succeeds
-  if (!RunGuarded(read)) return MapFault(dataset_->path_, fmt::format("record {}", begin));
+  if (!RunGuarded(read)) return MapFault(dataset_.s_->path, fmt::format("record {}", begin));
   rc = read.rc;
   for (int64_t index = begin; index < end; ++index) {
     if (rc == MDB_NOTFOUND) return CorruptError(fmt::format("{}: record {} missing", where, index));
@@ -432,7 +432,7 @@ Status Reader::Scan(int64_t begin, int64_t end,
     if (index + 1 < end) {
       read.op = MDB_NEXT;
       renew.failed = true;
-      if (!RunGuarded(read)) return MapFault(dataset_->path_, fmt::format("record {}", index + 1));
+      if (!RunGuarded(read)) return MapFault(dataset_.s_->path, fmt::format("record {}", index + 1));
       rc = read.rc;
     }
   }
@@ -441,26 +441,26 @@ Status Reader::Scan(int64_t begin, int64_t end,
 
 int Dataset::data_fd() const {
   mdb_filehandle_t fd = -1;
-  if (!env_ || mdb_env_get_fd(env_.get(), &fd) != MDB_SUCCESS) return -1;
+  if (!s_->env || mdb_env_get_fd(s_->env.get(), &fd) != MDB_SUCCESS) return -1;
   return fd;
 }
 
 Result<std::string> Reader::SourcePath(int64_t index) {
-  STOKE_RETURN_IF_ERROR(dataset_->paths_status_);
-  if (!dataset_->has_paths_dbi_) return std::string();
+  STOKE_RETURN_IF_ERROR(dataset_.s_->paths_status);
+  if (!dataset_.s_->has_paths_dbi) return std::string();
   std::array<std::byte, 8> key;
   EncodeKey(static_cast<uint64_t>(index), key);
   MDB_val k = Val(key.data(), key.size()), v;
-  GuardedRead read{.txn = txn_.get(), .dbi = dataset_->paths_dbi_, .key = &k, .value = &v};
+  GuardedRead read{.txn = txn_.get(), .dbi = dataset_.s_->paths_dbi, .key = &k, .value = &v};
   if (!RunGuarded(read)) {
     Renew();
-    return MapFault(dataset_->path_, fmt::format("path of record {}", index));
+    return MapFault(dataset_.s_->path, fmt::format("path of record {}", index));
   }
   const int rc = read.rc;
   if (rc == MDB_NOTFOUND) return std::string();
   if (rc != MDB_SUCCESS) {
     Renew();
-    return MdbStatus(rc, fmt::format("dataset: {}: path of record {}", dataset_->path_.string(),
+    return MdbStatus(rc, fmt::format("dataset: {}: path of record {}", dataset_.s_->path.string(),
                                      index));
   }
   return std::string(static_cast<const char*>(v.mv_data), v.mv_size);

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -31,7 +32,9 @@ struct RecordExtent {
 
 // An open dataset: the LMDB environment mapped read-only (MDB_RDONLY | MDB_NOTLS | MDB_NOLOCK:
 // packed datasets are immutable, so no lock file is needed and read-only media work) and its
-// manifest. Thread-safe: share one Dataset; give each thread its own Reader.
+// manifest. Thread-safe: share one Dataset; give each thread its own Reader. Copies share the one
+// open dataset (a copy is a reference count), and every Reader, Loader or storage stage holds one:
+// the Dataset they were made from may be moved or destroyed while they read.
 class Dataset {
  public:
   // Opens `path` (a dataset directory, or the data file itself). Errors name the path:
@@ -39,28 +42,29 @@ class Dataset {
   // unfinished pack), kCorrupt (truncated data file, damaged manifest or tables).
   static Result<Dataset> Open(const std::filesystem::path& path);
 
+  Dataset(const Dataset&) = default;
+  Dataset& operator=(const Dataset&) = default;
   Dataset(Dataset&&) = default;
   Dataset& operator=(Dataset&&) = default;
 
-  const Manifest& manifest() const { return manifest_; }
-  int64_t size() const { return manifest_.records; }
-  const std::filesystem::path& path() const { return path_; }
+  const Manifest& manifest() const { return s_->manifest; }
+  int64_t size() const { return s_->manifest.records; }
+  const std::filesystem::path& path() const { return s_->path; }
 
-  // A reader with its own read transaction. The Dataset must outlive it and must not be moved
-  // while readers exist (they point at it).
+  // A reader with its own read transaction (and its own share of the dataset).
   Result<Reader> NewReader(ReaderOptions options = {}) const;
 
   // For readers that fetch records with their own I/O (prefetch's storage stage):
-  // The LMDB data file, and the whole of it as mapped read-only (valid while the Dataset lives;
+  // The LMDB data file, and the whole of it as mapped read-only (valid while the Dataset or a copy of it lives;
   // touching a page that is not in the page cache reads it from storage).
-  const std::filesystem::path& data_file() const { return data_file_; }
+  const std::filesystem::path& data_file() const { return s_->data_file; }
   // LMDB's descriptor of the data file the map shows (-1 when LMDB does not say): that file even
   // when data_file() names another one by now (the dataset was replaced since it was opened).
   int data_fd() const;
-  std::span<const std::byte> map() const { return map_; }
+  std::span<const std::byte> map() const { return s_->map; }
   // Ok unless the table of source paths that the manifest lists is missing or cannot be opened
   // (Reader::SourcePath then returns this error).
-  const Status& paths_status() const { return paths_status_; }
+  const Status& paths_status() const { return s_->paths_status; }
   // The extent of every record in the data file, from one pass over the records table's leaf
   // pages (the payloads are not read: about 1% of the file). A record whose extent is missing,
   // out of sequence or outside the file gets size 0. kCorrupt when the table cannot be walked.
@@ -75,16 +79,19 @@ class Dataset {
   Result<RecordView> CheckRecord(std::span<const std::byte> value, int64_t index, bool verify_crc) const;
 
  private:
-  Dataset() = default;
-  std::filesystem::path path_;
-  std::filesystem::path data_file_;
-  std::span<const std::byte> map_;
-  MdbEnv env_;
-  MDB_dbi records_dbi_ = 0;
-  MDB_dbi paths_dbi_ = 0;
-  bool has_paths_dbi_ = false;
-  Status paths_status_;  // the paths table the manifest promises cannot be read
-  Manifest manifest_;
+  struct State {
+    std::filesystem::path path;
+    std::filesystem::path data_file;
+    std::span<const std::byte> map;
+    MdbEnv env;
+    MDB_dbi records_dbi = 0;
+    MDB_dbi paths_dbi = 0;
+    bool has_paths_dbi = false;
+    Status paths_status;  // the paths table the manifest promises cannot be read
+    Manifest manifest;
+  };
+  explicit Dataset(std::shared_ptr<const State> state) : s_(std::move(state)) {}
+  std::shared_ptr<const State> s_;
   friend class Reader;
 };
 
@@ -109,14 +116,14 @@ class Reader {
   Result<std::string> SourcePath(int64_t index);
 
  private:
-  Reader(const Dataset* dataset, MdbTxn txn, ReaderOptions options)
-      : dataset_(dataset), txn_(std::move(txn)), options_(options) {}
+  Reader(Dataset dataset, MdbTxn txn, ReaderOptions options)
+      : dataset_(std::move(dataset)), txn_(std::move(txn)), options_(options) {}
   Result<RecordView> Check(const MDB_val& value, int64_t index) const;
   // After a failed read: LMDB refuses every later read of a transaction that met damage
   // (MDB_BAD_TXN); a reset and renew gives a fresh one on the same read-only map.
   void Renew();
 
-  const Dataset* dataset_;
+  Dataset dataset_;  // a share of it: the transaction's environment lives as long as the Reader
   MdbTxn txn_;
   ReaderOptions options_;
   friend class Dataset;

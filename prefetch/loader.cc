@@ -147,7 +147,7 @@ struct Ready {
 };
 
 struct LoaderState {
-  const dataset::Dataset* dataset = nullptr;
+  std::optional<dataset::Dataset> dataset;  // a share of it: the caller's may be moved or go
   LoaderOptions o;
   std::optional<dataset::Sampler> sampler;
   std::vector<int64_t> shard_positions;  // sampler->ShardPositions(): this rank's global positions
@@ -663,7 +663,7 @@ Status ValidateOptions(const LoaderOptions& o) {
 Result<std::unique_ptr<Loader>> Loader::Create(const dataset::Dataset& ds, LoaderOptions o) {
   STOKE_RETURN_IF_ERROR(ValidateOptions(o));
   auto st = std::make_shared<detail::LoaderState>();
-  st->dataset = &ds;
+  st->dataset = ds;
   STOKE_ASSIGN_OR_RETURN(dataset::Sampler sampler, dataset::Sampler::Create(ds.size(), o.sampler));
   st->per_epoch = sampler.samples_per_rank();
   st->sampler.emplace(sampler);

@@ -3,9 +3,12 @@
 // and flips it straight into a slot of a batch buffer, and hands finished batches to the
 // consumer in sampler order through a bounded ring.
 //
-//   Loader::Create(dataset, options)      // threads start filling the ring at once
-//   while (auto lease = loader->Next())   // Result<BatchLease>: check lease.ok() first
-//     ... use lease->images / labels ...  // the slot returns to the ring when the lease dies
+//   STOKE_ASSIGN_OR_RETURN(auto loader, Loader::Create(dataset, options));  // threads start at once
+//   while (true) {
+//     STOKE_ASSIGN_OR_RETURN(BatchLease lease, loader->Next());  // an error: a bad record, I/O
+//     if (!lease) break;                                           // the end of the run
+//     ... use lease->images, lease->labels ...  // the slot returns to the ring when the lease goes
+//   }
 //
 // Determinism: the sample at (seed, epoch, record index) is bit-identical whatever the thread
 // count or scheduling, batches come out in sampler order, and a loader started at (epoch, batch)
@@ -192,7 +195,8 @@ class BatchLease {
 class Loader {
  public:
   // Validates the options (kInvalidArgument naming the option), allocates the ring and starts the
-  // pipeline. The dataset must outlive the loader.
+  // pipeline. The loader holds a share of the dataset (a copy of it): the caller's may be moved or
+  // destroyed meanwhile.
   static Result<std::unique_ptr<Loader>> Create(const dataset::Dataset& dataset, LoaderOptions options);
   // Stops the pipeline and joins every thread; leases still held stay valid.
   ~Loader();

@@ -16,6 +16,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <system_error>
 #include <thread>
 #include <vector>
@@ -107,7 +108,7 @@ constexpr uint64_t kNotHeld = UINT64_MAX;
 }  // namespace
 
 struct StorageStage::State {
-  const dataset::Dataset* ds = nullptr;
+  std::optional<dataset::Dataset> ds;  // a share of it: the caller's may be moved or go
   const dataset::Sampler* sampler = nullptr;
   dataset::ShuffleMode mode = dataset::ShuffleMode::kFull;
   StoragePlan plan;
@@ -534,7 +535,7 @@ Result<std::unique_ptr<StorageStage>> StorageStage::Create(const dataset::Datase
     if (value < 0) return InvalidArgumentError(fmt::format("loader: storage {} {} (expected >= 0)", name, value));
   }
   auto st = std::make_unique<State>();
-  st->ds = &ds;
+  st->ds = ds;
   st->sampler = &sampler;
   st->mode = so.mode;
   st->plan = plan;

@@ -74,7 +74,7 @@ class StorageStage {
   // Takes every record's extent from the dataset (one pass over the records table), opens the
   // data file and starts the I/O threads. kInvalidArgument when a block-shuffle window cannot fit
   // in the budget (naming data.io.memory_mb and the window's size); kIoError when the data file
-  // cannot be opened. The dataset and sampler must outlive the stage.
+  // cannot be opened. The sampler must outlive the stage; the stage holds a share of the dataset.
   static Result<std::unique_ptr<StorageStage>> Create(const dataset::Dataset& dataset,
                                                       const dataset::Sampler& sampler,
                                                       const dataset::SamplerOptions& sampler_options,

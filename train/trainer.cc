@@ -744,6 +744,18 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     double interval_wait = 0;
     int64_t interval_first_sample = 0;  // samples_total at the last log line: skipped steps count too
     auto interval_start = Clock::now();
+    // Evaluations and checkpoints inside the loop: their time is no step's, so the throughput and
+    // data-wait of the interval (and of the run) leave it out. Counted in every one of them, an
+    // interval with an evaluation read a tenth of its real rate.
+    double paused_total = 0, interval_paused = 0;
+    auto paused = [&](auto&& work) {
+      const auto began = Clock::now();
+      Status s = work();
+      const double took = Seconds(Clock::now() - began);
+      paused_total += took;
+      interval_paused += took;
+      return s;
+    };
     Status failure = OkStatus();
     while (step < summary.total_steps) {
       const bool stop_here = (run.stop && run.stop->load()) || (run.max_steps > 0 && step >= run.max_steps);
@@ -819,7 +831,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
       if (step % config.log_every_steps == 0 || epoch_end) {
         failure = gather_bad_records(*loader);
         if (!failure.ok()) break;
-        const double secs = Seconds(Clock::now() - interval_start);
+        const double secs = std::max(0.0, Seconds(Clock::now() - interval_start) - interval_paused);
         const double ips = secs > 0 ? static_cast<double>(samples_total - interval_first_sample) / secs : 0;
         const double wait_frac = secs > 0 ? interval_wait / secs : 0;
         // Every step of the interval skipped (float16 loss scaling settling, non-finite steps): no
@@ -839,6 +851,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
         interval = {};
         interval_first_sample = samples_total;
         interval_wait = 0;
+        interval_paused = 0;
         interval_start = Clock::now();
       }
       if (epoch_end) {
@@ -848,28 +861,30 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
         summary.last_epoch = epoch_stats;
         epoch_stats = {};
         if (config.eval.every_epochs > 0 && epoch % config.eval.every_epochs == 0) {
-          failure = run_eval();
+          failure = paused(run_eval);
           if (!failure.ok()) break;
         }
         if (config.checkpoint.every_epochs > 0 && epoch % config.checkpoint.every_epochs == 0) {
-          failure = save();
+          failure = paused(save);
           if (!failure.ok()) break;
         }
       }
       if (config.eval.every_steps > 0 && step % config.eval.every_steps == 0 && eval_step != step) {
-        failure = run_eval();
+        failure = paused(run_eval);
         if (!failure.ok()) break;
       }
       if (config.checkpoint.every_steps > 0 && step % config.checkpoint.every_steps == 0 && saved_step != step) {
-        failure = save();
+        failure = paused(save);
         if (!failure.ok()) break;
       }
     }
     if (failure.ok()) failure = agree(pending);  // a metrics write that failed on the last step
     if (epoch_stats.count > 0) summary.last_epoch = epoch_stats;
     summary.seconds = Seconds(Clock::now() - loop_start);
-    summary.images_per_s = summary.seconds > 0 ? static_cast<double>(samples_total) / summary.seconds : 0;
-    summary.data_wait = summary.seconds > 0 ? wait_total / summary.seconds : 0;
+    summary.paused_seconds = std::min(paused_total, summary.seconds);
+    const double stepping = summary.seconds - summary.paused_seconds;
+    summary.images_per_s = stepping > 0 ? static_cast<double>(samples_total) / stepping : 0;
+    summary.data_wait = stepping > 0 ? wait_total / stepping : 0;
     summary.device_batches = loader->stats().pinned;
     if (Status gathered = gather_bad_records(*loader); failure.ok()) failure = gathered;
     summary.bad_records = static_cast<int64_t>(bad_seen.size());
@@ -949,7 +964,10 @@ std::string FormatSummary(const TrainSummary& s) {
   std::string out = fmt::format("backend {}: steps {} -> {} of {} ({} per epoch){}\n", s.backend, s.start_step, s.steps,
                                 s.total_steps, s.steps_per_epoch, s.stopped ? ", stopped early" : "");
   if (s.seconds > 0) {
-    out += fmt::format("training: {:.1f} s, {:.1f} images/s, data-wait {:.1f}% of step time{}\n", s.seconds,
+    out += fmt::format("training: {:.1f} s{}, {:.1f} images/s, data-wait {:.1f}% of step time{}\n", s.seconds,
+                       s.paused_seconds > 0 ? fmt::format(" ({:.1f} s of it evaluating and checkpointing)",
+                                                          s.paused_seconds)
+                                            : std::string(),
                        s.images_per_s, 100 * s.data_wait,
                        s.device_batches ? " (batches copied to the GPU from the pinned ring)" : "");
   }

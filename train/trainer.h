@@ -47,7 +47,8 @@ struct TrainSummary {
   int64_t steps_per_epoch = 0;
   bool stopped = false;       // ended early (stop flag or max_steps)
   double seconds = 0;         // wall time of the training loop in this invocation
-  double images_per_s = 0;    // training samples per second of the loop (all ranks)
+  double paused_seconds = 0;  // ... of it evaluating and checkpointing
+  double images_per_s = 0;    // training samples per second of the steps (all ranks; evaluations left out)
   int world = 1;              // ranks
   std::vector<std::pair<std::string, int>> machines;  // data-parallel: each machine and its ranks, by rank 0 first
   double comm_s = 0;          // data-parallel: time spent averaging gradients (this rank)
@@ -55,7 +56,7 @@ struct TrainSummary {
   double comm_wait_s = 0;     // time steps blocked on the averaging after backward
   int64_t skipped_steps = 0;  // steps every rank skipped (the loss or gradient not finite)
   int64_t overflow_steps = 0;  // float16 steps skipped by dynamic loss scaling (the scale halved)
-  double data_wait = 0;       // fraction of the loop spent waiting for batches
+  double data_wait = 0;       // fraction of the steps' time spent waiting for batches
   bool device_batches = false;  // the loader's pinned ring copied the batches to the GPU
   BatchStats last_epoch;      // training statistics of the last (partial) epoch
   bool has_val = false;

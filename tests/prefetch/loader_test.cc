@@ -11,6 +11,7 @@
 #include <random>
 #include <set>
 #include <map>
+#include <optional>
 #include <thread>
 
 #include <fmt/format.h>
@@ -87,6 +88,43 @@ TEST(Loader, BatchesAreBitIdenticalForAnyThreadCountAndRing) {
       EXPECT_EQ(RunAll(*ds, o), one) << threads << " threads, ring " << ring;
     }
   }
+}
+
+// A loader holds its own share of the dataset: made from a temporary (`*Dataset::Open(...)`), or
+// from a Dataset moved away and destroyed while it runs, it reads the same batches (both read
+// freed memory, and crashed in the workers' first read transaction). With the storage stage too.
+TEST(Loader, HoldsItsOwnShareOfTheDatasetItWasMadeFrom) {
+  testing::TempDir dir;
+  const auto path = WriteDataset(dir.path() / "d", {});
+  auto ds = dataset::Dataset::Open(path);
+  ASSERT_OK(ds.status());
+  for (const bool storage : {false, true}) {
+    SCOPED_TRACE(storage ? "with the storage stage" : "reading the map");
+    LoaderOptions o = SmallOptions(2);
+    o.storage.enabled = storage;
+    const auto want = RunAll(*ds, o);
+    auto from_temporary = Loader::Create(*dataset::Dataset::Open(path), o);
+    ASSERT_OK(from_temporary.status());
+    EXPECT_EQ(Drain(**from_temporary), want);
+    auto moved = dataset::Dataset::Open(path);
+    ASSERT_OK(moved.status());
+    auto loader = Loader::Create(*moved, o);
+    ASSERT_OK(loader.status());
+    { dataset::Dataset gone = std::move(*moved); }
+    EXPECT_EQ(Drain(**loader), want);
+  }
+  // A Reader, too, outlives the Dataset it came from.
+  std::optional<dataset::Reader> reader;
+  {
+    auto opened = dataset::Dataset::Open(path);
+    ASSERT_OK(opened.status());
+    auto r = opened->NewReader();
+    ASSERT_OK(r.status());
+    reader.emplace(std::move(*r));
+  }
+  auto record = reader->Get(3);
+  ASSERT_OK(record.status());
+  EXPECT_EQ(record->header.label, (*ds).NewReader()->Get(3)->header.label);
 }
 
 // Each loader asking for more threads than cores once set its own TBB limit, and TBB applies the

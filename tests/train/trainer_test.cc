@@ -496,6 +496,11 @@ TEST_F(TrainLoop, LearnsAndWritesMetricsConfigAndPlot) {
   EXPECT_EQ(s.val.count, 32);
   EXPECT_GE(s.val.top1_rate(), 0.75) << FormatSummary(s);  // 4 classes: chance is 0.25
   EXPECT_GT(s.images_per_s, 0);
+  // The evaluations and checkpoints inside the loop are counted apart: the throughput and the
+  // data-wait are the steps' (an interval holding an evaluation read a tenth of its rate).
+  EXPECT_GT(s.paused_seconds, 0);
+  EXPECT_LT(s.paused_seconds, s.seconds);
+  EXPECT_NE(FormatSummary(s).find(" s of it evaluating and checkpointing)"), std::string::npos) << FormatSummary(s);
 
   // The first logged training loss is well above the last.
   std::ifstream in(dir_->path() / "learn/metrics.jsonl");
