@@ -1,11 +1,13 @@
 #include "common/sys_memory.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 
 namespace stoke {
 namespace {
@@ -103,6 +105,13 @@ uint64_t AvailableMemoryBytes() {
     available = available > 0 ? std::min(available, room) : room;
   }
   return available;
+}
+
+int UsableCores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
 }  // namespace stoke

@@ -1,5 +1,6 @@
-// How much memory this process can still use: what the kernel says is available, capped by the
-// memory limit of the process's cgroup (v1 or v2) when it has one.
+// What this process may use of the machine: how much memory it can still take (what the kernel
+// says is available, capped by the memory limit of its cgroup, v1 or v2, when it has one), and on
+// how many cores it may run.
 #pragma once
 
 #include <cstdint>
@@ -17,5 +18,10 @@ uint64_t CgroupMemoryLimitBytes();
 // The machine's physical memory in bytes, capped by the cgroup's limit; 0 when unknown. What no
 // allocation of this process can exceed, however much is free.
 uint64_t PhysicalMemoryBytes();
+
+// The cores this process may run on: its CPU affinity mask (taskset, a container's cpuset, a
+// launcher's binding of ranks to cores), not every core of the machine; at least 1. What a thread
+// count of 0 ("every core") means.
+int UsableCores();
 
 }  // namespace stoke

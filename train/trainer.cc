@@ -17,6 +17,7 @@
 #include "common/file_util.h"
 #include "common/json_util.h"
 #include "common/logging.h"
+#include "common/sys_memory.h"
 #include "dataset/dataset.h"
 #include "prefetch/batch_memory.h"
 #include "train/checkpoint.h"
@@ -72,16 +73,17 @@ Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c, const dist:
                   : c.dist.device_comm == "host" ? DeviceComm::kHost
                                                  : DeviceComm::kAuto;
   o.threads = c.compute_threads;
-  if (const long cores = sysconf(_SC_NPROCESSORS_ONLN); cores > 0 && o.threads > 4 * cores) {
+  if (const int cores = UsableCores(); o.threads > 4 * cores) {
     // Allowed (up to kMaxThreads), but a team this much larger than the machine makes every step
     // many times slower, which looks like a hang.
     STOKE_LOG(WARN, "{}: compute_threads {} on {} cores: every step waits on {} threads taking turns (0 uses "
               "every core once)", c.source, o.threads, cores, o.threads);
   }
   if (o.threads == 0 && comm && comm->local_size() > 1) {
-    // Ranks sharing a machine share its cores rather than each starting a team of all of them.
-    const long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    o.threads = std::max<int>(1, static_cast<int>(cores) / comm->local_size());
+    // Ranks sharing a machine share its cores rather than each starting a team of all of them;
+    // ranks the launcher bound to cores of their own (fewer than the machine's) use those.
+    const int usable = UsableCores();
+    o.threads = usable < sysconf(_SC_NPROCESSORS_ONLN) ? usable : std::max(1, usable / comm->local_size());
   }
   o.precision = c.data.dtype == "bfloat16" ? Precision::kBFloat16
                 : c.data.dtype == "float16" ? Precision::kFloat16

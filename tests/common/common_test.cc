@@ -2,6 +2,7 @@
 // progress lines.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -13,6 +14,7 @@
 #include <numeric>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/crc32c.h"
@@ -21,6 +23,7 @@
 #include "common/progress.h"
 #include "common/random.h"
 #include "common/status.h"
+#include "common/sys_memory.h"
 #include "tests/testing/test_util.h"
 
 namespace stoke {
@@ -318,6 +321,26 @@ TEST(FileUtil, CheckOutputClearRefusesTheInputsAndAnyDatasetFolder) {
   std::filesystem::create_directory_symlink(dir / "other.lmdb", dir / "link");
   EXPECT_FALSE(CheckOutputClear("--out", dir / "link" / "x.onnx", files, folders).ok());
   EXPECT_OK(CheckOutputClear("--out", dir / "other.lmdb.onnx", files, folders));
+}
+
+// "Every core" is the cores this thread may run on (taskset, a cpuset, a rank bound to cores), not
+// the machine's: a loader of threads = 0 under `taskset -c 0` started one thread per machine core.
+TEST(SysMemory, UsableCoresFollowTheAffinityMask) {
+  cpu_set_t all;
+  CPU_ZERO(&all);
+  ASSERT_EQ(sched_getaffinity(0, sizeof all, &all), 0);
+  EXPECT_EQ(UsableCores(), CPU_COUNT(&all));
+  int first = 0;
+  while (!CPU_ISSET(first, &all)) ++first;
+  int inside = 0;
+  std::thread([&] {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(first, &one);
+    ASSERT_EQ(sched_setaffinity(0, sizeof one, &one), 0);
+    inside = UsableCores();
+  }).join();
+  EXPECT_EQ(inside, 1);
 }
 
 TEST(FileUtil, PathWithinComparesAPathItCannotResolveAsWritten) {

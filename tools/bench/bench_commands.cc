@@ -27,14 +27,15 @@
 #include <jpeglib.h>  // LIBJPEG_TURBO_VERSION_NUMBER
 // clang-format on
 
+#include "augment/crop_plan.h"
+#include "augment/transform.h"
 #include "common/c_handles.h"
 #include "common/crc32c.h"
 #include "common/file_util.h"
 #include "common/logging.h"
 #include "common/random.h"
+#include "common/sys_memory.h"
 #include "dataset/dataset.h"
-#include "augment/crop_plan.h"
-#include "augment/transform.h"
 #include "decode/jpeg_decoder.h"
 #include "prefetch/loader.h"
 #include "tools/pack/packer.h"
@@ -837,7 +838,7 @@ void EvictFile(const fs::path& file) {
 
 Result<std::string> BenchStorage(const BenchOptions& o, const fs::path& db, const PipelineBenchOptions& p) {
   STOKE_ASSIGN_OR_RETURN(auto mode, dataset::ParseShuffleMode(p.shuffle));
-  const int n = o.threads > 0 ? o.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int n = o.threads > 0 ? o.threads : UsableCores();
   const int epochs = p.epochs > 0 ? p.epochs : 1;
   BenchProgress progress("bench pipeline (storage)", o.repeats);
   std::vector<double> rates, bytes_per_image, waits, lookups;
@@ -957,7 +958,7 @@ Result<std::string> BenchPipeline(const BenchOptions& o, const fs::path& dataset
     return InvalidArgumentError("bench pipeline: --epochs must be 0 (sized by --seconds) or >= 2 (the first is a warm-up)");
   }
   if (p.batch < 1) return InvalidArgumentError("bench pipeline: --batch must be >= 1");
-  const int n = o.threads > 0 ? o.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int n = o.threads > 0 ? o.threads : UsableCores();
   const double seconds = SecondsOr(o, 2.0);
   STOKE_ASSIGN_OR_RETURN(auto scratch, MakeScratch(o, dataset_path.empty()));
   BenchProgress progress("bench pipeline", (n > 1 ? 3 : 2) * o.repeats);

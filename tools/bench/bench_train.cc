@@ -19,12 +19,13 @@
 #include <nlohmann/json.hpp>
 
 #include "common/file_util.h"
+#include "common/sys_memory.h"
 #include "dataset/dataset.h"
+#include "dist/communicator.h"
 #include "prefetch/loader.h"
 #include "tools/bench/bench_commands.h"
 #include "tools/bench/bench_stats.h"
 #include "tools/bench/timeline.h"
-#include "dist/communicator.h"
 #include "train/config.h"
 #include "train/cuda_network.h"
 #include "train/data_parallel.h"
@@ -223,7 +224,7 @@ Result<TrainBenchReport> RunTrainBench(const BenchOptions& o, const TrainBenchOp
       // A peer that fails (no torch, out of memory beside stoke, a crash) costs its own figures
       // only: stoke's, measured already, are still reported, with the peer's error.
       progress.Run("PyTorch, NCHW", r, o.repeats);
-      const int threads = c.compute_threads > 0 ? c.compute_threads : static_cast<int>(std::thread::hardware_concurrency());
+      const int threads = c.compute_threads > 0 ? c.compute_threads : UsableCores();
       auto nchw = RunPeer(peer_opts, peer_model, threads, false);
       if (nchw.ok()) {
         peer_info = *nchw;

@@ -19,6 +19,7 @@
 #include "common/file_util.h"
 #include "common/logging.h"
 #include "common/progress.h"
+#include "common/sys_memory.h"
 #include "dataset/dataset.h"
 #include "prefetch/loader.h"
 #include "tools/pack/packer.h"
@@ -44,7 +45,7 @@ std::vector<int> TopK(std::span<const float> v, int k) {
   return order;
 }
 
-int Threads(int threads) { return threads > 0 ? threads : static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN))); }
+int Threads(int threads) { return threads > 0 ? threads : UsableCores(); }
 
 // The validation loader of `model` over `data` (resize, centre crop), in batches of `batch` for `net`.
 Result<std::unique_ptr<prefetch::Loader>> ValidationLoader(const train::TrainedModel& model, const train::Network& net,
