@@ -47,17 +47,27 @@ Result<std::vector<std::byte>> ReadFileBytes(const std::filesystem::path& path,
     return ResourceExhaustedError(
         fmt::format("{}: {} bytes, over the {}-byte limit", path.string(), st.st_size, max_bytes));
   }
-  std::vector<std::byte> data(static_cast<size_t>(st.st_size));
+  // Read to the end, not to st_size: a file that grew meanwhile, or one of /proc or /sys (their
+  // size reads 0), is read whole, up to the limit.
+  // (One byte more than its size: the read that finds the end needs room to be tried.)
+  std::vector<std::byte> data(std::max<size_t>(static_cast<size_t>(st.st_size) + 1, 4096));
   size_t got = 0;
-  while (got < data.size()) {
+  while (true) {
+    if (got == data.size()) {
+      if (data.size() > max_bytes) {
+        return ResourceExhaustedError(fmt::format("{}: over the {}-byte limit", path.string(), max_bytes));
+      }
+      data.resize(data.size() * 2);
+    }
     ssize_t n = ::read(fd, data.data() + got, data.size() - got);
     if (n < 0) {
       if (errno == EINTR) continue;
       return ErrnoStatus(errno, path, "read");
     }
-    if (n == 0) break;  // file shrank while reading
+    if (n == 0) break;  // the end (also of a file that shrank while being read)
     got += static_cast<size_t>(n);
   }
+  if (got > max_bytes) return ResourceExhaustedError(fmt::format("{}: over the {}-byte limit", path.string(), max_bytes));
   data.resize(got);
   return data;
 }

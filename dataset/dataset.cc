@@ -446,6 +446,10 @@ int Dataset::data_fd() const {
 }
 
 Result<std::string> Reader::SourcePath(int64_t index) {
+  if (index < 0 || index >= dataset_.size()) {
+    return InvalidArgumentError(fmt::format("dataset: {}: record {} out of range [0, {})",
+                                            dataset_.s_->path.string(), index, dataset_.size()));
+  }
   STOKE_RETURN_IF_ERROR(dataset_.s_->paths_status);
   if (!dataset_.s_->has_paths_dbi) return std::string();
   std::array<std::byte, 8> key;

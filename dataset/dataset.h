@@ -113,6 +113,7 @@ class Reader {
   Status Scan(int64_t begin, int64_t end, const std::function<Status(const RecordView&)>& fn);
 
   // The source path recorded at pack time ("" when the dataset has no paths table).
+  // kInvalidArgument for an index out of range, as Get().
   Result<std::string> SourcePath(int64_t index);
 
  private:

@@ -202,6 +202,15 @@ TEST(FileUtil, ReadAndAtomicWrite) {
 // An atomic write never puts a plain file where a FIFO, a device or a folder was (`stoke export -o`
 // onto a FIFO replaced it with the model, and as root `-o /dev/null` would have replaced the node);
 // a symbolic link is followed, so it keeps pointing at the file, which holds the new bytes.
+// Read to the end, not to the size stat gives: /proc's files say 0 bytes (they read as empty).
+TEST(FileUtil, ReadFileBytesReadsAFileWhoseSizeReadsZero) {
+  auto status = ReadFileBytes("/proc/self/status");
+  ASSERT_OK(status.status());
+  const std::string text(reinterpret_cast<const char*>(status->data()), status->size());
+  EXPECT_NE(text.find("Name:"), std::string::npos) << text.size() << " bytes";
+  EXPECT_EQ(ReadFileBytes("/proc/self/status", 10).status().code(), StatusCode::kResourceExhausted);
+}
+
 TEST(FileUtil, AtomicWriteRefusesWhatIsNotAFileAndFollowsALink) {
   testing::TempDir dir;
   ASSERT_EQ(::mkfifo((dir / "fifo").c_str(), 0600), 0);

@@ -333,6 +333,10 @@ TEST(Dataset, WriteThenReadIsTheIdentity) {
     ASSERT_OK_AND_ASSIGN(std::string src, reader.SourcePath(i));
     EXPECT_EQ(src, "src/" + std::to_string(i) + ".jpg");
   }
+  // Out of range is an error, as for Get() (it read as a record without a path).
+  for (int64_t bad : {int64_t{-1}, int64_t{300}}) {
+    EXPECT_EQ(reader.SourcePath(bad).status().code(), StatusCode::kInvalidArgument) << bad;
+  }
   // Sequential scan: every record, in order.
   int64_t expected = 10;
   ASSERT_OK(reader.Scan(10, 300, [&](const RecordView& r) {
