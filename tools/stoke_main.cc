@@ -519,12 +519,16 @@ int Run(int argc, char** argv) {
     // Rank 0 serves the monitor; its failure to start ends every rank, not rank 0 alone.
     std::unique_ptr<stoke::monitor::Monitor> monitor;
     stoke::Status monitor_started = stoke::OkStatus();
+    // The run_dir the monitor watches is made first; a run that then fails to start takes the
+    // folders away again (as the trainer does its own), not leaving an empty run behind.
+    std::vector<std::filesystem::path> monitor_folders;
     if (!train_monitor.empty() && rank == 0) {
       monitor_started = [&]() -> stoke::Status {
         auto address = stoke::monitor::ParseListenAddress(train_monitor, "127.0.0.1");
         if (!address.ok()) return stoke::Status(address.status().code(), "--monitor " + address.status().message());
-        std::error_code ec;
-        std::filesystem::create_directories(config->run_dir, ec);
+        auto made = stoke::MakeFolders(config->run_dir);
+        if (!made.ok()) return made.status().Prepend(fmt::format("run_dir {}", config->run_dir));
+        monitor_folders = std::move(*made);
         auto started = stoke::monitor::Monitor::Start(
             {.run_dirs = {config->run_dir}, .host = address->first, .port = address->second});
         if (!started.ok()) return started.status();
@@ -533,14 +537,24 @@ int Run(int argc, char** argv) {
         return stoke::OkStatus();
       }();
     }
-    if (!agreed_or_fail(monitor_started).ok()) return 1;
+    if (!agreed_or_fail(monitor_started).ok()) {
+      stoke::RemoveEmptyFolders(monitor_folders);
+      return 1;
+    }
 #else
     if (!train_monitor.empty()) {
       return Fail(stoke::UnavailableError(std::string("--monitor: ") + kNoMonitor));
     }
+    const std::vector<std::filesystem::path> monitor_folders;
 #endif
     auto summary = stoke::train::Train(*config, train_run);
-    if (!summary.ok()) return fail_once(summary.status());  // every rank holds the same agreed error
+    if (!summary.ok()) {
+#if STOKE_WITH_MONITOR
+      monitor.reset();
+#endif
+      stoke::RemoveEmptyFolders(monitor_folders);  // (a run that got going has written into them)
+      return fail_once(summary.status());  // every rank holds the same agreed error
+    }
     if (rank != 0) return 0;
     std::fputs(stoke::train::FormatSummary(*summary).c_str(), stdout);
     if (summary->stopped && summary->steps < summary->total_steps) {

@@ -180,6 +180,11 @@ if ! "$stoke" monitor /no/such/run --port 0 2>&1 | grep -q "not in this build"; 
   check monitor_bad_port 105 "--port: Value 70000 not in range 0 to 65535" -- "$stoke" monitor "$work/run2" --port 70000
   check train_monitor_bad_address 1 "--monitor 'abc': expected \[HOST:\]PORT" -- \
     "$stoke" train --config "$work/run2.yaml" --monitor abc -q
+  # A run that fails to start leaves no empty run_dir behind, with --monitor as without.
+  sed "s|run_dir: .*|run_dir: $work/mon_new/sub|; s|train: .*train.lmdb|train: $work/nowhere.lmdb|" "$work/run2.yaml" \
+    >"$work/mon_new.yaml"
+  check train_monitor_failed_start 1 "nowhere.lmdb" -- "$stoke" train --config "$work/mon_new.yaml" --monitor 0 -q
+  check train_monitor_failed_start_left_nothing 0 "" -- test ! -e "$work/mon_new"
   check tensorboard_events 0 "events.out.tfevents" -- ls "$work/run2/tensorboard"
 fi
 check bench_train_peer_fails 1 "PyTorch peer: FAILED, no ratio .*exit 1\): /bin/false" -- \
