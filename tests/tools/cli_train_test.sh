@@ -51,6 +51,26 @@ demo_interrupted() {
 }
 check demo_interrupted 130 "interrupted while generating the images; the earlier demo's outputs in .* are as they were" -- \
   demo_interrupted
+# Interrupted while training, a first demo removes what it wrote, and says so, naming no
+# checkpoint or plot of the run it removed (it printed the run's summary with their paths).
+demo_training_interrupted() {
+  "$stoke" demo --dir "$work/fresh" --per-class 20 --epochs 5000 --threads 2 >"$work/demo_train.out" 2>&1 &
+  local pid=$! waited=0
+  until grep -q "^== 3\." "$work/demo_train.out" 2>/dev/null || ((waited >= 600)); do
+    sleep 0.1
+    waited=$((waited + 1))
+  done
+  sleep 0.5
+  kill -INT "$pid"
+  wait "$pid"
+  local rc=$?
+  cat "$work/demo_train.out"
+  return "$rc"
+}
+check demo_interrupted_training 130 "interrupted while training, at step [0-9]+ of [0-9]+; what it wrote in .*fresh is removed" -- \
+  demo_training_interrupted
+check demo_interrupted_training_names_no_removed_file 0 "" -- bash -c \
+  "! grep -q 'checkpoint: \|curves: ' '$work/demo_train.out' && test ! -e '$work/fresh/run'"
 check demo_interrupted_kept_the_run 0 "curves.svg" -- ls "$odd/run"
 check demo_interrupted_kept_the_config 0 "epochs: 1" -- cat "$odd/demo.yaml"
 check demo_interrupted_left_nothing 0 "" -- test ! -e "$odd/.stoke-demo-previous" -a ! -e "$odd/.stoke-demo-state"

@@ -171,7 +171,7 @@ Result<DemoResult> RunSteps(const DemoOptions& o, std::chrono::steady_clock::tim
   run.stop = o.stop;
   STOKE_ASSIGN_OR_RETURN(auto summary, train::Train(config, run));
   if (summary.stopped) {
-    std::fputs(train::FormatSummary(summary).c_str(), stdout);
+    // (Not the run's summary: it names the checkpoint and plot, which the demo now removes.)
     return UnavailableError(fmt::format("demo: interrupted while training, at step {} of {}", summary.steps,
                                         summary.total_steps));
   }
@@ -253,7 +253,8 @@ Result<DemoResult> RunDemo(const DemoOptions& o) {
                     fmt::format("{}; the earlier demo's outputs in {} are as they were", r.status().message(),
                                 o.dir.string()));
     }
-    return r.status();
+    return Status(r.status().code(), fmt::format("{}; what it wrote in {} is removed", r.status().message(),
+                                                 o.dir.string()));
   }
   STOKE_RETURN_IF_ERROR(SetState(o.dir, "discarding"));
   STOKE_RETURN_IF_ERROR(Recover(o.dir));
