@@ -13,6 +13,13 @@ source "$(dirname "$0")/cli_lib.sh"
 quick=(--seconds 0.05 --repeats 2 --threads 2)
 check bench_pack 0 "pack --validate pixels --index none, 2 threads .* img/s" -- \
   "$stoke" bench pack --data "$work/src" "${quick[@]}" --work-dir "$work/scratch"
+# N = 1: each figure once, in the table and in the JSON (the 1-thread rows were there twice, and
+# the JSON kept one of each pair).
+check bench_pack_one_thread 0 "^4 rows, 4 results$" -- bash -c \
+  "rows=\$('$stoke' bench pack --data '$work/src' --seconds 0.05 --repeats 1 --threads 1 --json '$work/bp1.json' \
+     --work-dir '$work/scratch' 2>/dev/null | grep -c 'pack --validate'); \
+   echo \"\$rows rows, \$(/usr/bin/python3 -c 'import json,sys; print(len(json.load(open(sys.argv[1]))[\"results\"]))' \
+     '$work/bp1.json') results\""
 check bench_read 0 "random \+CRC, 2 threads +[0-9]+ +[0-9.]+" -- \
   "$stoke" bench read --data "$work/src" "${quick[@]}" --work-dir "$work/scratch" --json "$work/read.json"
 check bench_read_json 0 '"mb_s"' -- cat "$work/read.json"
