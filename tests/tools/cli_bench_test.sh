@@ -29,6 +29,10 @@ cp "$work"/src/class_00/img_000[0-2].jpg "$work/looped/a/"
 ln -s self.jpg "$work/looped/a/self.jpg"
 check bench_pack_link_loop 0 "img/s" -- "$stoke" bench pack --data "$work/looped" "${quick[@]}" --work-dir "$work/scratch"
 # --json never into what is measured.
+check bench_data_is_a_dataset 1 "bench: .*ds.lmdb: a packed dataset; --data takes an image folder tree" -- \
+  "$stoke" bench read --data "$work/ds.lmdb" "${quick[@]}"
+check bench_block_size_without_block_shuffle 1 "--block-size and --window-blocks shape block shuffle; with --shuffle full" -- \
+  "$stoke" bench pipeline "$work/ds.lmdb" --shuffle full --block-size 7 "${quick[@]}"
 check bench_data_is_a_file 1 "bench: .*ds.lmdb/data.mdb: not a folder; --data takes an image folder tree" -- \
   "$stoke" bench pack --data "$work/ds.lmdb/data.mdb" "${quick[@]}"
 check bench_json_not_into_the_images 1 "bench: --json .*: that is inside .*src" -- \

@@ -160,12 +160,14 @@ std::vector<fs::path> ListFiles(const fs::path& root) {
 
 Status CheckData(const BenchOptions& o) {
   std::error_code ec;
-  if (!fs::is_directory(o.data, ec)) {
+  const bool folder = fs::is_directory(o.data, ec);
+  const bool dataset = folder && fs::exists(o.data / "data.mdb", ec);
+  if (!folder || dataset) {
     if (fs::exists(o.data, ec)) {
       return InvalidArgumentError(fmt::format(
-          "bench: {}: not a folder; --data takes an image folder tree (one sub-folder per class), a packed "
-          "dataset goes as the DB argument of bench decode and pipeline",
-          o.data.string()));
+          "bench: {}: {}; --data takes an image folder tree (one sub-folder per class), a packed dataset goes as "
+          "the DB argument of bench decode and pipeline",
+          o.data.string(), dataset ? "a packed dataset" : "not a folder"));
     }
     return NotFoundError(fmt::format(
         "bench: {}: no such image folder (pass --data, e.g. ../shared/data/imagenet_like)",
@@ -688,18 +690,24 @@ Result<std::string> BenchDecode(const BenchOptions& o, const fs::path& dataset_p
 
 namespace {
 
+double g_largest_rss_mib = 0;  // of the RssMiB() samples
+
 // Resident set size now, from /proc/self/statm.
 double RssMiB() {
   std::ifstream in("/proc/self/statm");
   long pages = 0, resident = 0;
   in >> pages >> resident;
-  return static_cast<double>(resident) * static_cast<double>(::sysconf(_SC_PAGESIZE)) / (1 << 20);
+  const double mib = static_cast<double>(resident) * static_cast<double>(::sysconf(_SC_PAGESIZE)) / (1 << 20);
+  g_largest_rss_mib = std::max(g_largest_rss_mib, mib);
+  return mib;
 }
 
+// The kernel's high-water mark, which it updates only now and then: it read below the samples
+// printed beside it. The larger of the two.
 double PeakRssMiB() {
   rusage u{};
   ::getrusage(RUSAGE_SELF, &u);
-  return static_cast<double>(u.ru_maxrss) / 1024;  // KiB on Linux
+  return std::max(static_cast<double>(u.ru_maxrss) / 1024, g_largest_rss_mib);  // ru_maxrss: KiB on Linux
 }
 
 struct LoaderRun {
@@ -949,6 +957,12 @@ Result<std::string> BenchPipeline(const BenchOptions& o, const fs::path& dataset
   if (o.repeats < 1) return InvalidArgumentError("bench: --repeats must be >= 1");
   if (!p.shuffle.empty()) {
     if (p.batch < 1) return InvalidArgumentError("bench pipeline: --batch must be >= 1");
+    if (p.shuffle != "block" && (p.block_size > 0 || p.window_blocks > 0)) {
+      // Taken and ignored, the run measured another access pattern than the one asked for.
+      return InvalidArgumentError(fmt::format(
+          "bench pipeline: --block-size and --window-blocks shape block shuffle; with --shuffle {} they would be "
+          "ignored (give --shuffle block, or leave them out)", p.shuffle));
+    }
     STOKE_ASSIGN_OR_RETURN(auto scratch, MakeScratch(o, dataset_path.empty()));
     STOKE_ASSIGN_OR_RETURN(const fs::path db, DatasetOrPack(o, dataset_path, scratch->dir / "bench_storage.lmdb"));
     return BenchStorage(o, db, p);
