@@ -43,9 +43,3 @@ if(_stoke_san)
   target_link_options(stoke_compile_options INTERFACE $<BUILD_INTERFACE:${_stoke_san}>)
 endif()
 
-# The source revision, for manifests and logs.
-execute_process(COMMAND git rev-parse --short=12 HEAD WORKING_DIRECTORY ${PROJECT_SOURCE_DIR}
-                OUTPUT_VARIABLE STOKE_GIT_SHA OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
-if(NOT STOKE_GIT_SHA)
-  set(STOKE_GIT_SHA unknown)
-endif()

@@ -21,6 +21,7 @@
 #include "common/file_util.h"
 #include "common/limits.h"
 #include "common/logging.h"
+#include "common/version.h"
 #include "tools/bench/bench_commands.h"
 #include "tools/inspect/inspect.h"
 #include "tools/pack/packer.h"
@@ -149,7 +150,7 @@ int Run(int argc, char** argv) {
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
   CLI::App app{"stoke: pack image datasets into LMDB and feed them to GPUs fast"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", std::string("stoke ") + STOKE_VERSION + " (" + STOKE_GIT_SHA + ")");
+  app.set_version_flag("--version", std::string("stoke ") + STOKE_VERSION + " (" + stoke::GitSha() + ")");
   bool verbose = false;
   app.add_flag("-v,--verbose", verbose, "Debug logging");
 

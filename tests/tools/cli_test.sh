@@ -5,6 +5,11 @@ set -u
 stoke=$1
 source "$(dirname "$0")/cli_lib.sh"
 
+# The version names the revision built, read at every build (read when CMake configured, it named
+# an older one after later commits).
+if head=$(git -C "$(dirname "$0")" rev-parse --short=12 HEAD 2>/dev/null); then
+  check version_names_head 0 "^stoke [0-9.]+ \($head\)$" -- "$stoke" --version
+fi
 check synth 0 "wrote 3 classes" -- "$stoke" synth "$work/src" --classes 3 --per-class 10
 printf 'not a jpeg' >"$work/src/class_01/broken.jpg"
 # Into a folder holding files the images would be mixed with them (an earlier synth's classes

@@ -35,6 +35,7 @@
 #include "common/logging.h"
 #include "common/random.h"
 #include "common/sys_memory.h"
+#include "common/version.h"
 #include "dataset/dataset.h"
 #include "decode/jpeg_decoder.h"
 #include "prefetch/loader.h"
@@ -208,7 +209,7 @@ nlohmann::json MachineJson(int threads) {
           {"threads", threads},
           {"date", Today()},
           {"stoke", STOKE_VERSION},
-          {"git_sha", STOKE_GIT_SHA},
+          {"git_sha", GitSha()},
           {"libjpeg_turbo", fmt::format("{}.{}.{}", LIBJPEG_TURBO_VERSION_NUMBER / 1000000,
                                          LIBJPEG_TURBO_VERSION_NUMBER / 1000 % 1000,
                                          LIBJPEG_TURBO_VERSION_NUMBER % 1000)}};

@@ -45,6 +45,7 @@
 #include "common/progress.h"
 #include "common/random.h"
 #include "common/tsan.h"
+#include "common/version.h"
 #include "dataset/dataset.h"
 #include "dataset/writer.h"
 #include "decode/jpeg_decoder.h"
@@ -1182,7 +1183,7 @@ class SplitPacker {
     for (const auto& b : state_.bad) bad.push_back({b.path, b.reason});
     m.packing = {{"tool", "stoke pack"},
                  {"tool_version", STOKE_VERSION},
-                 {"git_sha", STOKE_GIT_SHA},
+                 {"git_sha", GitSha()},
                  {"created", state_.created},
                  {"source", fs::absolute(o_.source).lexically_normal().string()},
                  {"list_file", o_.list_file.empty() ? "" : fs::absolute(o_.list_file).string()},
