@@ -211,9 +211,15 @@ Status DatasetWriter::Commit(std::string_view state) {
 
 Status DatasetWriter::Finish(const Manifest& manifest) {
   if (!env_) return InternalError("dataset writer: used after Finish()");
+  // The caller's mistakes, refused before anything is written (format_version 0 finished, and
+  // then the dataset could not be opened: "format v0").
+  if (manifest.format_version == 0) {
+    return InvalidArgumentError(fmt::format("dataset writer: manifest format_version 0 (not set); expected {} "
+                                            "(kFormatVersion)", kFormatVersion));
+  }
   if (manifest.records != records()) {
-    return InternalError(fmt::format("dataset writer: manifest says {} records, wrote {}",
-                                     manifest.records, records()));
+    return InvalidArgumentError(fmt::format("dataset writer: manifest says {} records, wrote {}",
+                                            manifest.records, records()));
   }
   const std::string json =
       manifest.ToJson().dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);

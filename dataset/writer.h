@@ -55,7 +55,8 @@ class DatasetWriter {
   // Writes pending records and `state` (stored under meta "pack_state") in one transaction.
   Status Commit(std::string_view state);
   // Commits pending records, writes `manifest` (records must equal records()), removes the resume
-  // state and flushes to disk. The writer is unusable afterwards.
+  // state and flushes to disk. The writer is unusable afterwards. kInvalidArgument, writing
+  // nothing, for a manifest of another record count or with no format_version set.
   Status Finish(const Manifest& manifest);
 
  private:

@@ -683,6 +683,28 @@ TEST(Dataset, VersionOneDatasetsStillOpen) {
   EXPECT_EQ(ds.manifest().format_version, 1u);
 }
 
+// A manifest the writer could not have written right is refused by Finish, which can be called
+// again: no format_version (finished, the dataset then could not be opened), another record count.
+TEST(Dataset, FinishRefusesAManifestWithoutAVersionOrOfAnotherRecordCount) {
+  TempDir dir;
+  auto writer = DatasetWriter::Create(dir / "d", {});
+  ASSERT_OK(writer.status());
+  writer->Append(RecordHeader{}, RandomPayload(64, 1), "");
+  Manifest m;
+  m.records = 1;
+  m.classes = {"only"};
+  m.class_counts = {1};
+  Status s = writer->Finish(m);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_NE(s.message().find("format_version 0 (not set)"), std::string::npos) << s.ToString();
+  m.format_version = kFormatVersion;
+  m.records = 2;
+  EXPECT_EQ(writer->Finish(m).code(), StatusCode::kInvalidArgument);
+  m.records = 1;
+  ASSERT_OK(writer->Finish(m));
+  ASSERT_OK(Dataset::Open(dir / "d").status());
+}
+
 TEST(Dataset, UnfinishedPackSaysHowToFinishIt) {
   TempDir dir;
   {
