@@ -23,6 +23,7 @@
 
 #include <fmt/format.h>
 
+#include "common/file_util.h"
 #include "common/logging.h"
 #include "common/map_guard.h"
 #include "common/sys_memory.h"
@@ -587,13 +588,15 @@ Result<std::unique_ptr<StorageStage>> StorageStage::Create(const dataset::Datase
   }
   if (block && static_cast<double>(budget) < segment_bytes) {
     return InvalidArgumentError(fmt::format(
-        "loader: data.io.memory_mb {} cannot hold one block-shuffle window of {} records ({} blocks of {} records "
-        "of {:.0f} KB on average, {:.0f} MB); raise data.io.memory_mb or lower data.window_blocks or data.block_size",
-        budget >> 20, segment, clamped.window_blocks, clamped.block_size, mean / 1024, segment_bytes / (1 << 20)));
+        "loader: a read-ahead budget (data.io.memory_mb; StorageOptions::memory_bytes) of {} cannot hold one "
+        "block-shuffle window of {} records ({} blocks of {} records of {:.0f} KB on average, {:.0f} MB); raise "
+        "data.io.memory_mb or lower data.window_blocks or data.block_size",
+        HumanBytes(static_cast<double>(budget)), segment, clamped.window_blocks, clamped.block_size, mean / 1024, segment_bytes / (1 << 20)));
   }
   if (block && static_cast<double>(budget) < 3 * segment_bytes) {
     const std::string which = o.memory_bytes > 0
-                                  ? fmt::format("data.io.memory_mb {}", budget >> 20)
+                                  ? fmt::format("a read-ahead budget (data.io.memory_mb) of {}",
+                                                HumanBytes(static_cast<double>(budget)))
                                   : fmt::format("the default read-ahead budget, half of the {} MB this process may use,",
                                                 physical >> 20);
     STOKE_LOG(WARN,

@@ -282,6 +282,9 @@ TEST(Storage, AWindowLargerThanTheBudgetIsRefused) {
   ASSERT_FALSE(loader.ok());
   EXPECT_EQ(loader.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(loader.status().message().find("data.io.memory_mb"), std::string::npos) << loader.status().ToString();
+  // The budget given, not 0 (1000 bytes in MB, rounded down).
+  EXPECT_NE(loader.status().message().find("StorageOptions::memory_bytes) of 1000 B"), std::string::npos)
+      << loader.status().ToString();
 }
 
 // The default budget stays within half of the memory the process may use: three windows of a
