@@ -589,9 +589,10 @@ Result<std::unique_ptr<StorageStage>> StorageStage::Create(const dataset::Datase
   if (block && static_cast<double>(budget) < segment_bytes) {
     return InvalidArgumentError(fmt::format(
         "loader: a read-ahead budget (data.io.memory_mb; StorageOptions::memory_bytes) of {} cannot hold one "
-        "block-shuffle window of {} records ({} blocks of {} records of {:.0f} KB on average, {:.0f} MB); raise "
+        "block-shuffle window of {} records ({} blocks of {} records of {} on average, {}); raise "
         "data.io.memory_mb or lower data.window_blocks or data.block_size",
-        HumanBytes(static_cast<double>(budget)), segment, clamped.window_blocks, clamped.block_size, mean / 1024, segment_bytes / (1 << 20)));
+        HumanBytes(static_cast<double>(budget)), segment, clamped.window_blocks, clamped.block_size, HumanBytes(mean),
+        HumanBytes(segment_bytes)));
   }
   if (block && static_cast<double>(budget) < 3 * segment_bytes) {
     const std::string which = o.memory_bytes > 0
