@@ -26,22 +26,29 @@ check demo_again 0 "demo: validation top-1" -- "$stoke" demo --dir "$odd" --per-
 check demo_again_kept_notes 0 "mine" -- cat "$odd/notes.txt"
 # Ctrl-C while a demo replaces an earlier one: exit 130, the earlier demo's outputs as they were
 # (they were removed first, and every later demo then stopped at the partial pack left behind).
-# demo_signalled SIGNAL OUT: a long demo in $odd, sent SIGNAL once it is generating images (its
-# handler is set by then), however slow the build; its output in OUT; returns its exit code.
-demo_signalled() {
+# signalled SIGNAL STEP OUT -- DEMO-ARGS...: a demo started with DEMO-ARGS, sent SIGNAL once it
+# prints "== STEP." (its handler is set by then), however slow the build; its output in OUT;
+# returns its exit code. demo_signalled SIGNAL OUT: a long demo in $odd, signalled while it
+# generates its images.
+signalled() {
+  local signal=$1 step=$2 out=$3
+  shift 4
   # Removed first: the redirection below truncates it only once the child runs, and the wait could
   # meanwhile find the last run's "== 1." and signal the new demo before its handler is set (a
   # background job ignores SIGINT until then: that demo ran to the end, seen under ASan in CI).
-  rm -f "$2"
-  "$stoke" demo --dir "$odd" --per-class 5000 --epochs 1 --threads 2 >"$2" 2>&1 &
+  rm -f "$out"
+  "$stoke" demo "$@" >"$out" 2>&1 &
   local pid=$! waited=0
-  until grep -q "^== 1\." "$2" 2>/dev/null || ((waited >= 300)); do
+  until grep -q "^== $step\." "$out" 2>/dev/null || ((waited >= 600)); do
     sleep 0.1
     waited=$((waited + 1))
   done
-  sleep 0.2
-  kill "-$1" "$pid"
+  sleep 0.3
+  kill "-$signal" "$pid"
   wait "$pid" 2>/dev/null
+}
+demo_signalled() {
+  signalled "$1" 1 "$2" -- --dir "$odd" --per-class 5000 --epochs 1 --threads 2
 }
 demo_interrupted() {
   demo_signalled INT "$work/demo_int.out"
@@ -54,15 +61,7 @@ check demo_interrupted 130 "interrupted while generating the images; the earlier
 # Interrupted while training, a first demo removes what it wrote, and says so, naming no
 # checkpoint or plot of the run it removed (it printed the run's summary with their paths).
 demo_training_interrupted() {
-  "$stoke" demo --dir "$work/fresh" --per-class 20 --epochs 5000 --threads 2 >"$work/demo_train.out" 2>&1 &
-  local pid=$! waited=0
-  until grep -q "^== 3\." "$work/demo_train.out" 2>/dev/null || ((waited >= 600)); do
-    sleep 0.1
-    waited=$((waited + 1))
-  done
-  sleep 0.5
-  kill -INT "$pid"
-  wait "$pid"
+  signalled INT 3 "$work/demo_train.out" -- --dir "$work/fresh" --per-class 20 --epochs 5000 --threads 2
   local rc=$?
   cat "$work/demo_train.out"
   return "$rc"
