@@ -100,6 +100,9 @@ CropPlan SnapToScale(const CropPlan& plan, int d, int width, int height) {
     const int cells = std::max(1, size / d);
     int a = static_cast<int>(std::lround(lo / d));
     int b = static_cast<int>(std::lround((lo + len) / d));
+    // Narrower than a cell, both edges can round to one grid line: the cell holding the region's
+    // start, not the next one (which moved the far edge by d and missed the region itself).
+    if (b <= a) a = static_cast<int>(std::floor(lo / d));
     a = std::clamp(a, 0, cells - 1);
     b = std::clamp(b, a + 1, cells);
     return std::pair<double, double>(a * d, (b - a) * d);

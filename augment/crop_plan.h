@@ -60,8 +60,9 @@ CropPlan PlanCenterCrop(int width, int height, int resize = 256, int crop = 224)
 
 // Moves the region's edges to multiples of `scale_denom` (1, 2, 4, 8) within a width x height
 // image, so that at that DCT scale it covers whole decoded pixels: a region decode then resizes
-// exactly as a full decode of the same plan would. Edges move by less than scale_denom pixels;
-// the region keeps at least one decoded pixel per side.
+// exactly as a full decode of the same plan would. Edges move by less than scale_denom pixels
+// (but in the image's partial last cell, which no whole decoded pixel covers); the region keeps
+// at least one decoded pixel per side.
 CropPlan SnapToScale(const CropPlan& plan, int scale_denom, int width, int height);
 
 }  // namespace stoke::augment

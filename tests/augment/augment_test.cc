@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <thread>
 
+#include <fmt/format.h>
 #include <opencv2/core.hpp>
 
 #include "augment/crop_plan.h"
@@ -356,6 +357,21 @@ TEST(SnapToScale, EdgesMoveToTheGridAndStayInside) {
   CropPlan edge{.region = {150, 0, 53, 20}, .out_width = 4, .out_height = 2};
   CropPlan s = SnapToScale(edge, 8, 203, 20);
   EXPECT_EQ(s.region.x + s.region.width, 200);
+  // A region narrower than a cell snaps to the cell holding it ([1999, 2000) at 1/2 became
+  // [2000, 2002), past the column asked for): at every offset, both edges move by less than d.
+  for (int d : {2, 4, 8}) {
+    for (double x = 0; x < 64; x += 0.5) {
+      for (double w : {0.5, 1.0, d - 0.5}) {
+        CropPlan narrow{.region = {x, 0, w, 20}, .out_width = 1, .out_height = 1};
+        CropPlan n = SnapToScale(narrow, d, 4000, 3000);
+        SCOPED_TRACE(fmt::format("d {} x {} width {}", d, x, w));
+        EXPECT_LT(std::abs(n.region.x - x), d);
+        EXPECT_LT(std::abs(n.region.x + n.region.width - x - w), d);
+        EXPECT_LT(n.region.x, x + w);  // it overlaps the region asked for
+        EXPECT_GT(n.region.x + n.region.width, x);
+      }
+    }
+  }
 }
 
 TEST(RegionDecode, RejectsRegionsOutsideTheImage) {
