@@ -295,12 +295,26 @@ Status CheckReportIsNoInput(const fs::path& report, const std::vector<Input>& in
 
 // ---- Per-image work ---------------------------------------------------------------------------
 
+// What a resume compares of the inputs packed before it: each file's size and modification time,
+// folded in input order (an input that cannot be stat'ed folds as -1 -1). An image replaced after
+// it was packed was kept as it had been, without a word.
+struct InputStamp {
+  int64_t size = -1, mtime_ns = -1;
+};
+
+InputStamp StampOf(const fs::path& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return {};
+  return {static_cast<int64_t>(st.st_size), static_cast<int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec};
+}
+
 struct Processed {
   bool ok = false;
   std::string reason;  // why not ok
   RecordHeader header;
   std::vector<std::byte> payload;
   bool converted = false, reencoded = false, reoriented = false;
+  InputStamp stamp;  // the file as it was read (taken by the worker, off the writer thread)
 };
 
 // Per-thread tools: decoder and encoder state is reused across images.
@@ -553,6 +567,7 @@ void ProcessOther(const std::vector<std::byte>& bytes, const PackOptions& o, Wor
 Processed ProcessInput(const Input& input, const PackOptions& o, Worker& w) {
   Processed out;
   out.header.label = input.label;
+  out.stamp = StampOf(input.path);
   auto bytes = ReadFileBytes(input.path, o.max_file_bytes);
   if (!bytes.ok()) {
     out.reason = "unreadable: " + bytes.status().message();
@@ -652,19 +667,6 @@ struct SplitJob {
   fs::path output;
   std::vector<Input> inputs;
 };
-
-// What a resume compares of the inputs packed before it: each file's size and modification time,
-// folded in input order (an input that cannot be stat'ed folds as -1 -1). An image replaced after
-// it was packed was kept as it had been, without a word.
-struct InputStamp {
-  int64_t size = -1, mtime_ns = -1;
-};
-
-InputStamp StampOf(const fs::path& path) {
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) return {};
-  return {static_cast<int64_t>(st.st_size), static_cast<int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec};
-}
 
 uint64_t FoldStamp(uint64_t h, const InputStamp& s) { return Fnv1a(fmt::format("{} {}\n", s.size, s.mtime_ns), h); }
 
@@ -1329,7 +1331,7 @@ class SplitPacker {
       state_.reoriented += r.reoriented;
       writer_->Append(r.header, std::move(r.payload), input.key);
     }
-    if (state_.inputs_stamp != 0) state_.inputs_stamp = FoldStamp(state_.inputs_stamp, StampOf(input.path));
+    if (state_.inputs_stamp != 0) state_.inputs_stamp = FoldStamp(state_.inputs_stamp, r.stamp);
     state_.next_input = static_cast<int64_t>(index) + 1;
     if (writer_->ShouldCommit()) {
       Status s = Commit();
