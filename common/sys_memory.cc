@@ -114,4 +114,6 @@ int UsableCores() {
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
+int ThreadsOrCores(int threads) { return threads > 0 ? threads : UsableCores(); }
+
 }  // namespace stoke

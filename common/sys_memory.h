@@ -24,4 +24,7 @@ uint64_t PhysicalMemoryBytes();
 // count of 0 ("every core") means.
 int UsableCores();
 
+// A configured thread count: `threads` when positive, else UsableCores() (0 means "every core").
+int ThreadsOrCores(int threads);
+
 }  // namespace stoke

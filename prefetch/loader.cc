@@ -683,7 +683,7 @@ Result<std::unique_ptr<Loader>> Loader::Create(const dataset::Dataset& ds, Loade
     return InvalidArgumentError(fmt::format("loader: start_batch {} (an epoch has {} batches)",
                                             o.start_batch, st->batches_per_epoch));
   }
-  st->threads = o.threads > 0 ? o.threads : UsableCores();
+  st->threads = ThreadsOrCores(o.threads);
   // Chunks small enough to spread a batch over every thread, large enough to amortise the
   // pipeline's per-item cost.
   st->chunk = std::clamp(o.batch_size / (2 * st->threads), 1, 16);

@@ -352,6 +352,12 @@ TEST(SysMemory, UsableCoresFollowTheAffinityMask) {
   EXPECT_EQ(inside, 1);
 }
 
+TEST(SysMemory, AZeroThreadCountMeansEveryUsableCore) {
+  EXPECT_EQ(ThreadsOrCores(3), 3);
+  EXPECT_EQ(ThreadsOrCores(0), UsableCores());
+  EXPECT_EQ(ThreadsOrCores(-1), UsableCores());
+}
+
 TEST(FileUtil, PathWithinComparesAPathItCannotResolveAsWritten) {
   testing::TempDir dir;
   std::filesystem::create_directories(dir / "src" / "a");

@@ -851,7 +851,7 @@ void EvictFile(const fs::path& file) {
 
 Result<std::string> BenchStorage(const BenchOptions& o, const fs::path& db, const PipelineBenchOptions& p) {
   STOKE_ASSIGN_OR_RETURN(auto mode, dataset::ParseShuffleMode(p.shuffle));
-  const int n = o.threads > 0 ? o.threads : UsableCores();
+  const int n = ThreadsOrCores(o.threads);
   const int epochs = p.epochs > 0 ? p.epochs : 1;
   BenchProgress progress("bench pipeline (storage)", o.repeats);
   std::vector<double> rates, bytes_per_image, waits, lookups;
@@ -977,7 +977,7 @@ Result<std::string> BenchPipeline(const BenchOptions& o, const fs::path& dataset
     return InvalidArgumentError("bench pipeline: --epochs must be 0 (sized by --seconds) or >= 2 (the first is a warm-up)");
   }
   if (p.batch < 1) return InvalidArgumentError("bench pipeline: --batch must be >= 1");
-  const int n = o.threads > 0 ? o.threads : UsableCores();
+  const int n = ThreadsOrCores(o.threads);
   const double seconds = SecondsOr(o, 2.0);
   STOKE_ASSIGN_OR_RETURN(auto scratch, MakeScratch(o, dataset_path.empty()));
   BenchProgress progress("bench pipeline", (n > 1 ? 3 : 2) * o.repeats);

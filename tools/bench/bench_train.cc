@@ -224,7 +224,7 @@ Result<TrainBenchReport> RunTrainBench(const BenchOptions& o, const TrainBenchOp
       // A peer that fails (no torch, out of memory beside stoke, a crash) costs its own figures
       // only: stoke's, measured already, are still reported, with the peer's error.
       progress.Run("PyTorch, NCHW", r, o.repeats);
-      const int threads = c.compute_threads > 0 ? c.compute_threads : UsableCores();
+      const int threads = ThreadsOrCores(c.compute_threads);
       auto nchw = RunPeer(peer_opts, peer_model, threads, false);
       if (nchw.ok()) {
         peer_info = *nchw;

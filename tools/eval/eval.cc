@@ -45,8 +45,6 @@ std::vector<int> TopK(std::span<const float> v, int k) {
   return order;
 }
 
-int Threads(int threads) { return threads > 0 ? threads : UsableCores(); }
-
 // The validation loader of `model` over `data` (resize, centre crop), in batches of `batch` for `net`.
 Result<std::unique_ptr<prefetch::Loader>> ValidationLoader(const train::TrainedModel& model, const train::Network& net,
                                                            const dataset::Dataset& data, int batch, int threads,
@@ -88,7 +86,7 @@ Result<EvalReport> Evaluate(const EvalOptions& options) {
   }
   if (data.size() == 0) return InvalidArgumentError(fmt::format("{} holds no records", options.data));
 
-  const int threads = Threads(options.threads);
+  const int threads = ThreadsOrCores(options.threads);
   // The batch changes no figure (batch norm runs on its running statistics): by default the
   // training batch, at most 64 on the CPU backend, where a GPU run's batch of 256 at 224 px would
   // need tens of GB for its activations.
@@ -336,7 +334,7 @@ Result<std::vector<Prediction>> Predict(const PredictOptions& options) {
   if (records > 0) {
     STOKE_ASSIGN_OR_RETURN(dataset::Dataset data, dataset::Dataset::Open(po.output));
     STOKE_ASSIGN_OR_RETURN(dataset::Reader reader, data.NewReader());
-    const int threads = Threads(options.threads);
+    const int threads = ThreadsOrCores(options.threads);
     const int batch = static_cast<int>(std::min<int64_t>(std::max(1, options.batch), data.size()));
     STOKE_ASSIGN_OR_RETURN(auto net, train::CreateTrainedNetwork(model, options.backend, batch, threads));
     // Every image is reported on its own, however many are bad.
