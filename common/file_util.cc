@@ -144,6 +144,14 @@ void RemoveStaleAtomicTemporaries(const std::filesystem::path& dir,
   }
 }
 
+void RemoveStaleAtomicTemporariesOf(const std::filesystem::path& file) {
+  auto target = WriteTarget(file);
+  if (!target.ok()) return;
+  const std::string name = target->filename().string();
+  RemoveStaleAtomicTemporaries(target->has_parent_path() ? target->parent_path() : std::filesystem::path("."),
+                               [&](const std::string& t) { return t == name; });
+}
+
 Status WriteFileAtomic(const std::filesystem::path& named, std::span<const std::byte> data) {
   STOKE_ASSIGN_OR_RETURN(const std::filesystem::path path, WriteTarget(named));
   const std::filesystem::path tmp = TemporaryFor(path);

@@ -34,6 +34,9 @@ std::filesystem::path AtomicWriteTemporary(const std::filesystem::path& path);
 // mid-write); a live writer's are kept. Best effort: errors are ignored.
 void RemoveStaleAtomicTemporaries(const std::filesystem::path& dir,
                                   const std::function<bool(const std::string& target)>& is_target);
+// The same for one file: its own stale temporaries, in its folder (a command whose earlier run
+// was killed while writing `file`, before it writes it again).
+void RemoveStaleAtomicTemporariesOf(const std::filesystem::path& file);
 Status WriteFileAtomic(const std::filesystem::path& path, const std::string& text);
 
 // Whether `inner` is `outer` or lies below it, component by component, after resolving both as far

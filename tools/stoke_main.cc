@@ -478,6 +478,13 @@ int Run(int argc, char** argv) {
       std::fputs(stoke::train::ConfigToYaml(*config).c_str(), stdout);
       return 0;
     }
+    // mpirun forwards SIGUSR1 to every rank (and kills on SIGINT): `kill -USR1 <mpirun>` stops a
+    // data-parallel run with a checkpoint, like Ctrl-C on one process. Caught from the start, not
+    // from after MPI_Init (which can take seconds on many hosts): until then its default action
+    // would kill the rank, and with it the job. The flag is read before every step.
+    std::signal(SIGINT, OnInterrupt);
+    std::signal(SIGTERM, OnInterrupt);
+    std::signal(SIGUSR1, OnInterrupt);
     // Under mpirun or srun: one rank of a data-parallel run (a world of one otherwise). Made before
     // the config is read, so that an error only some ranks meet (a file missing on one machine) is
     // agreed on and reported by rank 0, naming the rank; its timeout comes from the config after.
@@ -511,11 +518,6 @@ int Run(int argc, char** argv) {
         train_run.poison_step = st;
       }
     }
-    std::signal(SIGINT, OnInterrupt);
-    std::signal(SIGTERM, OnInterrupt);
-    // mpirun forwards SIGUSR1 to every rank (and kills on SIGINT): `kill -USR1 <mpirun>` stops a
-    // data-parallel run with a checkpoint, like Ctrl-C on one process.
-    std::signal(SIGUSR1, OnInterrupt);
 #if STOKE_WITH_MONITOR
     // Rank 0 serves the monitor; its failure to start ends every rank, not rank 0 alone.
     std::unique_ptr<stoke::monitor::Monitor> monitor;
@@ -617,6 +619,7 @@ int Run(int argc, char** argv) {
         return Fail(s);
       }
     }
+    stoke::RemoveStaleAtomicTemporariesOf(export_output);  // an earlier export's, killed mid-write
     const std::string temporary = stoke::AtomicWriteTemporary(export_output).string();
     if (temporary.size() < sizeof g_remove_on_signal) {
       std::memcpy(g_remove_on_signal, temporary.c_str(), temporary.size() + 1);

@@ -831,6 +831,20 @@ std::string ConfigModelDifference(const TrainConfig& here, std::string_view here
   return ModelDifference(a, here_is, b, other_is);
 }
 
+std::string PreprocessingDifference(const TrainConfig& here, const TrainConfig& other, std::string_view other_is) {
+  std::vector<std::string> d;
+  auto compare = [&](std::string_view key, const auto& a, const auto& b) {
+    if (a != b) d.push_back(fmt::format("data.{} {} ({}: {})", key, a, other_is, b));
+  };
+  compare("image_size", here.data.image_size, other.data.image_size);
+  compare("val_resize", ValResize(here.data), ValResize(other.data));
+  compare("mean", fmt::format("[{}]", fmt::join(here.data.mean, ", ")), fmt::format("[{}]", fmt::join(other.data.mean, ", ")));
+  compare("std", fmt::format("[{}]", fmt::join(here.data.std, ", ")), fmt::format("[{}]", fmt::join(other.data.std, ", ")));
+  compare("layout", here.data.layout, other.data.layout);
+  compare("dtype", here.data.dtype, other.data.dtype);
+  return fmt::format("{}", fmt::join(d, "; "));
+}
+
 double ScaledLr(const TrainConfig& c) {
   if (c.optimizer.base_batch <= 0) return c.optimizer.lr;
   return c.optimizer.lr * c.data.batch_size / c.optimizer.base_batch;

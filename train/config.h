@@ -134,6 +134,10 @@ ModelSpec ModelFromConfig(const ModelConfig& model);
 // they are the same layers, or when either does not resolve (its own checks report that).
 std::string ConfigModelDifference(const TrainConfig& here, std::string_view here_is, const TrainConfig& other,
                                   std::string_view other_is);
+// How `here` prepares a validation sample differently from `other` (data.image_size, the resolved
+// val_resize, mean, std, layout, dtype), as "data.val_resize 292 (the checkpoint's stored config:
+// 256); ..."; empty when they prepare it alike.
+std::string PreprocessingDifference(const TrainConfig& here, const TrainConfig& other, std::string_view other_is);
 // The first setting in which two configs' YAML (ConfigToYaml) differ, as "data.threads: 2 (rank 0:
 // 4)", `other_is` naming the second; empty when they agree.
 std::string ConfigYamlDifference(std::string_view here, std::string_view other, std::string_view other_is);

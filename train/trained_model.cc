@@ -107,6 +107,12 @@ Result<TrainedModel> LoadTrainedModel(const TrainedModelSource& source) {
             "config {} does not describe the model of checkpoint {}: {}; leave --config out to use the stored one",
             m.config_path.string(), m.checkpoint_path.string(), d));
       }
+      // Allowed (evaluating at another resolution is a use of --config), but said: the figures
+      // and an export's metadata then follow the given config, not what the model trained on.
+      if (const std::string p = PreprocessingDifference(m.config, *stored, "trained with"); !p.empty()) {
+        STOKE_LOG(WARN, "config {} prepares images unlike checkpoint {}'s run: {}", m.config_path.string(),
+                  m.checkpoint_path.string(), p);
+      }
     }
   }
   // A run that diverged before this checkpoint: its outputs would be NaN, and look like a model.

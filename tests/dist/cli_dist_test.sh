@@ -77,6 +77,15 @@ check bench_rank_failure_ends_every_rank 1 "rank [01] of 2 .*record .*ending eve
 check bench_model_json_from_rank0_only 0 "^mj0.json $" -- bash -c "cd '$work' && timeout 120 ${mpi[*]} \
   -np 1 '$stoke' bench train --config two.yaml --seconds 0.2 --repeats 1 --model-json mj0.json : \
   -np 1 '$stoke' bench train --config two.yaml --seconds 0.2 --repeats 1 --model-json mj1.json >/dev/null 2>&1; ls mj*.json | tr '\\n' ' '"
+# bench train's checks before the runs are agreed on too: a config missing on rank 1 is named by
+# rank 0 (rank 1 failed alone, and silently); --json is checked only where it is written (rank 0).
+check bench_config_missing_on_one_rank 1 "rank 1 \(.*\) failed: .*nowhere.yaml" -- \
+  timeout 120 "${mpi[@]}" -np 1 "$stoke" bench train --config "$work/two.yaml" --seconds 0.2 --repeats 1 : \
+  -np 1 "$stoke" bench train --config "$work/nowhere.yaml" --seconds 0.2 --repeats 1
+check bench_json_checked_on_rank0_only 0 "^train bench: " -- \
+  timeout 120 "${mpi[@]}" -np 1 "$stoke" bench train --config "$work/two.yaml" --seconds 0.2 --repeats 1 \
+  --json "$work/bench0.json" : -np 1 "$stoke" bench train --config "$work/two.yaml" --seconds 0.2 --repeats 1 \
+  --json /nonexistent/bench1.json
 # The same config on other data: a rank whose copy holds other records is refused before training.
 config elsewhere 1
 sed -i "s|train: $work/train.lmdb|train: $work/train_val.lmdb|" "$work/elsewhere.yaml"
@@ -152,6 +161,37 @@ else
     sed 's/^/    /' "$work/interrupted.out" | tail -20
     failures=$((failures + 1))
   fi
+fi
+
+# SIGUSR1 (what mpirun forwards) during the start, before the first step: caught from the moment
+# each rank catches it at all (it once had its default action, ending the job, until after MPI_Init
+# and the config), and every rank stops cleanly, rank 0 saying where.
+config early 500
+timeout 120 "${mpi[@]}" -np 2 "$stoke" train --config "$work/early.yaml" -q >"$work/early.out" 2>&1 &
+job=$!
+signalled=0
+for _ in $(seq 1 1000); do
+  catching=()
+  for pid in $(pgrep -f "$work/early.yaml"); do
+    [[ $(cat "/proc/$pid/comm" 2>/dev/null) == stoke ]] || continue
+    mask=$(sed -n 's/^SigCgt:\s*//p' "/proc/$pid/status" 2>/dev/null)
+    [[ -n $mask ]] && (((16#$mask >> 9) & 1)) && catching+=("$pid")
+  done
+  if [[ ${#catching[@]} -eq 2 ]]; then
+    kill -USR1 "${catching[@]}" && signalled=1
+    break
+  fi
+  sleep 0.01
+done
+wait "$job"
+rc=$?
+if [[ $signalled -eq 1 && $rc -eq 0 ]] && grep -qE "stopped at step [0-9]+; continue with" "$work/early.out"; then
+  echo "ok   usr1_during_the_start_stops_every_rank ($(grep -oE 'stopped at step [0-9]+' "$work/early.out"))"
+  passed=$((passed + 1))
+else
+  echo "FAIL usr1_during_the_start_stops_every_rank: signalled $signalled, exit $rc"
+  sed 's/^/    /' "$work/early.out" | tail -20
+  failures=$((failures + 1))
 fi
 
 # A rank stopped (SIGSTOP: stuck, not gone) mid-training: the others end after about one

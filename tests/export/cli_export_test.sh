@@ -33,6 +33,17 @@ check eval_over_the_configs_budget 1 "more than max_skip_fraction 0.01 .*--max-s
   "$stoke" eval --run "$run" --data "$work/damaged.lmdb" --threads 2
 check eval_within_its_own_budget 0 "skipped 1 bad record" -- \
   "$stoke" eval --run "$run" --data "$work/damaged.lmdb" --threads 2 --max-skip-fraction 0.1
+# A run trained with on_error: fail fails at a bad record, unless eval is given its own budget.
+sed 's/^\(  *on_error:\) skip/\1 fail/' "$run/config.yaml" >"$work/fail.yaml"
+check eval_config_says_fail 0 "on_error: fail" -- cat "$work/fail.yaml"
+check eval_fails_as_the_run_would 1 "on_error fail" -- \
+  "$stoke" eval --run "$run" --config "$work/fail.yaml" --data "$work/damaged.lmdb" --threads 2
+check eval_own_budget_skips_whatever_the_run_s_policy 0 "skipped 1 bad record" -- \
+  "$stoke" eval --run "$run" --config "$work/fail.yaml" --data "$work/damaged.lmdb" --threads 2 --max-skip-fraction 0.1
+# Another preprocessing through --config is allowed, and said.
+sed 's/^\(  *val_resize:\) .*/\1 48/' "$run/config.yaml" >"$work/resize.yaml"
+check eval_other_preprocessing_said 0 "prepares images unlike .*data.val_resize 48 \(trained with: [0-9]+\)" -- \
+  "$stoke" eval --run "$run" --config "$work/resize.yaml" --data "$val" --threads 2
 check eval_budget_checked 105 "--max-skip-fraction: Value 2 not in range" -- \
   "$stoke" eval --run "$run" --data "$val" --max-skip-fraction 2
 
@@ -41,6 +52,13 @@ if "$stoke" export --help >/dev/null 2>&1 && "$stoke" export --run "$run" -o "$w
   check export_folds 0 "batch norm: [1-9][0-9]* folded" -- cat "$work/export.txt"
   check export_uint8 0 "input 'image' uint8" -- "$stoke" export --run "$run" -o "$work/m8.onnx" --uint8-input
   check export_file 0 "" -- test -s "$work/m8.onnx"
+  # What an export killed mid-write left (its process gone) goes when the file is written again.
+  (exit 0) & dead=$!; wait $dead
+  : >"$work/m8.onnx.tmp.$dead"
+  : >"$work/m8.onnx.tmp.$$"
+  check export_again 0 "input 'image' uint8" -- "$stoke" export --run "$run" -o "$work/m8.onnx" --uint8-input
+  check export_removed_a_dead_export_s_temporary 1 "" -- test -e "$work/m8.onnx.tmp.$dead"
+  check export_kept_a_live_writer_s_temporary 0 "" -- test -e "$work/m8.onnx.tmp.$$"
   # Never over what it is exported from (the model's checkpoint was once replaced by the ONNX file).
   ckpt=$(ls "$run"/checkpoints/step-*.ckpt | tail -1)
   cp "$ckpt" "$work/ckpt.before"

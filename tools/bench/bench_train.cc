@@ -384,12 +384,26 @@ Result<TrainBenchReport> RunTrainBench(const BenchOptions& o, const TrainBenchOp
 }  // namespace
 
 Result<TrainBenchReport> BenchTrain(const BenchOptions& o, const TrainBenchOptions& options) {
-  STOKE_RETURN_IF_ERROR(CheckJsonOut(o));  // before the runs, not after them
+  // Under mpirun or srun: one rank of a data-parallel step (the same as `stoke train` takes). Made
+  // before anything is checked, so that a check only some ranks fail (a config missing on one
+  // machine) is agreed on and reported by rank 0, naming the rank, rather than ending that rank
+  // silently; its timeout comes from the config after.
+  STOKE_ASSIGN_OR_RETURN(auto comm, dist::Communicator::Create({}));
+  const int world = comm->size();
+  bool agreed_failure = false;
+  auto agree = [&](const Status& s) {
+    Status decided = world > 1 ? comm->Agree(s) : s;
+    if (!decided.ok()) agreed_failure = true;
+    return decided;
+  };
   // At least one warm-up step (the first builds kernels), the same for stoke's runs and the peer's.
   TrainBenchOptions t = options;
   t.warmup = std::max(1, t.warmup);
-  STOKE_ASSIGN_OR_RETURN(train::TrainConfig c, train::LoadConfig(t.config.string()));
-  {
+  Result<train::TrainConfig> config = [&]() -> Result<train::TrainConfig> {
+    STOKE_ASSIGN_OR_RETURN(train::TrainConfig c, train::LoadConfig(t.config.string()));
+    if (t.peer && world > 1) return InvalidArgumentError("bench train: --peer measures one process; run it without mpirun");
+    if (comm->rank() != 0) return c;  // only rank 0 writes the outputs: their folders may exist only on its machine
+    STOKE_RETURN_IF_ERROR(CheckJsonOut(o));  // before the runs, not after them
     // Neither output over what the bench reads (the config, the datasets) or over the other one.
     const std::filesystem::path read[] = {c.data.train, c.data.val};
     const std::filesystem::path besides_json[] = {t.config, t.model_json}, besides_model[] = {t.config};
@@ -400,18 +414,12 @@ Result<TrainBenchReport> BenchTrain(const BenchOptions& o, const TrainBenchOptio
       STOKE_RETURN_IF_ERROR(CheckOutputClear("bench train: --model-json", t.model_json, besides_model, read));
       STOKE_RETURN_IF_ERROR(CheckFileWritable("bench train: --model-json", t.model_json));
     }
-  }
+    return c;
+  }();
+  STOKE_RETURN_IF_ERROR(agree(config.status()));
+  train::TrainConfig c = std::move(config).value();
+  comm->set_timeout_s(c.dist.timeout_s);
   if (o.threads > 0) c.compute_threads = o.threads, c.data.threads = o.threads;
-  // Under mpirun or srun: one rank of a data-parallel step (the same as `stoke train` takes).
-  STOKE_ASSIGN_OR_RETURN(auto comm, dist::Communicator::Create({.timeout_s = c.dist.timeout_s}));
-  const int world = comm->size();
-  if (t.peer && world > 1) return InvalidArgumentError("bench train: --peer measures one process; run it without mpirun");
-  bool agreed_failure = false;
-  auto agree = [&](const Status& s) {
-    Status decided = world > 1 ? comm->Agree(s) : s;
-    if (!decided.ok()) agreed_failure = true;
-    return decided;
-  };
   Result<TrainBenchReport> out = RunTrainBench(o, t, c, comm, agree);
   // A failure on this rank alone (its loader, its step, a collective that timed out) leaves the
   // other ranks waiting in a collective, and this one in MPI_Finalize: every rank ends now, told

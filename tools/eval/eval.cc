@@ -46,13 +46,20 @@ std::vector<int> TopK(std::span<const float> v, int k) {
 }
 
 // The validation loader of `model` over `data` (resize, centre crop), in batches of `batch` for `net`.
+// Bad records are handled as the run's config says (data.on_error, data.max_skip_fraction) unless
+// `skip_budget` is given: then each is skipped, up to that fraction of the records, whatever policy
+// the run trained with (a run trained with `on_error: fail` is still evaluated past a bad record
+// when the caller asked for a budget).
 Result<std::unique_ptr<prefetch::Loader>> ValidationLoader(const train::TrainedModel& model, const train::Network& net,
                                                            const dataset::Dataset& data, int batch, int threads,
-                                                           double max_skip_fraction) {
+                                                           std::optional<double> skip_budget) {
   prefetch::LoaderOptions lo = train::ValLoaderOptions(model.config);
   lo.batch_size = batch;
   lo.threads = threads;
-  lo.max_skip_fraction = max_skip_fraction;
+  if (skip_budget) {
+    lo.on_error = prefetch::ErrorPolicy::kSkip;
+    lo.max_skip_fraction = *skip_budget;
+  }
   train::FeedNetwork(net, lo);
   return prefetch::Loader::Create(data, lo);
 }
@@ -100,8 +107,8 @@ Result<EvalReport> Evaluate(const EvalOptions& options) {
   STOKE_ASSIGN_OR_RETURN(auto net, train::CreateTrainedNetwork(model, options.backend, batch, threads));
   const bool own_budget = options.max_skip_fraction >= 0;
   STOKE_ASSIGN_OR_RETURN(auto loader, ValidationLoader(model, *net, data, batch, threads,
-                                                        own_budget ? options.max_skip_fraction
-                                                                   : model.config.data.max_skip_fraction));
+                                                        own_budget ? std::optional(options.max_skip_fraction)
+                                                                   : std::nullopt));
 
   EvalReport report;
   report.model = train::Describe(model);
