@@ -42,10 +42,19 @@ constexpr uint64_t kPieceBytes = 4 << 20;
 // A merged range stops growing here (a whole window of contiguous blocks would otherwise be one).
 constexpr uint64_t kMaxRange = 64 << 20;
 constexpr int64_t kDefaultSegment = 256;
+// A small budget shrinks the segments of the full and sequential orders down to this.
+constexpr int64_t kMinSegment = 64;
 // Segments built ahead of the decoders, whatever their size (resident ones take no buffer).
 constexpr size_t kMaxSegmentsAhead = 8;
 constexpr uint64_t kPage = 4096;
 constexpr int64_t kReportedReadFailures = 5;
+
+// Bytes in the unit of data.io.memory_mb (2^20 bytes), for the budget's messages.
+std::string Mib(double bytes) {
+  if (bytes < (1 << 20)) return fmt::format("{:.1f} KB", bytes / 1024);
+  const double mb = bytes / (1 << 20);
+  return mb < 10 ? fmt::format("{:.1f} MB", mb) : fmt::format("{:.0f} MB", mb);
+}
 
 int64_t Nanos(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count();
@@ -384,8 +393,8 @@ struct StorageStage::State {
       }
       if (s->bytes > 0) {
         if (!s->buffer.Allocate(s->bytes)) {
-          STOKE_LOG(WARN, "loader: no memory for {:.1f} MB of read-ahead; its records are read through the map",
-                    static_cast<double>(s->bytes) / (1 << 20));
+          STOKE_LOG(WARN, "loader: no memory for {} of read-ahead; its records are read through the map",
+                    Mib(static_cast<double>(s->bytes)));
           for (Piece& p : s->pieces) p.failed = true;
           std::lock_guard lock(mu);
           Finish(*s);
@@ -581,33 +590,55 @@ Result<std::unique_ptr<StorageStage>> StorageStage::Create(const dataset::Datase
     budget = physical / 2;
     if (block && static_cast<double>(budget) < segment_bytes) {
       return InvalidArgumentError(fmt::format(
-          "loader: one block-shuffle window of {} records ({} blocks of {} records of {:.0f} KB on average, {:.0f} MB) "
-          "does not fit in half of the {} MB this process may use; lower data.window_blocks or data.block_size",
-          segment, clamped.window_blocks, clamped.block_size, mean / 1024, segment_bytes / (1 << 20), physical >> 20));
+          "loader: one block-shuffle window of {} records ({} blocks of {} records of {:.0f} KB on average, {}) "
+          "does not fit in half of the {} this process may use; lower data.window_blocks or data.block_size",
+          segment, clamped.window_blocks, clamped.block_size, mean / 1024, Mib(segment_bytes),
+          Mib(static_cast<double>(physical))));
     }
+  }
+  // A budget asked for that no allocation of this process can ever reach is a mistake, not a wish:
+  // read ahead up to it, the process was killed for memory.
+  if (o.memory_bytes > 0 && physical > 0 && budget > physical) {
+    return InvalidArgumentError(fmt::format(
+        "loader: a read-ahead budget (data.io.memory_mb; StorageOptions::memory_bytes) of {} is more than the {} "
+        "this process may use (the machine's memory or its cgroup's limit); give at most half of that, or 0 for "
+        "the default",
+        Mib(static_cast<double>(budget)), Mib(static_cast<double>(physical))));
+  }
+  if (o.memory_bytes > 0 && physical > 0 && budget > physical / 2) {
+    STOKE_LOG(WARN, "loader: a read-ahead budget (data.io.memory_mb) of {} is more than half of the {} this process "
+              "may use: the decoders, the ring and the model share the rest",
+              Mib(static_cast<double>(budget)), Mib(static_cast<double>(physical)));
   }
   if (block && static_cast<double>(budget) < segment_bytes) {
     return InvalidArgumentError(fmt::format(
         "loader: a read-ahead budget (data.io.memory_mb; StorageOptions::memory_bytes) of {} cannot hold one "
-        "block-shuffle window of {} records ({} blocks of {} records of {} on average, {}); raise "
+        "block-shuffle window of {} records ({} blocks of {} records of {:.0f} KB on average, {}); raise "
         "data.io.memory_mb or lower data.window_blocks or data.block_size",
-        HumanBytes(static_cast<double>(budget)), segment, clamped.window_blocks, clamped.block_size, HumanBytes(mean),
-        HumanBytes(segment_bytes)));
+        Mib(static_cast<double>(budget)), segment, clamped.window_blocks, clamped.block_size, mean / 1024,
+        Mib(segment_bytes)));
   }
   if (block && static_cast<double>(budget) < 3 * segment_bytes) {
     const std::string which = o.memory_bytes > 0
                                   ? fmt::format("a read-ahead budget (data.io.memory_mb) of {}",
-                                                HumanBytes(static_cast<double>(budget)))
-                                  : fmt::format("the default read-ahead budget, half of the {} MB this process may use,",
-                                                physical >> 20);
+                                                Mib(static_cast<double>(budget)))
+                                  : fmt::format("the default read-ahead budget, half of the {} this process may use,",
+                                                Mib(static_cast<double>(physical)));
     STOKE_LOG(WARN,
-              "loader: {} holds fewer than three block-shuffle windows of {:.0f} MB: reading the next window waits "
+              "loader: {} holds fewer than three block-shuffle windows of {}: reading the next window waits "
               "for the decoders, so reads will not keep the device busy",
-              which, segment_bytes / (1 << 20));
+              which, Mib(segment_bytes));
   }
   if (!block && o.segment_positions == 0 && static_cast<double>(budget) < 2 * segment_bytes) {
     // A smaller segment still reads ahead; full-shuffle reads are one request per record anyway.
-    segment = std::min(segment, std::max<int64_t>(64, static_cast<int64_t>(static_cast<double>(budget) / (2 * mean))));
+    segment = std::min(segment, std::max<int64_t>(kMinSegment, static_cast<int64_t>(static_cast<double>(budget) / (2 * mean))));
+    // Even the smallest segment is read whole (the one a decoder waits for is read over the
+    // budget): said, not left for a peak figure to show.
+    if (const double smallest = 1.15 * mean * static_cast<double>(segment); static_cast<double>(budget) < smallest) {
+      STOKE_LOG(WARN, "loader: a read-ahead budget (data.io.memory_mb) of {} holds less than one segment of {} "
+                "records ({}): one segment at a time is read, over the budget",
+                Mib(static_cast<double>(budget)), segment, Mib(smallest));
+    }
   }
   st->segment = segment;
   st->budget = budget;
@@ -669,8 +700,8 @@ Result<std::unique_ptr<StorageStage>> StorageStage::Create(const dataset::Datase
   st->io_count = io_threads;
   State* raw = st.get();
   st->scheduler = std::thread([raw] { raw->Schedule(); });
-  STOKE_LOG(DEBUG, "loader: storage stage: segments of {} samples, budget {} MB, {} I/O threads{}", segment,
-            budget >> 20, io_threads, st->drop ? ", dropping read ranges from the page cache" : "");
+  STOKE_LOG(DEBUG, "loader: storage stage: segments of {} samples, budget {}, {} I/O threads{}", segment,
+            Mib(static_cast<double>(budget)), io_threads, st->drop ? ", dropping read ranges from the page cache" : "");
   return std::unique_ptr<StorageStage>(new StorageStage(std::move(st)));
 }
 

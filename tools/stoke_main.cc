@@ -272,8 +272,9 @@ int Run(int argc, char** argv) {
                              "Measure storage instead: the loader alone in this order, with bytes read per image")
       ->check(CLI::IsMember({"full", "block", "sequential"}));
   bench_pipeline->add_option("--memory-mb", pipeline.memory_mb,
-                             "Storage run: read-ahead budget in MB (0: no read-ahead; default: sized from the order)")
-      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+                             "Storage run: read-ahead budget in MB (0: no read-ahead, as data.io.read_ahead: false; "
+                             "default: sized from the order)")
+      ->check(kNonNegative & NumberAtMost(double(int64_t{1} << 30), " MB"));
   bench_pipeline->add_option("--block-size", pipeline.block_size, "Storage run, block shuffle: records per block")
       ->check(kPositive);
   bench_pipeline->add_option("--window-blocks", pipeline.window_blocks, "Storage run, block shuffle: blocks per window")
@@ -533,7 +534,7 @@ int Run(int argc, char** argv) {
         if (!made.ok()) return made.status().Prepend(fmt::format("run_dir {}", config->run_dir));
         monitor_folders = std::move(*made);
         auto started = stoke::monitor::Monitor::Start(
-            {.run_dirs = {config->run_dir}, .host = address->first, .port = address->second});
+            {.run_dirs = {config->run_dir}, .host = address->first, .port = address->second, .warn_empty_runs = false});
         if (!started.ok()) return started.status();
         monitor = std::move(*started);
         std::fprintf(stderr, "monitor: %s\n", monitor->url().c_str());

@@ -482,6 +482,23 @@ TEST_F(MonitorServer, OnlyLoopbackHostNamesAreAnswered) {
   EXPECT_EQ(Send(port_, "GET /api/runs HTTP/1.0\r\n\r\n").status, 200);
 }
 
+// Loopback is what the socket is bound to, not how the host was written: "127.1" and "LOCALHOST"
+// bind 127.0.0.1 too, and once turned the Host check off (an empty host is refused).
+TEST(MonitorStart, TheHostCheckFollowsTheBoundAddress) {
+  testing::TempDir dir;
+  for (const std::string host : {"127.1", "LOCALHOST", "127.0.0.1"}) {
+    ASSERT_OK_AND_ASSIGN(auto m, Monitor::Start({.run_dirs = {dir.path().string()}, .host = host, .port = 0}));
+    EXPECT_EQ(m->url(), fmt::format("http://127.0.0.1:{}/", m->port())) << host;
+    const Reply r = Send(m->port(), "GET /api/runs HTTP/1.1\r\nHost: attacker.example\r\nConnection: close\r\n\r\n");
+    EXPECT_EQ(r.status, 403) << host;
+    EXPECT_EQ(Get(m->port(), "/api/runs").status, 200) << host;
+    m->Stop();
+  }
+  auto empty = Monitor::Start({.run_dirs = {dir.path().string()}, .host = "", .port = 0});
+  ASSERT_FALSE(empty.ok());
+  EXPECT_NE(empty.status().message().find("empty"), std::string::npos) << empty.status().message();
+}
+
 // Browsers ask for brotli even over loopback, which the library then spent seconds of CPU on for
 // each metrics answer (at its highest quality) inside the trainer's process: gzip at most.
 TEST_F(MonitorServer, AnswersAreNeverBrotli) {

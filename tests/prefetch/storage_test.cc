@@ -313,6 +313,39 @@ TEST(Storage, TheDefaultBudgetFitsTheMachine) {
       << loader.status().ToString();
 }
 
+// A budget asked for beyond what the process may ever use is refused by name (read ahead up to it,
+// the process was killed for memory); one over half of it, and one below the smallest segment
+// (read over the budget all the same), are said.
+TEST(Storage, ABudgetTheProcessCannotHoldIsRefusedAndAnOddOneSaid) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.records = 200}));
+  ASSERT_OK(ds.status());
+  LoaderOptions o = SmallOptions(2);
+  o.storage = ReadEverything(0);  // the stage's own segments
+  o.storage.physical_memory_bytes = int64_t{1} << 30;
+  o.storage.memory_bytes = int64_t{2} << 30;
+  auto refused = Loader::Create(*ds, o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("of 2048 MB is more than the 1024 MB this process may use"),
+            std::string::npos)
+      << refused.status().ToString();
+
+  auto warned_with = [&](int64_t budget) {
+    o.storage.memory_bytes = budget;
+    ::testing::internal::CaptureStderr();
+    StorageStats stats;
+    const auto seen = RunLoader(*ds, o, &stats);
+    const std::string err = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(seen.size(), 68u);  // 2 epochs of ceil(200 / 6) batches, whatever the budget
+    return err;
+  };
+  EXPECT_NE(warned_with(int64_t{600} << 20).find("of 600 MB is more than half of the 1024 MB"), std::string::npos);
+  const std::string tiny = warned_with(1000);
+  EXPECT_NE(tiny.find("of 1.0 KB holds less than one segment of 64 records"), std::string::npos) << tiny;
+  EXPECT_EQ(warned_with(int64_t{100} << 20).find("read-ahead budget"), std::string::npos);
+}
+
 TEST(Storage, StopsCleanlyWithReadsInFlight) {
   testing::TempDir dir;
   auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.records = 40}));

@@ -120,8 +120,10 @@ records_read() {  # the records the read-ahead handed out, summed over where the
 }
 check bench_pipeline_storage_whole_epochs 0 "^records read: 48$" -- records_read
 check bench_storage_flags_need_shuffle 1 "need --shuffle" -- "$stoke" bench pipeline "$work/ds.lmdb" --memory-mb 10
-check bench_memory_mb_bounded 105 "--memory-mb: Value 17592186044416 not in range" -- \
+check bench_memory_mb_bounded 105 "--memory-mb: must be at most 1073741824 MB, not 17592186044416" -- \
   "$stoke" bench pipeline "$work/ds.lmdb" --shuffle full --memory-mb 17592186044416
+check bench_memory_mb_units_said 105 "--memory-mb: expected a number >= 0, not '2G'" -- \
+  "$stoke" bench pipeline "$work/ds.lmdb" --shuffle full --memory-mb 2G
 check bench_threads_not_negative 105 "--threads" -- "$stoke" bench read --data "$work/src" --threads -3
 check bench_batch_zero 105 "--batch: must be > 0, not 0" -- "$stoke" bench pipeline "$work/ds.lmdb" --batch 0
 # The scratch folder of a bench that was killed (its process gone) is removed by the next bench; a

@@ -706,6 +706,7 @@ struct Monitor::State {
   std::once_flag stopped;
   std::atomic<bool> stopping{false};  // Stop() began: the listener's end is expected
   bool loopback = false;              // listening on a loopback address only (HostAllowed)
+  std::string bound;                  // the address listened on, numeric (getsockname), for url()
 
   // Listening on a loopback address, only requests for a loopback name are answered: a web page
   // elsewhere could otherwise point a name of its own at 127.0.0.1 (DNS rebinding) and read the
@@ -734,6 +735,27 @@ struct Monitor::State {
     // Browsers resolve every *.localhost to loopback themselves: no other machine can answer for it.
     return host == "localhost" || host.ends_with(".localhost") || host == options.host || IsLoopbackAddress(host);
   }
+  // Where the listening socket is bound, as the kernel says, whatever name or spelling was given
+  // for it (127.1, LOCALHOST, a name that resolves to loopback): the address, numeric, and whether
+  // it is loopback or every interface. False when it cannot be asked.
+  bool LearnBoundAddress(bool* any) {
+    sockaddr_storage ss{};
+    socklen_t len = sizeof ss;
+    if (listen_fd < 0 || ::getsockname(listen_fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return false;
+    char text[NI_MAXHOST] = {};
+    if (::getnameinfo(reinterpret_cast<sockaddr*>(&ss), len, text, sizeof text, nullptr, 0, NI_NUMERICHOST) != 0) {
+      return false;
+    }
+    bound = text;
+    if (ss.ss_family == AF_INET) {
+      *any = reinterpret_cast<const sockaddr_in&>(ss).sin_addr.s_addr == htonl(INADDR_ANY);
+    } else {
+      *any = IN6_IS_ADDR_UNSPECIFIED(&reinterpret_cast<const sockaddr_in6&>(ss).sin6_addr);
+    }
+    loopback = IsLoopbackAddress(bound);
+    return true;
+  }
+
   // 127.0.0.0/8, ::1 however written, and IPv4-mapped 127.x (::ffff:127.0.0.1).
   static bool IsLoopbackAddress(const std::string& text) {
     in_addr a4{};
@@ -858,7 +880,7 @@ Result<std::unique_ptr<Monitor>> Monitor::Start(MonitorOptions options) {
           "metrics.jsonl), not a file",
           dir));
     }
-    if (!std::filesystem::exists(std::filesystem::path(dir) / "metrics.jsonl", ec) &&
+    if (options.warn_empty_runs && !std::filesystem::exists(std::filesystem::path(dir) / "metrics.jsonl", ec) &&
         !std::filesystem::exists(std::filesystem::path(dir) / "config.yaml", ec)) {
       // A run about to start is served as it begins; a wrong folder shows an empty card: said here.
       STOKE_LOG(WARN, "monitor: {} holds no metrics.jsonl or config.yaml (no run has written there yet); its card "
@@ -871,9 +893,12 @@ Result<std::unique_ptr<Monitor>> Monitor::Start(MonitorOptions options) {
     if (const int seen = names[run.name]++; seen > 0) run.name += fmt::format(" ({})", seen + 1);
     state->runs.push_back(std::move(run));
   }
+  if (options.host.empty()) {
+    return InvalidArgumentError("monitor: the host to listen on is empty; give an address, e.g. 127.0.0.1 (this "
+                                "machine only) or 0.0.0.0 (every interface)");
+  }
   state->options = std::move(options);
   const MonitorOptions& o = state->options;
-  state->loopback = o.host == "localhost" || State::IsLoopbackAddress(o.host);
   BoundedServer& svr = state->server;
   State* s = state.get();
   svr.Configure(o.threads, MaxQueued(o.max_queued));
@@ -902,7 +927,8 @@ Result<std::unique_ptr<Monitor>> Monitor::Start(MonitorOptions options) {
       s->refused++;
       res.status = 403;
       res.set_content(fmt::format("403 this monitor answers requests for {} only, not for Host: {}\n",
-                                  s->options.host == "::1" ? "[::1]" : "127.0.0.1 or localhost",
+                                  s->bound.find(':') != std::string::npos ? "[" + s->bound + "]"
+                                                                          : s->bound + " or localhost",
                                   req.get_header_value("Host")),
                       "text/plain; charset=utf-8");
       return httplib::Server::HandlerResponse::Handled;
@@ -924,6 +950,17 @@ Result<std::unique_ptr<Monitor>> Monitor::Start(MonitorOptions options) {
         fmt::format("monitor: cannot listen on {}:{}: {}", o.host, o.port, WhyCannotListen(o.host, o.port)));
   }
   if (o.port != 0) s->port = o.port;
+  // Loopback or not is decided by the address bound, not by how it was written: "127.1" or a name
+  // for 127.0.0.1 once turned the Host check off.
+  bool any = false;
+  if (!s->LearnBoundAddress(&any)) {
+    s->bound = o.host;
+    s->loopback = o.host == "localhost" || State::IsLoopbackAddress(o.host);
+  }
+  if (any) {
+    STOKE_LOG(WARN, "monitor: listening on every interface ({} port {}): whoever can reach this machine can read "
+              "the runs' files (no authentication)", s->bound, s->port);
+  }
   // cpp-httplib listens with a backlog of 5; a page, its scripts and a few hundred clients need more.
   if (s->listen_fd >= 0) ::listen(s->listen_fd, kListenBacklog);
   state->listener = std::thread([s] {
@@ -953,7 +990,7 @@ void Monitor::Stop() {
 int Monitor::port() const { return state_->port; }
 
 std::string Monitor::url() const {
-  const std::string& h = state_->options.host;
+  const std::string& h = state_->bound;
   return h.find(':') != std::string::npos ? fmt::format("http://[{}]:{}/", h, port())
                                           : fmt::format("http://{}:{}/", h, port());
 }

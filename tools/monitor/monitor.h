@@ -39,6 +39,9 @@ struct MonitorOptions {
   int threads = 8;                    // connection workers
   int max_queued = 256;               // accepted connections waiting for a worker
   int poll_ms = 1000;                 // how often the page asks for new metrics
+  // Warn about a run directory that holds no run yet (a wrong folder shows an empty card); off
+  // for the monitor a run serves of itself, which starts before the run writes anything.
+  bool warn_empty_runs = true;
 };
 
 struct MonitorStats {
