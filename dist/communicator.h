@@ -7,9 +7,8 @@
 //   ... compute ...
 //   STOKE_RETURN_IF_ERROR(w.Wait());               // kUnavailable: timed out (a rank is gone or stuck)
 //
-// Every MPI call runs on one thread the communicator owns: it initialises MPI, runs the queued
-// collectives strictly in the order they were enqueued, and finalises MPI. The one exception is
-// Abort's MPI_Abort, which is why MPI_THREAD_MULTIPLE is asked for (SERIALIZED is the minimum).
+// Every MPI call runs on one thread the communicator owns (MPI_THREAD_SERIALIZED): it initialises
+// MPI, runs the queued collectives strictly in the order they were enqueued, and finalises MPI.
 // Every rank must enqueue the same collectives in the same order.
 #pragma once
 

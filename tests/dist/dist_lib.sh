@@ -108,3 +108,19 @@ kill_expect_end() {
     failures=$((failures + 1))
   fi
 }
+
+# expect_stopped TEST NAME RC: run NAME was asked to stop and did: exit 0, rank 0 said where, and
+# its checkpoint is there ($work/NAME.out holds the output). RC is the job's exit status (any
+# other text: why it was not even asked).
+expect_stopped() {
+  local test=$1 name=$2 rc=$3
+  if [[ $rc == 0 ]] && grep -qE "stopped at step [0-9]+; continue with" "$work/$name.out" &&
+    ls "$work/$name/checkpoints" 2>/dev/null | grep -q step-; then
+    echo "ok   $test ($(grep -oE 'stopped at step [0-9]+' "$work/$name.out"))"
+    passed=$((passed + 1))
+  else
+    echo "FAIL $test: exit $rc"
+    sed 's/^/    /' "$work/$name.out" | tail -20
+    failures=$((failures + 1))
+  fi
+}
