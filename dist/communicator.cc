@@ -567,10 +567,10 @@ void Communicator::Abort(const Status& why, int exit_code) {
   }
 #if STOKE_WITH_MPI
   // The communicator's thread may be blocked inside MPI: MPI_Abort is the one call made from here.
-  // (Beside a blocked call, strictly, MPI_THREAD_MULTIPLE's to make; asked for, Open MPI 4.1.4's
-  // MPI_Abort then hung in a futex in 2 of about 9 runs of the stuck-rank test, so SERIALIZED is
-  // kept.) Whatever the library does, this process ends within seconds: exiting without
-  // MPI_Finalize, it has the launcher end the others.
+  // (The standard allows that only under MPI_THREAD_MULTIPLE, but with MULTIPLE asked for, Open
+  // MPI 4.1.4's MPI_Abort hung in a futex in CI's stuck-rank test, so SERIALIZED is kept.) Whatever
+  // the library does, this process ends within 5 s: exiting without MPI_Finalize, it has the
+  // launcher end the others.
   if (mpi_) {
     std::thread([exit_code] {
       std::this_thread::sleep_for(std::chrono::seconds(5));

@@ -127,7 +127,8 @@ class Communicator {
   // (for a decision that follows one rank's file I/O, which may take longer than a collective).
   Status Agree(const Status& local, int timeout_ms = -1);
 
-  // Ends every rank of the world now (MPI_Abort) after logging `why`; a world of one exits.
+  // Ends every rank of the world now (MPI_Abort) after logging `why`, and this process within 5 s
+  // should MPI_Abort not return; a world of one exits.
   [[noreturn]] void Abort(const Status& why, int exit_code = 1);
 
   struct Impl;

@@ -838,8 +838,9 @@ std::string PreprocessingDifference(const TrainConfig& here, const TrainConfig& 
   };
   compare("image_size", here.data.image_size, other.data.image_size);
   compare("val_resize", ValResize(here.data), ValResize(other.data));
-  compare("mean", fmt::format("[{}]", fmt::join(here.data.mean, ", ")), fmt::format("[{}]", fmt::join(other.data.mean, ", ")));
-  compare("std", fmt::format("[{}]", fmt::join(here.data.std, ", ")), fmt::format("[{}]", fmt::join(other.data.std, ", ")));
+  auto list = [](const std::vector<double>& v) { return fmt::format("[{}]", fmt::join(v, ", ")); };
+  compare("mean", list(here.data.mean), list(other.data.mean));
+  compare("std", list(here.data.std), list(other.data.std));
   compare("layout", here.data.layout, other.data.layout);
   compare("dtype", here.data.dtype, other.data.dtype);
   return fmt::format("{}", fmt::join(d, "; "));
