@@ -11,6 +11,7 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <span>
 #include <sstream>
 #include <type_traits>
 
@@ -25,15 +26,19 @@ namespace {
 
 int Line(const YAML::Node& node) { return node.Mark().line >= 0 ? node.Mark().line + 1 : 0; }
 
-// Where each YAML document starts, and nothing else.
-class DocumentStarts : public YAML::EventHandler {
+// Where each YAML document starts, and where each quoted string does.
+class DocumentOutline : public YAML::EventHandler {
  public:
   std::vector<YAML::Mark> marks;
+  std::vector<YAML::Mark> quoted;
   void OnDocumentStart(const YAML::Mark& mark) override { marks.push_back(mark); }
   void OnDocumentEnd() override {}
   void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
   void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
-  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t, const std::string&) override {}
+  // Plain scalars carry the tag "?", quoted and block ones "!".
+  void OnScalar(const YAML::Mark& mark, const std::string& tag, YAML::anchor_t, const std::string&) override {
+    if (tag == "!") quoted.push_back(mark);
+  }
   void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {}
   void OnSequenceEnd() override {}
   void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {}
@@ -44,8 +49,8 @@ class DocumentStarts : public YAML::EventHandler {
 // read, so Finish() can name the unknown ones.
 class Section {
  public:
-  Section(const YAML::Node& node, std::string path, const std::string& source)
-      : node_(node), path_(std::move(path)), source_(source) {}
+  Section(const YAML::Node& node, std::string path, const std::string& source, ConfigOrigin origin)
+      : node_(node), path_(std::move(path)), source_(source), origin_(origin) {}
 
   // A mapping (or nothing), each key given once: YAML readers keep one of two equal keys
   // silently, so a key appended to override another would be ignored.
@@ -61,6 +66,24 @@ class Section {
     }
     return OkStatus();
   }
+
+  // Refuses a key of `family` that `read` does not hold: a key of another kind of layer, schedule
+  // or optimizer ({type: relu, kernel: 2}, {type: cosine, milestones: [30]}) was meant for something
+  // this config does not do, and ignoring it would train what nobody asked for. `why` ends the
+  // message: "does not apply to <why>". Stored configs may hold such keys (ConfigOrigin).
+  Status RefuseUnread(std::span<const std::string_view> family, const std::vector<std::string>& read,
+                      std::string_view why) const {
+    if (!node_.IsMap() || origin_ == ConfigOrigin::kStored) return OkStatus();
+    for (const auto& kv : node_) {
+      const std::string key = kv.first.Scalar();
+      if (std::find(family.begin(), family.end(), key) != family.end() &&
+          std::find(read.begin(), read.end(), key) == read.end()) {
+        return Error(kv.first, Path(key), fmt::format("does not apply to {}", why));
+      }
+    }
+    return OkStatus();
+  }
+  ConfigOrigin origin() const { return origin_; }
 
   // An error about this mapping as a whole (a rule between its keys).
   Status ErrorHere(const std::string& what) const { return Error(node_, path_, what); }
@@ -107,9 +130,11 @@ class Section {
   template <typename T>
   Status ScalarAs(const YAML::Node& n, const std::string& path, T* out, double lo, double hi, bool hi_open) const {
     constexpr bool integral = std::is_integral_v<T>;
-    const std::string range = fmt::format("{} in [{}, {}{}", integral ? "an integer" : "a number", lo,
-                                          hi == std::numeric_limits<double>::max() ? "inf" : fmt::format("{}", hi),
-                                          hi_open ? ")" : "]");
+    constexpr double kMax = std::numeric_limits<double>::max();
+    const std::string kind = integral ? "an integer" : "a number";
+    const std::string range = lo == -kMax && hi == kMax ? fmt::format("any finite {}", integral ? "integer" : "number")
+                              : hi == kMax              ? fmt::format("{} >= {} (finite)", kind, lo)
+                                           : fmt::format("{} in [{}, {}{}", kind, lo, hi, hi_open ? ")" : "]");
     // Integers are read as int64 and checked before narrowing to T: 4294967304 is not an int's 8.
     std::conditional_t<integral, int64_t, T> value{};
     try {
@@ -134,6 +159,7 @@ class Section {
         }
       }
     } catch (const YAML::Exception&) {
+      if (n.IsNull()) return Error(n, path, fmt::format("no value; expected {}", range));
       return Error(n, path, fmt::format("'{}' is not {}; expected {}", n.IsScalar() ? n.Scalar() : "(a list or map)",
                                         integral ? "an integer" : "a number", range));
     }
@@ -164,6 +190,14 @@ class Section {
     STOKE_ASSIGN_OR_RETURN(const bool given, Value(key, &n));
     if (!given) return OkStatus();
     if (!n.IsScalar()) return Error(n, Path(key), "expected a string");
+    // A control character in a path or a name is a slip ("\t" typed for a folder \t...), and a NUL
+    // cut every message about it short.
+    const std::string& text = n.Scalar();
+    if (auto c = std::find_if(text.begin(), text.end(), [](char ch) { return ch >= 0 && ch < 0x20; });
+        c != text.end() || text.find('\x7f') != std::string::npos) {
+      return Error(n, Path(key), fmt::format("holds the control character 0x{:02X}; expected printable text",
+                                             c != text.end() ? static_cast<unsigned char>(*c) : 0x7fu));
+    }
     if (!allowed.empty() && std::find(allowed.begin(), allowed.end(), n.Scalar()) == allowed.end()) {
       return Error(n, Path(key), fmt::format("'{}' is not allowed; expected one of: {}", n.Scalar(),
                                              fmt::join(allowed, ", ")));
@@ -193,7 +227,7 @@ class Section {
   Result<Section> Sub(const std::string& key) {
     YAML::Node n;
     Has(key, &n);
-    Section s(n, Path(key), source_);
+    Section s(n, Path(key), source_, origin_);
     STOKE_RETURN_IF_ERROR(s.Check());
     return s;
   }
@@ -226,10 +260,35 @@ class Section {
   YAML::Node node_;
   std::string path_;
   const std::string& source_;
+  ConfigOrigin origin_;
   std::set<std::string> keys_;
 };
 
 constexpr double kInf = std::numeric_limits<double>::max();
+
+// The keys that only some shuffles, schedule types and optimizer types read, and which of them
+// each one reads (ConfigToYaml writes those alone).
+constexpr std::string_view kBlockKeys[] = {"block_size", "window_blocks"};
+const std::vector<std::string> kBlockKeysRead = {"block_size", "window_blocks"};
+constexpr std::string_view kScheduleKeys[] = {"step_epochs", "milestones", "gamma", "min_lr"};
+std::vector<std::string> ScheduleKeys(const std::string& type) {
+  if (type == "step") return {"step_epochs", "gamma"};
+  if (type == "multistep") return {"milestones", "gamma"};
+  if (type == "cosine") return {"min_lr"};
+  return {};
+}
+constexpr std::string_view kAdaptationKeys[] = {"trust_coefficient", "clip", "eps"};
+std::vector<std::string> OptimizerKeys(LayerAdaptation adaptation) {
+  switch (adaptation) {
+    case LayerAdaptation::kLars:
+      return {"trust_coefficient", "eps"};
+    case LayerAdaptation::kLarc:
+      return {"trust_coefficient", "clip", "eps"};
+    case LayerAdaptation::kNone:
+      break;
+  }
+  return {};
+}
 
 Status ParseData(Section& top, DataConfig& d) {
   STOKE_ASSIGN_OR_RETURN(Section s, top.Sub("data"));
@@ -241,6 +300,9 @@ Status ParseData(Section& top, DataConfig& d) {
   STOKE_RETURN_IF_ERROR(s.String("shuffle", &d.shuffle, {"full", "block", "sequential"}));
   STOKE_RETURN_IF_ERROR(s.Number("block_size", &d.block_size, 1, 1 << 24));
   STOKE_RETURN_IF_ERROR(s.Number("window_blocks", &d.window_blocks, 1, 1 << 20));
+  STOKE_RETURN_IF_ERROR(s.RefuseUnread(kBlockKeys, d.shuffle == "block" ? kBlockKeysRead : std::vector<std::string>{},
+                                       fmt::format("shuffle: {}; block_size and window_blocks are read by shuffle: "
+                                                   "block", d.shuffle)));
   {
     STOKE_ASSIGN_OR_RETURN(Section io, s.Sub("io"));
     STOKE_RETURN_IF_ERROR(io.Bool("read_ahead", &d.io_read_ahead));
@@ -332,17 +394,14 @@ Status ParseLayer(Section& l, LayerSpec& spec) {
   auto parsed = ParseLayerType(type);
   if (!parsed.ok()) return l.Error(type_node, l.Path("type"), parsed.status().message());
   spec.type = *parsed;
-  // A key of another layer type is a mistake worth stopping for ({type: relu, kernel: 2} was
-  // probably meant as a pool), not something to ignore.
   const std::vector<std::string> own = LayerKeys(spec.type);
-  for (const auto& kv : l.node()) {
-    const std::string key = kv.first.Scalar();
-    const bool other_layers = std::find(kLayerOptionKeys.begin(), kLayerOptionKeys.end(), key) != kLayerOptionKeys.end();
-    if (other_layers && std::find(own.begin(), own.end(), key) == own.end()) {
-      return l.Error(kv.first, l.Path(key),
-                     fmt::format("does not apply to a {} layer; its keys are: name, type, inputs{}{}", type,
-                                 own.empty() ? "" : ", ", fmt::join(own, ", ")));
-    }
+  STOKE_RETURN_IF_ERROR(l.RefuseUnread(kLayerOptionKeys, own,
+                                       fmt::format("a {} layer; its keys are: name, type, inputs{}{}", type,
+                                                   own.empty() ? "" : ", ", fmt::join(own, ", "))));
+  // The window of a convolution or a pool has no default worth guessing: {type: maxpool} with a
+  // kernel of 1 passed its input through unchanged.
+  if (YAML::Node k; std::find(own.begin(), own.end(), "kernel") != own.end() && !l.Has("kernel", &k)) {
+    return l.Error(l.node(), l.Path("kernel"), fmt::format("missing; a {} layer needs the size of its window", type));
   }
   STOKE_RETURN_IF_ERROR(l.String("name", &spec.name));
   YAML::Node inputs;
@@ -389,7 +448,7 @@ Status ParseModel(Section& top, ModelConfig& m) {
     }
     m.layers.clear();
     for (size_t i = 0; i < layers.size(); ++i) {
-      Section l(layers[i], fmt::format("{}[{}]", s.Path("layers"), i), s.source());
+      Section l(layers[i], fmt::format("{}[{}]", s.Path("layers"), i), s.source(), s.origin());
       STOKE_RETURN_IF_ERROR(l.Check());
       LayerSpec spec;
       STOKE_RETURN_IF_ERROR(ParseLayer(l, spec));
@@ -416,6 +475,11 @@ Status ParseOptimizer(Section& top, OptimizerConfig& o) {
   std::string type(LayerAdaptationName(o.sgd.adaptation));
   STOKE_RETURN_IF_ERROR(s.String("type", &type, {"sgd", "lars", "larc"}));
   o.sgd.adaptation = type == "lars" ? LayerAdaptation::kLars : type == "larc" ? LayerAdaptation::kLarc : LayerAdaptation::kNone;
+  const std::vector<std::string> read = OptimizerKeys(o.sgd.adaptation);
+  STOKE_RETURN_IF_ERROR(s.RefuseUnread(
+      kAdaptationKeys, read,
+      read.empty() ? fmt::format("type: {}; trust_coefficient and eps are read by lars and larc, clip by larc", type)
+                   : fmt::format("type: {}; it reads {}", type, fmt::join(read, ", "))));
   STOKE_RETURN_IF_ERROR(s.Number("trust_coefficient", &o.sgd.trust_coefficient, 0, 1));
   STOKE_RETURN_IF_ERROR(s.Bool("clip", &o.sgd.clip));
   STOKE_RETURN_IF_ERROR(s.Number("eps", &o.sgd.eps, 0, 1));
@@ -431,9 +495,19 @@ Status ParseSchedule(Section& top, ScheduleConfig& c) {
   STOKE_RETURN_IF_ERROR(s.List("milestones", &c.milestones, 0, 64, 1, 1 << 24));
   STOKE_RETURN_IF_ERROR(s.Number("gamma", &c.gamma, 1e-9, 1));
   STOKE_RETURN_IF_ERROR(s.Number("min_lr", &c.min_lr, 0, 1));
+  const std::vector<std::string> read = ScheduleKeys(c.type);
+  STOKE_RETURN_IF_ERROR(s.RefuseUnread(kScheduleKeys, read,
+                                       fmt::format("a {} schedule; it reads warmup_epochs, warmup_start{}{}", c.type,
+                                                   read.empty() ? "" : ", ", fmt::join(read, ", "))));
   YAML::Node n;
-  if (!std::is_sorted(c.milestones.begin(), c.milestones.end()) && s.Has("milestones", &n)) {
-    return s.Error(n, s.Path("milestones"), "expected epochs in increasing order");
+  if (s.origin() == ConfigOrigin::kWritten && c.type == "multistep" && c.milestones.empty()) {
+    return s.Error(s.Has("milestones", &n) ? n : s.node(), s.Path("milestones"),
+                   "missing; a multistep schedule needs the epochs at which to multiply the rate by gamma");
+  }
+  // Each milestone once: [30, 30] multiplied by gamma twice at epoch 30.
+  if (std::adjacent_find(c.milestones.begin(), c.milestones.end(), std::greater_equal<>()) != c.milestones.end() &&
+      s.Has("milestones", &n)) {
+    return s.Error(n, s.Path("milestones"), "expected epochs in increasing order, each once");
   }
   return s.Finish();
 }
@@ -464,13 +538,13 @@ void PutFlow(YAML::Emitter& e, const char* key, const T& value) {
   e << YAML::Key << key << YAML::Value << YAML::Flow << Emitted(value);
 }
 
-Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::string& source);
+Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::string& source, ConfigOrigin origin);
 
 }  // namespace
 
-Result<TrainConfig> ParseConfig(const std::string& yaml, const std::string& source) {
+Result<TrainConfig> ParseConfig(const std::string& yaml, const std::string& source, ConfigOrigin origin) {
   // yaml-cpp reports some mistakes by throwing; every one becomes an error naming the file.
-  return CatchExceptions(source, [&] { return ParseConfigUnguarded(yaml, source); });
+  return CatchExceptions(source, [&] { return ParseConfigUnguarded(yaml, source, origin); });
 }
 
 namespace {
@@ -501,7 +575,26 @@ int FirstNonUtf8Line(std::string_view text, unsigned* byte) {
   return 0;
 }
 
-Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::string& source) {
+// Whether the quoted string starting at yaml[pos] runs to the end of the text unclosed. yaml-cpp
+// closes it there without a word, so `run_dir: "runs/a` swallowed every key after it into the path.
+bool QuoteNeverCloses(std::string_view yaml, size_t pos) {
+  if (pos >= yaml.size() || (yaml[pos] != '"' && yaml[pos] != '\'')) return false;  // a block scalar, a tag
+  const char quote = yaml[pos];
+  for (size_t i = pos + 1; i < yaml.size(); ++i) {
+    if (quote == '"' && yaml[i] == '\\') {
+      ++i;  // an escape: the next character is not the end
+    } else if (yaml[i] == quote) {
+      if (quote == '\'' && i + 1 < yaml.size() && yaml[i + 1] == '\'') {
+        ++i;  // '' inside single quotes is one quote
+      } else {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::string& source, ConfigOrigin origin) {
   unsigned bad_byte = 0;
   if (const int line = FirstNonUtf8Line(yaml, &bad_byte); line > 0) {
     return InvalidArgumentError(fmt::format("{}:{}: byte 0x{:02X} is not UTF-8 text; a config is UTF-8 (a path in "
@@ -515,7 +608,7 @@ Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::str
     // 0.7 starts a new empty document at the same token again and again).
     std::istringstream in(yaml);
     YAML::Parser parser(in);
-    DocumentStarts starts;
+    DocumentOutline starts;
     while (starts.marks.size() < 2 && parser.HandleNextDocument(starts)) {
     }
     if (starts.marks.size() == 2) {
@@ -537,13 +630,19 @@ Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::str
                                               "into the first)",
                                               source, second.line + 1));
     }
+    for (const YAML::Mark& mark : starts.quoted) {
+      if (mark.pos >= 0 && QuoteNeverCloses(yaml, static_cast<size_t>(mark.pos))) {
+        return InvalidArgumentError(fmt::format("{}:{}: not valid YAML: the string quoted here has no closing {}",
+                                                source, mark.line + 1, yaml[static_cast<size_t>(mark.pos)]));
+      }
+    }
     root = YAML::Load(yaml);
   } catch (const YAML::ParserException& e) {
     return InvalidArgumentError(fmt::format("{}:{}: not valid YAML: {}", source, e.mark.line + 1, e.msg));
   }
   TrainConfig c;
   c.source = source;
-  Section top(root, "", c.source);
+  Section top(root, "", c.source, origin);
   if (!root.IsMap()) return InvalidArgumentError(fmt::format("{}: expected a YAML mapping at the top", source));
   STOKE_RETURN_IF_ERROR(top.Check());
   STOKE_RETURN_IF_ERROR(ParseData(top, c.data));
@@ -590,11 +689,22 @@ Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::str
     }
     return line;
   };
+  // A rate change at epoch `epochs` or later never happens: the run ends first. (A stored config
+  // is not held to this: its run may since have been resumed with more epochs.)
   for (int m : c.schedule.milestones) {
-    if (m > c.epochs) {
-      return InvalidArgumentError(fmt::format("{}:{}: schedule.milestones: epoch {} is past the last epoch ({})", source,
-                                              line_of("schedule"), m, c.epochs));
+    if (m >= c.epochs && origin == ConfigOrigin::kWritten) {
+      return InvalidArgumentError(fmt::format("{}:{}: schedule.milestones: epoch {} is not before the end of the run "
+                                              "(epochs: {}), so the rate would never change there",
+                                              source, line_of("schedule"), m, c.epochs));
     }
+  }
+  if (c.schedule.type == "step" && c.schedule.step_epochs >= c.epochs && origin == ConfigOrigin::kWritten) {
+    const YAML::Node& r = root;
+    const bool given = r["schedule"].IsMap() && r["schedule"]["step_epochs"].IsDefined();
+    return InvalidArgumentError(fmt::format("{}:{}: schedule.step_epochs: {}{} is not below epochs ({}), so the rate "
+                                            "would never step; expected step_epochs below epochs, or type constant",
+                                            source, line_of("schedule"), c.schedule.step_epochs,
+                                            given ? "" : " (the default)", c.epochs));
   }
   if (c.schedule.warmup_epochs > c.epochs) {
     return InvalidArgumentError(fmt::format(
@@ -629,8 +739,10 @@ std::string ConfigToYaml(const TrainConfig& c) {
   Put(e, "threads", d.threads);
   Put(e, "ring", d.ring);
   Put(e, "shuffle", d.shuffle);
-  Put(e, "block_size", d.block_size);
-  Put(e, "window_blocks", d.window_blocks);
+  if (d.shuffle == "block") {
+    Put(e, "block_size", d.block_size);
+    Put(e, "window_blocks", d.window_blocks);
+  }
   Put(e, "io", YAML::BeginMap);
   Put(e, "read_ahead", d.io_read_ahead);
   Put(e, "memory_mb", d.io_memory_mb);
@@ -711,9 +823,11 @@ std::string ConfigToYaml(const TrainConfig& c) {
   Put(e, "weight_decay", o.sgd.weight_decay);
   Put(e, "decay_bn_and_bias", o.sgd.decay_bn_and_bias);
   Put(e, "type", std::string(LayerAdaptationName(o.sgd.adaptation)));
-  Put(e, "trust_coefficient", o.sgd.trust_coefficient);
-  Put(e, "clip", o.sgd.clip);
-  Put(e, "eps", o.sgd.eps);
+  for (const std::string& key : OptimizerKeys(o.sgd.adaptation)) {
+    if (key == "trust_coefficient") Put(e, "trust_coefficient", o.sgd.trust_coefficient);
+    if (key == "clip") Put(e, "clip", o.sgd.clip);
+    if (key == "eps") Put(e, "eps", o.sgd.eps);
+  }
   e << YAML::EndMap;
 
   const ScheduleConfig& s = c.schedule;
@@ -721,10 +835,12 @@ std::string ConfigToYaml(const TrainConfig& c) {
   Put(e, "type", s.type);
   Put(e, "warmup_epochs", s.warmup_epochs);
   Put(e, "warmup_start", s.warmup_start);
-  Put(e, "step_epochs", s.step_epochs);
-  PutFlow(e, "milestones", s.milestones);
-  Put(e, "gamma", s.gamma);
-  Put(e, "min_lr", s.min_lr);
+  for (const std::string& key : ScheduleKeys(s.type)) {
+    if (key == "step_epochs") Put(e, "step_epochs", s.step_epochs);
+    if (key == "milestones") PutFlow(e, "milestones", s.milestones);
+    if (key == "gamma") Put(e, "gamma", s.gamma);
+    if (key == "min_lr") Put(e, "min_lr", s.min_lr);
+  }
   e << YAML::EndMap;
 
   Put(e, "eval", YAML::BeginMap);

@@ -113,12 +113,20 @@ struct TrainConfig {
   CudaConfig cuda;
 };
 
+// Who wrote the YAML. A person's config (kWritten) is held to every rule, keys a setting does not
+// read included ({type: cosine, milestones: [30]} is refused). A checkpoint's stored config
+// (kStored) is read as it was written: stoke before 2026-12-04 stored every key, the milestones of
+// a cosine schedule and the block_size of a full shuffle too, and such runs still resume.
+enum class ConfigOrigin { kWritten, kStored };
+
 // Parses YAML text. `source` names it in errors. Relative dataset and run paths stay relative
 // (to the working directory).
-Result<TrainConfig> ParseConfig(const std::string& yaml, const std::string& source);
+Result<TrainConfig> ParseConfig(const std::string& yaml, const std::string& source,
+                                ConfigOrigin origin = ConfigOrigin::kWritten);
 Result<TrainConfig> LoadConfig(const std::string& path);
 
-// The resolved config as YAML (every key, defaults filled in); ParseConfig reads it back.
+// The resolved config as YAML (every key its settings read, defaults filled in); ParseConfig reads
+// it back.
 std::string ConfigToYaml(const TrainConfig& config);
 
 // What the other modules take, derived from a config. For rank `rank` of `world`: batches of

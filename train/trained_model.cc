@@ -57,7 +57,8 @@ Result<TrainedModel> LoadTrainedModel(const TrainedModelSource& source) {
     m.config_path = source.config;
     STOKE_ASSIGN_OR_RETURN(m.config, LoadConfig(source.config.string()));
   } else {
-    auto config = ParseConfig(m.checkpoint.config_yaml, m.checkpoint_path.string() + " (its stored config)");
+    auto config = ParseConfig(m.checkpoint.config_yaml, m.checkpoint_path.string() + " (its stored config)",
+                              ConfigOrigin::kStored);
     if (!config.ok()) {
       return CorruptError(fmt::format("checkpoint {}: its stored config does not parse: {}", m.checkpoint_path.string(),
                                       config.status().message()));
@@ -99,7 +100,8 @@ Result<TrainedModel> LoadTrainedModel(const TrainedModelSource& source) {
   if (!m.config_path.empty() && !m.checkpoint.config_yaml.empty()) {
     // Tensors of the same names and shapes do not make the same model (a relu given as a max pool
     // evaluates and exports another function of the same weights).
-    if (auto stored = ParseConfig(m.checkpoint.config_yaml, m.checkpoint_path.string() + " (its stored config)");
+    if (auto stored = ParseConfig(m.checkpoint.config_yaml, m.checkpoint_path.string() + " (its stored config)",
+                              ConfigOrigin::kStored);
         stored.ok()) {
       if (const std::string d = ConfigModelDifference(m.config, "the config", *stored, "the checkpoint's stored config");
           !d.empty()) {

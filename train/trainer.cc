@@ -250,7 +250,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   int64_t steps_per_epoch = 0;
   DataParallel dp(*comm, ReducerOptionsFromConfig(config));
   Status setup = [&]() -> Status {
-    STOKE_ASSIGN_OR_RETURN(auto t, dataset::Dataset::Open(config.data.train));
+    STOKE_ASSIGN_OR_RETURN(auto t, OpenConfigDataset(config, "data.train"));
     train_set.emplace(std::move(t));
     // Checkpoints, metrics and event files written into a dataset's folder would sit beside its
     // data.mdb (and inside a source tree, a later pack would read them as classes).
@@ -266,7 +266,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
                 config.source, config.data.train);
     }
     if (!config.data.val.empty()) {
-      STOKE_ASSIGN_OR_RETURN(auto v, dataset::Dataset::Open(config.data.val));
+      STOKE_ASSIGN_OR_RETURN(auto v, OpenConfigDataset(config, "data.val"));
       if (v.size() == 0) {
         return InvalidArgumentError(fmt::format(
             "{}: data.val {} has no records (a --val-fraction too small for its classes gives an empty "
@@ -389,7 +389,8 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
       }
       std::optional<TrainConfig> was;  // the checkpoint's stored config, when it holds one
       if (!ck.config_yaml.empty()) {
-        STOKE_ASSIGN_OR_RETURN(was, ParseConfig(ck.config_yaml, path.string() + " (its stored config)"));
+        STOKE_ASSIGN_OR_RETURN(was, ParseConfig(ck.config_yaml, path.string() + " (its stored config)",
+                                                ConfigOrigin::kStored));
       }
       if (was) {
         // What decides which samples a step sees: changed, the resumed epoch would skip or repeat
@@ -939,6 +940,14 @@ Result<TrainSummary> Train(const TrainConfig& config, const TrainRunOptions& run
     if (run.comm != nullptr && run.comm->size() > 1) run.comm->Abort(s);
     return s;
   }
+}
+
+Result<dataset::Dataset> OpenConfigDataset(const TrainConfig& config, std::string_view key) {
+  auto opened = dataset::Dataset::Open(key == "data.val" ? config.data.val : config.data.train);
+  if (!opened.ok()) {
+    return Status(opened.status().code(), fmt::format("{}: {}: {}", config.source, key, opened.status().message()));
+  }
+  return opened;
 }
 
 Status CheckTrainSet(const TrainConfig& config, const dataset::Dataset& train_set) {

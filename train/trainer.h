@@ -77,6 +77,9 @@ Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& config, const 
 // ring's device copies (a lease dropped without Release(stream) returns its slot on the network's
 // stream); host memory otherwise.
 void FeedNetwork(const Network& net, prefetch::LoaderOptions& o);
+// config.data.train (key "data.train") or config.data.val ("data.val") opened; an error names the
+// config's file and the key, so a wrong path is found in the file that holds it.
+Result<dataset::Dataset> OpenConfigDataset(const TrainConfig& config, std::string_view key);
 // Whether the training set `train_set` (config.data.train, opened) fits `config`: the model has an
 // output for each of its classes, and it holds at least one batch. Errors name the config's file.
 Status CheckTrainSet(const TrainConfig& config, const dataset::Dataset& train_set);

@@ -159,7 +159,8 @@ TEST(Config, ErrorsNameFileLineKeyAndExpectation) {
             "reach optimizer.lr; expected at most epochs");
   EXPECT_EQ(ErrorOf(base + "epochs: 2\nschedule: {type: cosine, warmup_epochs: 2}\n"), "(parsed)");
   EXPECT_EQ(ErrorOf(base + "epochs: 8\nschedule: {type: multistep, milestones: [4, 9]}\n"),
-            "run.yaml:8: schedule.milestones: epoch 9 is past the last epoch (8)");
+            "run.yaml:8: schedule.milestones: epoch 9 is not before the end of the run (epochs: 8), so the rate "
+            "would never change there");
   EXPECT_EQ(ErrorOf(base + "schedule: {type: cosine, gamma: 0}\n"),
             "run.yaml:7: schedule.gamma: 0 is out of range; expected a number in [1e-09, 1]");
   const std::string bad_list = ErrorOf(base + "data2: 1\n");
@@ -169,8 +170,8 @@ TEST(Config, ErrorsNameFileLineKeyAndExpectation) {
             "layers list, not neither");
   EXPECT_EQ(ErrorOf("model: {preset: lenet, classes: 3}\n"),
             "run.yaml:1: data.train: missing; expected the path of a packed training dataset");
-  EXPECT_EQ(ErrorOf("data: {train: t, image_size: 32}\nmodel:\n  classes: 3\n  layers:\n    - {type: conv, out: 4}\n"
-                    "    - {type: pooling}\n"),
+  EXPECT_EQ(ErrorOf("data: {train: t, image_size: 32}\nmodel:\n  classes: 3\n  layers:\n"
+                    "    - {type: conv, out: 4, kernel: 1}\n    - {type: pooling}\n"),
             "run.yaml:6: model.layers[1].type: unknown layer type 'pooling'; expected one of: conv, batchnorm, relu, "
             "maxpool, avgpool, global_avgpool, linear, add, flatten, dropout");
   const std::string shape = ErrorOf("data: {train: t, image_size: 32}\nmodel:\n  classes: 3\n  layers:\n"
@@ -249,6 +250,108 @@ TEST(Config, ErrorsNameFileLineKeyAndExpectation) {
   EXPECT_EQ(ErrorOf(base + "run_dir: /tmp/runs/bad\xff\n"),
             "run.yaml:7: byte 0xFF is not UTF-8 text; a config is UTF-8 (a path in another encoding: rename it, or "
             "reach it through a link)");
+}
+
+// What a setting does not read is refused, not ignored: the milestones of a cosine schedule, a
+// multistep schedule without milestones, a step that never comes, LARS keys on plain SGD, block
+// sizes of a full shuffle, a pool without its window. ConfigToYaml writes only what is read, so
+// its text parses again; a checkpoint's stored config (kStored) may hold the rest, as it did.
+TEST(Config, WhatASettingDoesNotReadIsRefused) {
+  const std::string base = kMinimal;  // 7 lines
+  EXPECT_EQ(ErrorOf(base + "schedule: {type: cosine, milestones: [1, 2]}\n"),
+            "run.yaml:7: schedule.milestones: does not apply to a cosine schedule; it reads warmup_epochs, "
+            "warmup_start, min_lr");
+  EXPECT_EQ(ErrorOf(base + "schedule: {milestones: [1, 2]}\n"),  // the default type, cosine
+            "run.yaml:7: schedule.milestones: does not apply to a cosine schedule; it reads warmup_epochs, "
+            "warmup_start, min_lr");
+  EXPECT_EQ(ErrorOf(base + "schedule: {type: step, step_epochs: 2, min_lr: 0.5}\n"),
+            "run.yaml:7: schedule.min_lr: does not apply to a step schedule; it reads warmup_epochs, warmup_start, "
+            "step_epochs, gamma");
+  EXPECT_EQ(ErrorOf(base + "schedule: {type: constant, gamma: 0.5}\n"),
+            "run.yaml:7: schedule.gamma: does not apply to a constant schedule; it reads warmup_epochs, warmup_start");
+  EXPECT_EQ(ErrorOf(base + "schedule: {type: multistep}\n"),
+            "run.yaml:7: schedule.milestones: missing; a multistep schedule needs the epochs at which to multiply "
+            "the rate by gamma");
+  EXPECT_EQ(ErrorOf(base + "schedule: {type: multistep, milestones: [2, 2]}\n"),
+            "run.yaml:7: schedule.milestones: expected epochs in increasing order, each once");
+  EXPECT_EQ(ErrorOf(base + "epochs: 5\nschedule: {type: multistep, milestones: [2, 5]}\n"),
+            "run.yaml:8: schedule.milestones: epoch 5 is not before the end of the run (epochs: 5), so the rate "
+            "would never change there");
+  EXPECT_EQ(ErrorOf(base + "epochs: 3\nschedule: {type: step}\n"),
+            "run.yaml:8: schedule.step_epochs: 30 (the default) is not below epochs (3), so the rate would never "
+            "step; expected step_epochs below epochs, or type constant");
+  EXPECT_EQ(ErrorOf(base + "epochs: 3\nschedule: {type: step, step_epochs: 3}\n"),
+            "run.yaml:8: schedule.step_epochs: 3 is not below epochs (3), so the rate would never step; expected "
+            "step_epochs below epochs, or type constant");
+  EXPECT_EQ(ErrorOf(base + "epochs: 3\nschedule: {type: step, step_epochs: 2}\n"), "(parsed)");
+  EXPECT_EQ(ErrorOf(base + "optimizer: {type: sgd, trust_coefficient: 0.02}\n"),
+            "run.yaml:7: optimizer.trust_coefficient: does not apply to type: sgd; trust_coefficient and eps are "
+            "read by lars and larc, clip by larc");
+  EXPECT_EQ(ErrorOf(base + "optimizer: {type: lars, clip: false}\n"),
+            "run.yaml:7: optimizer.clip: does not apply to type: lars; it reads trust_coefficient, eps");
+  EXPECT_EQ(ErrorOf(base + "optimizer: {type: larc, clip: false, eps: 1e-9}\n"), "(parsed)");
+  EXPECT_EQ(ErrorOf("data: {train: t, image_size: 32, block_size: 16}\nmodel: {preset: lenet, classes: 4}\n"),
+            "run.yaml:1: data.block_size: does not apply to shuffle: full; block_size and window_blocks are read by "
+            "shuffle: block");
+  EXPECT_EQ(ErrorOf("data: {train: t, image_size: 32, shuffle: block, block_size: 16}\nmodel: {preset: lenet, "
+                    "classes: 4}\n"),
+            "(parsed)");
+  EXPECT_EQ(ErrorOf("data: {train: t, image_size: 32}\nmodel:\n  classes: 3\n  layers:\n    - {type: maxpool}\n"
+                    "    - {type: flatten}\n    - {type: linear, out: 3}\n"),
+            "run.yaml:5: model.layers[0].kernel: missing; a maxpool layer needs the size of its window");
+
+  // What ConfigToYaml writes is what its settings read, and it parses again to the same text.
+  for (const std::string extra : {"schedule: {type: multistep, milestones: [3, 6], gamma: 0.5}\n",
+                                  "schedule: {type: step, step_epochs: 4}\noptimizer: {type: larc, clip: false}\n",
+                                  "schedule: {type: constant}\noptimizer: {type: lars}\n"}) {
+    ASSERT_OK_AND_ASSIGN(TrainConfig c, ParseConfig(base + extra, "run.yaml"));
+    const std::string yaml = ConfigToYaml(c);
+    ASSERT_OK_AND_ASSIGN(TrainConfig again, ParseConfig(yaml, "again.yaml"));
+    EXPECT_EQ(ConfigToYaml(again), yaml) << extra;
+  }
+  ASSERT_OK_AND_ASSIGN(TrainConfig cosine, ParseConfig(base, "run.yaml"));
+  const std::string printed = ConfigToYaml(cosine);
+  for (const char* absent : {"milestones", "step_epochs", "gamma", "trust_coefficient", "clip", "block_size"}) {
+    EXPECT_EQ(printed.find(absent), std::string::npos) << absent << " in\n" << printed;
+  }
+
+  // A config stored by an earlier stoke held every key; it still reads, as it was meant.
+  const std::string stored = base + "epochs: 4\nschedule: {type: cosine, step_epochs: 30, milestones: [], gamma: 0.1, "
+                                    "min_lr: 0.01}\noptimizer: {type: sgd, trust_coefficient: 0, clip: true, eps: "
+                                    "1e-8}\n";
+  EXPECT_NE(ErrorOf(stored), "(parsed)");
+  ASSERT_OK_AND_ASSIGN(TrainConfig old, ParseConfig(stored, "ck (its stored config)", ConfigOrigin::kStored));
+  EXPECT_EQ(old.schedule.min_lr, 0.01);
+  EXPECT_EQ(old.schedule.type, "cosine");
+}
+
+// Text yaml-cpp takes without a word that is not what was meant: a quote never closed (it ran to
+// the end of the file, taking the keys after it into the string), a control character in a path.
+TEST(Config, UnclosedQuotesAndControlCharactersAreRefused) {
+  const std::string base = kMinimal;  // 7 lines
+  EXPECT_EQ(ErrorOf(base + "run_dir: \"runs/abc\nepochs: 5\n"),
+            "run.yaml:7: not valid YAML: the string quoted here has no closing \"");
+  EXPECT_EQ(ErrorOf(base + "epochs: 5\nrun_dir: 'runs/abc\n"),
+            "run.yaml:8: not valid YAML: the string quoted here has no closing '");
+  // Closed quotes with escapes inside them still read.
+  EXPECT_EQ(ErrorOf(base + "run_dir: \"runs/a\\\"b\"\nseed: 1\n"), "(parsed)");
+  EXPECT_EQ(ErrorOf(base + "run_dir: 'it''s'\nseed: 1\n"), "(parsed)");
+  EXPECT_EQ(ErrorOf(base + "run_dir: |-\n  runs/literal\nseed: 1\n"), "(parsed)");  // a block scalar, not quoted
+  EXPECT_EQ(ErrorOf(base + "run_dir: |\n  runs/literal\n"),  // its kept newline would end the path
+            "run.yaml:7: run_dir: holds the control character 0x0A; expected printable text");
+  EXPECT_EQ(ErrorOf(base + "run_dir: \"runs/nul\\0junk\"\n"),
+            "run.yaml:7: run_dir: holds the control character 0x00; expected printable text");
+  EXPECT_EQ(ErrorOf(base + "run_dir: \"runs\\tab\"\n"),
+            "run.yaml:7: run_dir: holds the control character 0x09; expected printable text");
+  // Messages about lists and unbounded ranges say what was there and what is expected.
+  EXPECT_EQ(ErrorOf(base + "epochs: 8\nschedule: {type: multistep, milestones: [1, ~]}\n"),
+            "run.yaml:8: schedule.milestones[1]: no value; expected an integer in [1, 16777216]");
+  EXPECT_EQ(ErrorOf("data:\n  train: t\n  image_size: 32\n  normalize: {std: [1, 1, .inf]}\nmodel: {preset: lenet, "
+                    "classes: 4}\n"),
+            "run.yaml:4: data.normalize.std[2]: .inf is out of range; expected a number >= 1e-06 (finite)");
+  EXPECT_EQ(ErrorOf("data:\n  train: t\n  image_size: 32\n  normalize: {mean: [1, x, 0]}\nmodel: {preset: lenet, "
+                    "classes: 4}\n"),
+            "run.yaml:4: data.normalize.mean[1]: 'x' is not a number; expected any finite number");
 }
 
 // Numbers are written back exactly: the shortest text that reads back as the same double.

@@ -123,7 +123,7 @@ Result<TrainBenchReport> RunTrainBench(const BenchOptions& o, const TrainBenchOp
                                   const std::unique_ptr<dist::Communicator>& comm,
                                   const std::function<Status(const Status&)>& agree) {
   const int world = comm->size(), rank = comm->rank();
-  auto db = dataset::Dataset::Open(c.data.train);
+  auto db = train::OpenConfigDataset(c, "data.train");
   STOKE_RETURN_IF_ERROR(agree(db.status()));
   STOKE_RETURN_IF_ERROR(agree(train::CheckTrainSet(c, *db)));  // as `stoke train` checks it
   auto created = train::CreateNetwork(c, comm.get());
