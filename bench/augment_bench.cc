@@ -11,6 +11,7 @@
 #include "bench_data.h"
 #include "common/random.h"
 #include "decode/jpeg_decoder.h"
+#include "prefetch/loader.h"
 
 namespace stoke::bench {
 namespace {
@@ -37,9 +38,8 @@ Planned PlanFor(decode::JpegDecoder& decoder, const std::vector<std::byte>& jpeg
   SplitMix64 rng = SampleRng(1, epoch, static_cast<int64_t>(i));
   const augment::RandomResizedCropOptions options;
   augment::CropPlan plan = augment::PlanRandomResizedCrop(info->width, info->height, options, rng);
-  const int d = decode::ChooseRegionScale(static_cast<int>(plan.region.width),
-                                          static_cast<int>(plan.region.height), kOut, kOut);
-  return {augment::SnapToScale(plan, d, info->width, info->height), d};
+  const int d = prefetch::SnapToBestScale(plan, info->width, info->height, kOut, kOut);  // as the loader does
+  return {plan, d};
 }
 
 decode::Region RegionOf(const augment::CropPlan& p) {

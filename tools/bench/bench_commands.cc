@@ -612,9 +612,8 @@ Result<std::string> BenchDecode(const BenchOptions& o, const fs::path& dataset_p
     STOKE_ASSIGN_OR_RETURN(decode::JpegInfo info, decoder.ReadHeader(jpegs[i]));
     SplitMix64 rng = SampleRng(1, epoch, static_cast<int64_t>(i));
     augment::CropPlan plan = augment::PlanRandomResizedCrop(info.width, info.height, rrc, rng);
-    const int d = decode::ChooseRegionScale(static_cast<int>(plan.region.width),
-                                            static_cast<int>(plan.region.height), kOut, kOut);
-    return Planned{augment::SnapToScale(plan, d, info.width, info.height), d};
+    const int d = prefetch::SnapToBestScale(plan, info.width, info.height, kOut, kOut);  // as the loader does
+    return Planned{plan, d};
   };
   auto region_of = [](const augment::CropPlan& p) {
     return decode::Region{static_cast<int>(p.region.x), static_cast<int>(p.region.y),
