@@ -45,12 +45,19 @@ class DocumentOutline : public YAML::EventHandler {
   void OnMapEnd() override {}
 };
 
+// What the sections of one config share: its file's name, who wrote it, and where its keys are.
+struct ParseContext {
+  const std::string& source;
+  ConfigOrigin origin;
+  std::map<std::string, int, std::less<>>& lines;  // TrainConfig::lines
+};
+
 // One mapping of the config: reads keys with type and range checks and remembers which keys it
 // read, so Finish() can name the unknown ones.
 class Section {
  public:
-  Section(const YAML::Node& node, std::string path, const std::string& source, ConfigOrigin origin)
-      : node_(node), path_(std::move(path)), source_(source), origin_(origin) {}
+  Section(const YAML::Node& node, std::string path, ParseContext& context)
+      : node_(node), path_(std::move(path)), context_(context) {}
 
   // A mapping (or nothing), each key given once: YAML readers keep one of two equal keys
   // silently, so a key appended to override another would be ignored.
@@ -73,7 +80,7 @@ class Section {
   // message: "does not apply to <why>". Stored configs may hold such keys (ConfigOrigin).
   Status RefuseUnread(std::span<const std::string_view> family, const std::vector<std::string>& read,
                       std::string_view why) const {
-    if (!node_.IsMap() || origin_ == ConfigOrigin::kStored) return OkStatus();
+    if (!node_.IsMap() || context_.origin == ConfigOrigin::kStored) return OkStatus();
     for (const auto& kv : node_) {
       const std::string key = kv.first.Scalar();
       if (std::find(family.begin(), family.end(), key) != family.end() &&
@@ -83,12 +90,13 @@ class Section {
     }
     return OkStatus();
   }
-  ConfigOrigin origin() const { return origin_; }
+  ConfigOrigin origin() const { return context_.origin; }
+  ParseContext& context() const { return context_; }
 
   // An error about this mapping as a whole (a rule between its keys).
   Status ErrorHere(const std::string& what) const { return Error(node_, path_, what); }
   Status Error(const YAML::Node& at, const std::string& path, const std::string& what) const {
-    return InvalidArgumentError(fmt::format("{}:{}: {}: {}", source_, Line(at), path, what));
+    return InvalidArgumentError(fmt::format("{}:{}: {}: {}", context_.source, Line(at), path, what));
   }
   std::string Path(const std::string& key) const { return path_.empty() ? key : path_ + "." + key; }
 
@@ -227,7 +235,7 @@ class Section {
   Result<Section> Sub(const std::string& key) {
     YAML::Node n;
     Has(key, &n);
-    Section s(n, Path(key), source_, origin_);
+    Section s(n, Path(key), context_);
     STOKE_RETURN_IF_ERROR(s.Check());
     return s;
   }
@@ -248,19 +256,21 @@ class Section {
   }
 
   const YAML::Node& node() const { return node_; }
-  const std::string& source() const { return source_; }
 
  private:
-  // `key`'s node (undefined when absent), noted as a key this section reads.
+  // `key`'s node (undefined when absent), noted as a key this section reads, and its line.
   YAML::Node Find(const std::string& key) {
     keys_.insert(key);
-    return node_.IsMap() ? node_[key] : YAML::Node(YAML::NodeType::Undefined);
+    if (!node_.IsMap()) return YAML::Node(YAML::NodeType::Undefined);
+    for (const auto& kv : node_) {
+      if (kv.first.Scalar() == key) context_.lines[Path(key)] = Line(kv.first);
+    }
+    return node_[key];
   }
 
   YAML::Node node_;
   std::string path_;
-  const std::string& source_;
-  ConfigOrigin origin_;
+  ParseContext& context_;
   std::set<std::string> keys_;
 };
 
@@ -448,7 +458,7 @@ Status ParseModel(Section& top, ModelConfig& m) {
     }
     m.layers.clear();
     for (size_t i = 0; i < layers.size(); ++i) {
-      Section l(layers[i], fmt::format("{}[{}]", s.Path("layers"), i), s.source(), s.origin());
+      Section l(layers[i], fmt::format("{}[{}]", s.Path("layers"), i), s.context());
       STOKE_RETURN_IF_ERROR(l.Check());
       LayerSpec spec;
       STOKE_RETURN_IF_ERROR(ParseLayer(l, spec));
@@ -642,7 +652,8 @@ Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::str
   }
   TrainConfig c;
   c.source = source;
-  Section top(root, "", c.source, origin);
+  ParseContext context{c.source, origin, c.lines};
+  Section top(root, "", context);
   if (!root.IsMap()) return InvalidArgumentError(fmt::format("{}: expected a YAML mapping at the top", source));
   STOKE_RETURN_IF_ERROR(top.Check());
   STOKE_RETURN_IF_ERROR(ParseData(top, c.data));
@@ -681,47 +692,45 @@ Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::str
   c.cuda.input_channels = std::stoi(channels);
   STOKE_RETURN_IF_ERROR(cu.Finish());
   STOKE_RETURN_IF_ERROR(top.Finish());
-  // What is checked against other sections names the line of its own section.
-  auto line_of = [&root](std::string_view key) {
-    int line = 0;
-    for (const auto& kv : root) {
-      if (kv.first.Scalar() == key) line = Line(kv.first);
-    }
-    return line;
-  };
+  // What is checked against other sections names the line of its own key.
   // A rate change at epoch `epochs` or later never happens: the run ends first. (A stored config
   // is not held to this: its run may since have been resumed with more epochs.)
   for (int m : c.schedule.milestones) {
     if (m >= c.epochs && origin == ConfigOrigin::kWritten) {
-      return InvalidArgumentError(fmt::format("{}:{}: schedule.milestones: epoch {} is not before the end of the run "
+      return InvalidArgumentError(fmt::format("{}: schedule.milestones: epoch {} is not before the end of the run "
                                               "(epochs: {}), so the rate would never change there",
-                                              source, line_of("schedule"), m, c.epochs));
+                                              c.Where("schedule.milestones"), m, c.epochs));
     }
   }
   if (c.schedule.type == "step" && c.schedule.step_epochs >= c.epochs && origin == ConfigOrigin::kWritten) {
-    const YAML::Node& r = root;
-    const bool given = r["schedule"].IsMap() && r["schedule"]["step_epochs"].IsDefined();
-    return InvalidArgumentError(fmt::format("{}:{}: schedule.step_epochs: {}{} is not below epochs ({}), so the rate "
+    const bool given = c.lines.contains("schedule.step_epochs");
+    return InvalidArgumentError(fmt::format("{}: schedule.step_epochs: {}{} is not below epochs ({}), so the rate "
                                             "would never step; expected step_epochs below epochs, or type constant",
-                                            source, line_of("schedule"), c.schedule.step_epochs,
-                                            given ? "" : " (the default)", c.epochs));
+                                            c.Where(given ? "schedule.step_epochs" : "schedule"),
+                                            c.schedule.step_epochs, given ? "" : " (the default)", c.epochs));
   }
   if (c.schedule.warmup_epochs > c.epochs) {
     return InvalidArgumentError(fmt::format(
-        "{}:{}: schedule.warmup_epochs: {} is past the last epoch ({}): the learning rate would never reach "
-        "optimizer.lr; expected at most epochs", source, line_of("schedule"), c.schedule.warmup_epochs, c.epochs));
+        "{}: schedule.warmup_epochs: {} is past the last epoch ({}): the learning rate would never reach "
+        "optimizer.lr; expected at most epochs", c.Where("schedule.warmup_epochs"), c.schedule.warmup_epochs,
+        c.epochs));
   }
   // The model must fit the input: resolve it now so its errors come with the file name.
   ModelSpec spec = ModelFromConfig(c.model);
   auto shapes = ResolveModel(spec, {3, c.data.image_size, c.data.image_size});
   if (!shapes.ok()) {
-    return InvalidArgumentError(fmt::format("{}:{}: model: {} (input 3x{}x{})", source, line_of("model"),
+    return InvalidArgumentError(fmt::format("{}: model: {} (input 3x{}x{})", c.Where("model"),
                                             shapes.status().message(), c.data.image_size, c.data.image_size));
   }
   return c;
 }
 
 }  // namespace
+
+std::string TrainConfig::Where(std::string_view key) const {
+  auto it = lines.find(key);
+  return it == lines.end() || it->second <= 0 ? source : fmt::format("{}:{}", source, it->second);
+}
 
 Result<TrainConfig> LoadConfig(const std::string& path) {
   STOKE_ASSIGN_OR_RETURN(auto bytes, ReadFileBytes(path));

@@ -4,7 +4,10 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "augment/transform.h"
@@ -97,6 +100,11 @@ struct DistConfig {
 
 struct TrainConfig {
   std::string source;  // file the config came from (for messages)
+  // The line of each key the file gives ("data.batch_size" -> 3), for messages about a value that
+  // is checked later, against a dataset or the machine.
+  std::map<std::string, int, std::less<>> lines;
+  // "run.yaml:3" for a key the file gives on line 3; the file alone for one it leaves out.
+  std::string Where(std::string_view key) const;
   DataConfig data;
   ModelConfig model;
   OptimizerConfig optimizer;

@@ -53,7 +53,7 @@ Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c, const dist:
     return InvalidArgumentError(fmt::format(
         "{}: data.batch_size {} is the global batch and must divide evenly among the {} ranks (each takes "
         "batch_size / ranks); use a multiple of {}",
-        c.source, c.data.batch_size, world, world));
+        c.Where("data.batch_size"), c.data.batch_size, world, world));
   }
   NetworkOptions o;
   o.model = ModelFromConfig(c.model);
@@ -77,7 +77,7 @@ Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c, const dist:
     // Allowed (up to kMaxThreads), but a team this much larger than the machine makes every step
     // many times slower, which looks like a hang.
     STOKE_LOG(WARN, "{}: compute_threads {} on {} cores: every step waits on {} threads taking turns (0 uses "
-              "every core once)", c.source, o.threads, cores, o.threads);
+              "every core once)", c.Where("compute_threads"), o.threads, cores, o.threads);
   }
   if (o.threads == 0 && comm && comm->local_size() > 1) {
     // Ranks sharing a machine share its cores rather than each starting a team of all of them;
@@ -112,7 +112,7 @@ Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c, const dist:
   if (o.precision != Precision::kFloat32) {
     return InvalidArgumentError(fmt::format(
         "{}: data.normalize.dtype: the CPU backend trains in float32, not {} (use backend: cuda, or dtype: float32)",
-        c.source, c.data.dtype));
+        c.Where("data.normalize.dtype"), c.data.dtype));
   }
   STOKE_ASSIGN_OR_RETURN(auto net, CpuNetwork::Create(std::move(o)));
   return std::unique_ptr<Network>(std::move(net));
@@ -257,7 +257,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     for (const auto& [key, path] : {std::pair{"data.train", config.data.train}, std::pair{"data.val", config.data.val}}) {
       if (!path.empty() && PathWithin(run_dir, path)) {
         return InvalidArgumentError(fmt::format("{}: run_dir {} is inside {} {}: choose a folder outside the datasets",
-                                                config.source, run_dir.string(), key, path));
+                                                config.Where("run_dir"), run_dir.string(), key, path));
       }
     }
     if (std::error_code same_ec; !config.data.val.empty() && lead &&
@@ -271,11 +271,11 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
         return InvalidArgumentError(fmt::format(
             "{}: data.val {} has no records (a --val-fraction too small for its classes gives an empty "
             "validation set): leave data.val out, or pack a validation set with images in it",
-            config.source, config.data.val));
+            config.Where("data.val"), config.data.val));
       }
       if (v.size() < world) {
         return InvalidArgumentError(fmt::format("{}: data.val {} has {} records, fewer than the {} ranks",
-                                                config.source, config.data.val, v.size(), world));
+                                                config.Where("data.val"), config.data.val, v.size(), world));
       }
       val_set.emplace(std::move(v));
     }
@@ -285,7 +285,8 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
       const auto& train_classes = train_set->manifest().classes;
       const auto& val_classes = val_set->manifest().classes;
       if (val_classes.size() > train_classes.size()) {
-        return InvalidArgumentError(fmt::format("{}: data.val {} has {} classes, data.train {} only {}", config.source,
+        return InvalidArgumentError(fmt::format("{}: data.val {} has {} classes, data.train {} only {}",
+                                                config.Where("data.val"),
                                                 config.data.val, val_classes.size(), config.data.train,
                                                 train_classes.size()));
       }
@@ -294,7 +295,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
           return InvalidArgumentError(fmt::format(
               "{}: data.val {}: class {} is '{}', but data.train {} calls class {} '{}' (expected the same class "
               "names in the same order)",
-              config.source, config.data.val, i, val_classes[i], config.data.train, i, train_classes[i]));
+              config.Where("data.val"), config.data.val, i, val_classes[i], config.data.train, i, train_classes[i]));
         }
       }
     }
@@ -945,7 +946,7 @@ Result<TrainSummary> Train(const TrainConfig& config, const TrainRunOptions& run
 Result<dataset::Dataset> OpenConfigDataset(const TrainConfig& config, std::string_view key) {
   auto opened = dataset::Dataset::Open(key == "data.val" ? config.data.val : config.data.train);
   if (!opened.ok()) {
-    return Status(opened.status().code(), fmt::format("{}: {}: {}", config.source, key, opened.status().message()));
+    return Status(opened.status().code(), fmt::format("{}: {}: {}", config.Where(key), key, opened.status().message()));
   }
   return opened;
 }
@@ -953,12 +954,13 @@ Result<dataset::Dataset> OpenConfigDataset(const TrainConfig& config, std::strin
 Status CheckTrainSet(const TrainConfig& config, const dataset::Dataset& train_set) {
   const auto dataset_classes = static_cast<int64_t>(train_set.manifest().classes.size());
   if (dataset_classes > config.model.classes) {
-    return InvalidArgumentError(fmt::format("{}: model.classes is {}, but {} has {} classes", config.source,
-                                            config.model.classes, config.data.train, dataset_classes));
+    return InvalidArgumentError(fmt::format("{}: model.classes is {}, but {} has {} classes",
+                                            config.Where("model.classes"), config.model.classes, config.data.train,
+                                            dataset_classes));
   }
   if (train_set.size() < config.data.batch_size) {
     return InvalidArgumentError(fmt::format("{}: data.batch_size {} is larger than the {} records of {}",
-                                            config.source, config.data.batch_size, train_set.size(),
+                                            config.Where("data.batch_size"), config.data.batch_size, train_set.size(),
                                             config.data.train));
   }
   return OkStatus();

@@ -59,7 +59,7 @@ check bench_repeats_bounded 105 "--repeats: must be at most 1000 runs per figure
   "$stoke" bench decode "$work/ds.lmdb" --seconds 0.05 --repeats 100000000
 # The config's checks of its training set, as `stoke train` makes them (it failed at a record's label).
 printf 'data: {train: %s, image_size: 32, batch_size: 6}\nmodel: {preset: lenet, classes: 2}\n' "$work/ds.lmdb" >"$work/bt2.yaml"
-check bench_train_checks_the_classes 1 "bt2.yaml: model.classes is 2, but .*ds.lmdb has 3 classes" -- \
+check bench_train_checks_the_classes 1 "bt2.yaml:2: model.classes is 2, but .*ds.lmdb has 3 classes" -- \
   "$stoke" bench train --config "$work/bt2.yaml" --steps 2 --warmup 1 --repeats 1
 check bench_train_warmup_at_least_one 105 "--warmup: must be > 0, not 0" -- \
   "$stoke" bench train --config "$work/bt.yaml" --steps 2 --warmup 0 --repeats 1

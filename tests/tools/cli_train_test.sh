@@ -118,7 +118,7 @@ check print_config_takes_no_run_flags 108 "--print-config excludes --resume" -- 
 check print_config_reads_back 0 "batch_size: 64" -- "$stoke" train --config "$work/resolved.yaml" --print-config
 # A dataset that cannot be opened is named with the config file and the key that holds it.
 sed "s|^  val: .*|  val: $work/no-such-val.lmdb|" "$cfg" >"$work/missing_val.yaml"
-check train_missing_val_names_the_key 1 "missing_val.yaml: data.val: dataset: .*no-such-val.lmdb: no such file" -- \
+check train_missing_val_names_the_key 1 "missing_val.yaml:[0-9]+: data.val: dataset: .*no-such-val.lmdb: no such file" -- \
   "$stoke" train --config "$work/missing_val.yaml" -q
 sed "s|run_dir: .*|run_dir: $work/run2|; s|^epochs: .*|epochs: 2|" "$cfg" >"$work/run2.yaml"
 check train_stops_early 0 "stopped at step 4; continue with: .*--resume" -- \

@@ -325,6 +325,20 @@ TEST(Config, WhatASettingDoesNotReadIsRefused) {
   EXPECT_EQ(old.schedule.type, "cosine");
 }
 
+// Values checked later, against a dataset or the machine, are named with the line of their key.
+TEST(Config, WhereNamesTheLineOfAKey) {
+  ASSERT_OK_AND_ASSIGN(TrainConfig c,
+                       ParseConfig(std::string(kMinimal) + "schedule:\n  warmup_epochs: 1\n", "run.yaml"));
+  EXPECT_EQ(c.Where("data.train"), "run.yaml:2");
+  EXPECT_EQ(c.Where("model.classes"), "run.yaml:6");
+  EXPECT_EQ(c.Where("schedule.warmup_epochs"), "run.yaml:8");
+  EXPECT_EQ(c.Where("data.batch_size"), "run.yaml");  // left to its default
+  ASSERT_OK_AND_ASSIGN(TrainConfig flow, ParseConfig("data: {train: t, image_size: 32, batch_size: 8}\nmodel: "
+                                                     "{preset: lenet, classes: 4}\n", "f.yaml"));
+  EXPECT_EQ(flow.Where("data.batch_size"), "f.yaml:1");
+  EXPECT_EQ(flow.Where("model.classes"), "f.yaml:2");
+}
+
 // Text yaml-cpp takes without a word that is not what was meant: a quote never closed (it ran to
 // the end of the file, taking the keys after it into the string), a control character in a path.
 TEST(Config, UnclosedQuotesAndControlCharactersAreRefused) {
