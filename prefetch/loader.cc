@@ -124,6 +124,9 @@ struct Slot {
   std::vector<uint8_t> stand_in;  // per sample: 1 where it stands in for a bad record
   std::shared_ptr<const std::vector<int64_t>> order;  // the epoch's global order (all ranks)
   std::atomic<int> replaced{0};
+  // The bad records met making this batch, at its own sample positions and in stand-in walks:
+  // the output stage fills them, Next() adds them to the run's when it hands the batch out.
+  std::vector<int64_t> own_bad, other_bad;
 };
 
 // A run of consecutive samples of one batch: the unit of parallel work.
@@ -138,6 +141,7 @@ struct Chunk {
   // against the skip budget by the in-order output stage, so that where a run over budget stops
   // follows the sampler's order, not the threads' timing.
   std::vector<std::pair<int64_t, std::string>> own_bad;
+  std::vector<int64_t> other_bad;  // met only while looking for a stand-in
 };
 
 struct Ready {
@@ -187,6 +191,18 @@ struct LoaderState {
   // rank whose sample they are, so the budget means the same at any world size.
   tbb::concurrent_unordered_set<int64_t> own_bad;
   std::atomic<int64_t> bad_count{0};
+  // Those of the batches handed to the consumer (and the known_bad): what bad_records() reports.
+  // The output stage counts a batch's bad records when it makes it, ring_size batches ahead of the
+  // consumer; reporting those would make a resumed run count records it had not yet reached.
+  tbb::concurrent_unordered_set<int64_t> handed_own, handed_other;
+  std::atomic<int64_t> handed_own_count{0};
+  // By the consumer's thread, for a batch it is handed or the batch whose bad records ended the run.
+  void HandOutBadRecords(const Slot& slot) {
+    for (int64_t index : slot.own_bad) {
+      if (handed_own.insert(index).second) handed_own_count.fetch_add(1);
+    }
+    for (int64_t index : slot.other_bad) handed_other.insert(index);
+  }
 
   std::shared_ptr<void> allow_threads;  // when asked for more threads than cores: ParallelismRequests
   std::unique_ptr<tbb::task_arena> arena;
@@ -291,7 +307,7 @@ struct LoaderState {
 
   // Records a bad record once (logging it the first time); an error when the policy says stop.
   // `own` (the record at a sample's own position) receives it for the skip budget (CountOwnBad).
-  Status NoteBad(Worker& w, int64_t index, const Status& s, std::vector<std::pair<int64_t, std::string>>* own) {
+  Status NoteBad(Worker& w, int64_t index, const Status& s, Chunk& c, bool own) {
     std::string where = fmt::format("record {}", index);
     if (auto path = w.reader->SourcePath(index); path.ok() && !path->empty()) {
       where += fmt::format(" ({})", *path);
@@ -301,7 +317,11 @@ struct LoaderState {
       return Status(s.code(), reason + " (on_error fail)");
     }
     if (bad.emplace(index, reason).second) STOKE_LOG(WARN, "skipping {}", reason);
-    if (own != nullptr) own->emplace_back(index, std::move(reason));
+    if (own) {
+      c.own_bad.emplace_back(index, std::move(reason));
+    } else {
+      c.other_bad.push_back(index);
+    }
     return OkStatus();
   }
 
@@ -366,7 +386,7 @@ struct LoaderState {
         return OkStatus();
       }
       if (st.code() == StatusCode::kInternal) return st;  // not the record's fault
-      STOKE_RETURN_IF_ERROR(NoteBad(w, index, st, k == 0 ? &c.own_bad : nullptr));
+      STOKE_RETURN_IF_ERROR(NoteBad(w, index, st, c, k == 0));
     }
     return CorruptError(fmt::format("{}: no readable record in the epoch", dataset->path().string()));
   }
@@ -403,6 +423,8 @@ struct LoaderState {
       slot->batch.number = batch;
       slot->batch.size = static_cast<int>(std::min<int64_t>(o.batch_size, per_epoch - batch * o.batch_size));
       slot->replaced.store(0, std::memory_order_relaxed);
+      slot->own_bad.clear();
+      slot->other_bad.clear();
       filling = slot;
       pos = 0;
       Status reusable = memory->WaitHostReusable(id);
@@ -487,6 +509,8 @@ struct LoaderState {
     Status st = c->error;
     try {
       if (Status counted = CountOwnBad(*c); st.ok()) st = std::move(counted);
+      for (const auto& own : c->own_bad) slot->own_bad.push_back(own.first);
+      slot->other_bad.insert(slot->other_bad.end(), c->other_bad.begin(), c->other_bad.end());
       if (st.ok() && c->last) {
         slot->batch.replaced = slot->replaced.load(std::memory_order_relaxed);
         const size_t bytes = labels_offset + static_cast<size_t>(slot->batch.size) * sizeof(int32_t);
@@ -504,7 +528,8 @@ struct LoaderState {
       output_failed = true;
       failing = true;
       error_pushed = true;
-      if (!stop.load()) PushReady(Ready{Ready::kError, -1, st});  // a stop is not an error
+      // With its slot: the bad records that ended the run are reported with its error.
+      if (!stop.load()) PushReady(Ready{Ready::kError, slot->id, st});  // a stop is not an error
     }
   }
 
@@ -713,6 +738,11 @@ Result<std::unique_ptr<Loader>> Loader::Create(const dataset::Dataset& ds, Loade
       }
       st->bad.emplace(b.index, b.reason);
       if (b.own && st->own_bad.insert(b.index).second) st->bad_count.fetch_add(1);
+      if (!b.own) {
+        st->handed_other.insert(b.index);
+      } else if (st->handed_own.insert(b.index).second) {
+        st->handed_own_count.fetch_add(1);
+      }
     }
     if (outside > 0) {
       STOKE_LOG(WARN, "loader: {} bad record(s) known from earlier in this run are not records of {} ({} records); "
@@ -817,6 +847,7 @@ Result<BatchLease> Loader::Next() {
     return BatchLease();
   }
   if (r.kind == detail::Ready::kError) {
+    if (r.slot >= 0) st.HandOutBadRecords(*st.slots[static_cast<size_t>(r.slot)]);
     st.finished = true;
     return r.error;
   }
@@ -826,6 +857,7 @@ Result<BatchLease> Loader::Next() {
   }
   detail::Slot* slot = st.slots[static_cast<size_t>(r.slot)].get();
   STOKE_TSAN_ACQUIRE(slot);
+  st.HandOutBadRecords(*slot);
   Batch& b = slot->batch;
   const size_t n = static_cast<size_t>(b.size);
   b.images = {slot->images, n * st.sample_bytes};
@@ -851,7 +883,7 @@ LoaderStats Loader::stats() const {
   LoaderStats s;
   s.batches = st.batches_out.load();
   s.samples = st.samples_out.load();
-  s.bad_records = st.bad_count.load();
+  s.bad_records = st.handed_own_count.load();
   s.elapsed_s = std::chrono::duration<double>(detail::Clock::now() - st.started).count();
   s.images_per_s = s.elapsed_s > 0 ? static_cast<double>(s.samples) / s.elapsed_s : 0;
   s.consumer_wait_s = static_cast<double>(st.wait_ns.load()) / 1e9;
@@ -870,7 +902,11 @@ LoaderStats Loader::stats() const {
 
 std::vector<BadRecord> Loader::bad_records() const {
   std::vector<BadRecord> out;
-  for (const auto& [index, reason] : state_->bad) out.push_back({index, reason, state_->own_bad.count(index) > 0});
+  const detail::LoaderState& st = *state_;
+  for (const auto& [index, reason] : st.bad) {
+    const bool own = st.handed_own.count(index) > 0;
+    if (own || st.handed_other.count(index) > 0) out.push_back({index, reason, own});
+  }
   std::sort(out.begin(), out.end(), [](const BadRecord& a, const BadRecord& b) { return a.index < b.index; });
   return out;
 }

@@ -139,7 +139,7 @@ struct Batch {
 struct LoaderStats {
   int64_t batches = 0;          // handed to the consumer
   int64_t samples = 0;
-  int64_t bad_records = 0;      // distinct bad records among this rank's own samples so far, and the known_bad
+  int64_t bad_records = 0;      // distinct bad records among the own samples of the batches handed out, and the known_bad
   double elapsed_s = 0;         // since Create()
   double images_per_s = 0;      // samples / elapsed_s
   double consumer_wait_s = 0;   // time spent blocked in Next()
@@ -216,7 +216,11 @@ class Loader {
   void Stop();
 
   LoaderStats stats() const;
-  std::vector<BadRecord> bad_records() const;  // sorted by index
+  // The bad records of the batches handed out so far, of the batch whose bad records ended the run
+  // (its error handed out), and the known_bad; sorted by index: what a resumed run passes back as
+  // known_bad. Those of batches made ahead but not yet handed out are left out; they are met again
+  // after a resume, and counted then.
+  std::vector<BadRecord> bad_records() const;
   int64_t batches_per_epoch() const;
   const LoaderOptions& options() const;
 

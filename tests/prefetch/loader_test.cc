@@ -420,7 +420,7 @@ TEST(Loader, AResumedRunCountsTheBadRecordsMetBeforeIt) {
   EXPECT_NE(end.message().find("latest: record 16 "), std::string::npos) << end.ToString();
   std::vector<int64_t> listed;
   for (const auto& b : (*resumed)->bad_records()) listed.push_back(b.index);
-  EXPECT_EQ(listed, (std::vector<int64_t>{15, 16}));
+  EXPECT_EQ(listed, (std::vector<int64_t>{15, 16}));  // 16 ended the run, and is said with its error
 
   // Already over the budget: the run ends at the first bad record it meets (16, in batch 2)...
   o.known_bad = {{15, "a"}, {16, "b"}};
@@ -445,6 +445,57 @@ TEST(Loader, AResumedRunCountsTheBadRecordsMetBeforeIt) {
     EXPECT_EQ(made, 3);
     EXPECT_TRUE(repaired_end.ok()) << repaired_end.ToString();
   }
+}
+
+// bad_records() (what a resumed run passes back as known_bad) holds what the batches handed out
+// met. The loader makes up to ring_size batches ahead; when their bad records were reported too,
+// a run stopped after batch 1 and resumed counted record 19 (batch 2) before reaching it, and
+// ended at batch 2 where the uninterrupted run made batch 2 and ended at batch 3.
+TEST(Loader, BadRecordsOfBatchesNotYetHandedOutAreNotReported) {
+  testing::TempDir dir;
+  auto ds = dataset::Dataset::Open(WriteDataset(dir.path() / "d", {.bad = {19, 28}}));
+  ASSERT_OK(ds.status());
+  LoaderOptions o = SmallOptions(2);
+  o.sampler.mode = dataset::ShuffleMode::kSequential;
+  o.batch_size = 8;
+  o.ring_size = 4;
+  o.max_skip_fraction = 0.025;  // 1 of 40
+  o.epochs = 1;
+  {
+    auto whole = Loader::Create(*ds, o);
+    ASSERT_OK(whole.status());
+    const auto [batches, end] = RunToEnd(**whole);
+    EXPECT_EQ(batches, 3);
+    EXPECT_NE(end.message().find("latest: record 28 "), std::string::npos) << end.ToString();
+  }
+  std::vector<BadRecord> state;
+  {
+    auto first = Loader::Create(*ds, o);
+    ASSERT_OK(first.status());
+    for (int i = 0; i < 2; ++i) {
+      auto lease = (*first)->Next();
+      ASSERT_OK(lease.status());
+      ASSERT_TRUE(*lease);
+    }
+    // Batches 2 and 3 (records 19 and 28) are made ahead meanwhile, and the budget's end queued.
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    state = (*first)->bad_records();
+    EXPECT_TRUE(state.empty()) << state.front().index;
+    EXPECT_EQ((*first)->stats().bad_records, 0);
+    auto third = (*first)->Next();
+    ASSERT_OK(third.status());
+    ASSERT_TRUE(*third);
+    ASSERT_EQ((*first)->bad_records().size(), 1u);
+    EXPECT_EQ((*first)->bad_records()[0].index, 19);
+    EXPECT_EQ((*first)->stats().bad_records, 1);
+  }
+  o.start_batch = 2;
+  o.known_bad = state;
+  auto resumed = Loader::Create(*ds, o);
+  ASSERT_OK(resumed.status());
+  const auto [batches, end] = RunToEnd(**resumed);
+  EXPECT_EQ(batches, 1) << "the resumed run makes batch 2, as the uninterrupted one did";
+  EXPECT_NE(end.message().find("latest: record 28 "), std::string::npos) << end.ToString();
 }
 
 // A bad record met only on a stand-in walk may be another rank's sample: it is listed, marked not
