@@ -366,6 +366,8 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     STOKE_ASSIGN_OR_RETURN(FileLock lock, FileLock::TryAcquire(run_dir / "train.lock",
                                                                fmt::format("train: run_dir {}", run_dir.string())));
     run_lock.emplace(std::move(lock));
+    // What a run killed while rewriting them left (the metrics' temporary is a whole copy of them).
+    for (const char* name : {"metrics.jsonl", "config.yaml"}) RemoveStaleAtomicTemporariesOf(run_dir / name);
     if (run.resume.empty()) {
       if (!ListCheckpoints(run_dir).empty()) {
         return InvalidArgumentError(fmt::format(
@@ -673,6 +675,13 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   // The step whose parameters were evaluated last: a run resumed from its final checkpoint has its
   // evaluation in the metrics already.
   int64_t eval_step = kept_metrics.val_at_step ? step : -1;
+  // Whether config.eval evaluates after step `s`: at every every_epochs-th epoch's end, and every
+  // every_steps steps.
+  auto eval_due = [&](int64_t s) {
+    const int64_t epoch = s / steps_per_epoch;
+    return (s % steps_per_epoch == 0 && config.eval.every_epochs > 0 && epoch % config.eval.every_epochs == 0) ||
+           (config.eval.every_steps > 0 && s % config.eval.every_steps == 0);
+  };
   auto run_eval = [&]() -> Status {
     if (!val_set) return OkStatus();
     eval_step = step;
@@ -761,7 +770,10 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
       return s;
     };
     Status failure = OkStatus();
-    while (step < summary.total_steps) {
+    // A resumed run owes the evaluation due at its first step when its metrics have none there:
+    // the run that wrote that checkpoint stopped before evaluating (killed, or failing in between).
+    if (step > 0 && eval_step != step && eval_due(step)) failure = paused(run_eval);
+    while (failure.ok() && step < summary.total_steps) {
       const bool stop_here = (run.stop && run.stop->load()) || (run.max_steps > 0 && step >= run.max_steps);
       const auto t0 = Clock::now();
       Result<prefetch::BatchLease> next = prefetch::BatchLease();
@@ -864,20 +876,17 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
                 {"top1", epoch_stats.top1_rate()}});
         summary.last_epoch = epoch_stats;
         epoch_stats = {};
-        if (config.eval.every_epochs > 0 && epoch % config.eval.every_epochs == 0) {
-          failure = paused(run_eval);
-          if (!failure.ok()) break;
-        }
-        if (config.checkpoint.every_epochs > 0 && epoch % config.checkpoint.every_epochs == 0) {
-          failure = paused(save);
-          if (!failure.ok()) break;
-        }
       }
-      if (config.eval.every_steps > 0 && step % config.eval.every_steps == 0 && eval_step != step) {
+      // The evaluation before the checkpoint: a checkpoint at a step tells a resume that the step
+      // is done, so a kill between the two lost the evaluation owed there.
+      if (eval_due(step) && eval_step != step) {
         failure = paused(run_eval);
         if (!failure.ok()) break;
       }
-      if (config.checkpoint.every_steps > 0 && step % config.checkpoint.every_steps == 0 && saved_step != step) {
+      const int64_t epoch = step / steps_per_epoch;
+      if (((epoch_end && config.checkpoint.every_epochs > 0 && epoch % config.checkpoint.every_epochs == 0) ||
+           (config.checkpoint.every_steps > 0 && step % config.checkpoint.every_steps == 0)) &&
+          saved_step != step) {
         failure = paused(save);
         if (!failure.ok()) break;
       }

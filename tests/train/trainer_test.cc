@@ -1051,6 +1051,33 @@ TEST_F(TrainLoop, EveryStepsEvaluatesAtEpochEndsToo) {
   EXPECT_EQ(evaluated, expected);
 }
 
+// A checkpoint at a step whose evaluation is not in the metrics (the run was killed between the two,
+// or stopped there before evaluating): the resumed run evaluates that step first. The run's stale
+// temporaries are removed.
+TEST_F(TrainLoop, AResumeEvaluatesTheStepItsCheckpointOwesAnEvaluation) {
+  const std::string eval_at_4 = "eval: {every_steps: 4, every_epochs: 0}\n";
+  ASSERT_OK_AND_ASSIGN(TrainSummary first, Train(Config("owed", 2, "eval: {every_epochs: 0}\n"), Quiet(4)));
+  ASSERT_TRUE(first.stopped);
+  // What a run killed while rewriting its metrics or config left (pid 2147483646 is no process) goes
+  // when the next run starts there.
+  const auto run_dir = dir_->path() / "owed";
+  for (const char* name : {"metrics.jsonl.tmp.2147483646", "config.yaml.tmp.2147483646"}) {
+    std::ofstream(run_dir / name) << "left by a killed run";
+  }
+  TrainRunOptions resume = Quiet();
+  resume.resume = "latest";
+  ASSERT_OK_AND_ASSIGN(TrainSummary s, Train(Config("owed", 2, eval_at_4), resume));
+  EXPECT_EQ(s.start_step, 4);
+  EXPECT_FALSE(std::filesystem::exists(run_dir / "metrics.jsonl.tmp.2147483646"));
+  EXPECT_FALSE(std::filesystem::exists(run_dir / "config.yaml.tmp.2147483646"));
+  std::vector<int64_t> evaluated, expected;
+  for (const auto& [type, step, loss, top1] : LossLines(run_dir / "metrics.jsonl")) {
+    if (type == "val") evaluated.push_back(step);
+  }
+  for (int64_t step = 4; step <= s.steps; step += 4) expected.push_back(step);
+  EXPECT_EQ(evaluated, expected);
+}
+
 TEST_F(TrainLoop, ResumingAFinishedRunEvaluatesNothingTwice) {
   TrainRunOptions quiet = Quiet();
   ASSERT_OK_AND_ASSIGN(TrainSummary done, Train(Config("finished", 1), quiet));
