@@ -20,6 +20,7 @@
 #include "augment/transform.h"
 #include "common/file_util.h"
 #include "common/limits.h"
+#include "common/logging.h"
 
 namespace stoke::train {
 namespace {
@@ -77,16 +78,29 @@ class Section {
   // Refuses a key of `family` that `read` does not hold: a key of another kind of layer, schedule
   // or optimizer ({type: relu, kernel: 2}, {type: cosine, milestones: [30]}) was meant for something
   // this config does not do, and ignoring it would train what nobody asked for. `why` ends the
-  // message: "does not apply to <why>". Stored configs may hold such keys (ConfigOrigin).
+  // message: "does not apply to <why>". A key whose value is its default (`at_default`) is only
+  // warned of: stoke before 2026-12-04 wrote every key into run_dir/config.yaml and --print-config,
+  // and those files still read. Stored configs may hold such keys (ConfigOrigin).
   Status RefuseUnread(std::span<const std::string_view> family, const std::vector<std::string>& read,
-                      std::string_view why) const {
+                      std::string_view why, const std::function<bool(std::string_view)>& at_default = {}) const {
     if (!node_.IsMap() || context_.origin == ConfigOrigin::kStored) return OkStatus();
+    std::vector<std::string> ignored;
+    int line = 0;
     for (const auto& kv : node_) {
       const std::string key = kv.first.Scalar();
-      if (std::find(family.begin(), family.end(), key) != family.end() &&
-          std::find(read.begin(), read.end(), key) == read.end()) {
-        return Error(kv.first, Path(key), fmt::format("does not apply to {}", why));
+      if (std::find(family.begin(), family.end(), key) == family.end() ||
+          std::find(read.begin(), read.end(), key) != read.end()) {
+        continue;
       }
+      if (!at_default || !at_default(key)) return Error(kv.first, Path(key), fmt::format("does not apply to {}", why));
+      ignored.push_back(Path(key));
+      if (line == 0) line = Line(kv.first);
+    }
+    if (!ignored.empty()) {
+      const bool one = ignored.size() == 1;
+      STOKE_LOG(WARN, "{}:{}: {}: ignored, at {}: {} not apply to {}; remove {}", context_.source, line,
+                fmt::join(ignored, ", "), one ? "its default" : "their defaults", one ? "it does" : "they do", why,
+                one ? "it" : "them");
     }
     return OkStatus();
   }
@@ -202,7 +216,7 @@ class Section {
     // cut every message about it short.
     const std::string& text = n.Scalar();
     if (auto c = std::find_if(text.begin(), text.end(), [](char ch) { return ch >= 0 && ch < 0x20; });
-        c != text.end() || text.find('\x7f') != std::string::npos) {
+        context_.origin == ConfigOrigin::kWritten && (c != text.end() || text.find('\x7f') != std::string::npos)) {
       return Error(n, Path(key), fmt::format("holds the control character 0x{:02X}; expected printable text",
                                              c != text.end() ? static_cast<unsigned char>(*c) : 0x7fu));
     }
@@ -312,7 +326,11 @@ Status ParseData(Section& top, DataConfig& d) {
   STOKE_RETURN_IF_ERROR(s.Number("window_blocks", &d.window_blocks, 1, 1 << 20));
   STOKE_RETURN_IF_ERROR(s.RefuseUnread(kBlockKeys, d.shuffle == "block" ? kBlockKeysRead : std::vector<std::string>{},
                                        fmt::format("shuffle: {}; block_size and window_blocks are read by shuffle: "
-                                                   "block", d.shuffle)));
+                                                   "block", d.shuffle),
+                                       [&d, defaults = DataConfig{}](std::string_view key) {
+                                         return key == "block_size" ? d.block_size == defaults.block_size
+                                                                    : d.window_blocks == defaults.window_blocks;
+                                       }));
   {
     STOKE_ASSIGN_OR_RETURN(Section io, s.Sub("io"));
     STOKE_RETURN_IF_ERROR(io.Bool("read_ahead", &d.io_read_ahead));
@@ -486,13 +504,18 @@ Status ParseOptimizer(Section& top, OptimizerConfig& o) {
   STOKE_RETURN_IF_ERROR(s.String("type", &type, {"sgd", "lars", "larc"}));
   o.sgd.adaptation = type == "lars" ? LayerAdaptation::kLars : type == "larc" ? LayerAdaptation::kLarc : LayerAdaptation::kNone;
   const std::vector<std::string> read = OptimizerKeys(o.sgd.adaptation);
-  STOKE_RETURN_IF_ERROR(s.RefuseUnread(
-      kAdaptationKeys, read,
-      read.empty() ? fmt::format("type: {}; trust_coefficient and eps are read by lars and larc, clip by larc", type)
-                   : fmt::format("type: {}; it reads {}", type, fmt::join(read, ", "))));
   STOKE_RETURN_IF_ERROR(s.Number("trust_coefficient", &o.sgd.trust_coefficient, 0, 1));
   STOKE_RETURN_IF_ERROR(s.Bool("clip", &o.sgd.clip));
   STOKE_RETURN_IF_ERROR(s.Number("eps", &o.sgd.eps, 0, 1));
+  STOKE_RETURN_IF_ERROR(s.RefuseUnread(
+      kAdaptationKeys, read,
+      read.empty() ? fmt::format("type: {}; trust_coefficient and eps are read by lars and larc, clip by larc", type)
+                   : fmt::format("type: {}; it reads {}", type, fmt::join(read, ", ")),
+      [&o, defaults = SgdOptions{}](std::string_view key) {
+        return key == "trust_coefficient" ? o.sgd.trust_coefficient == defaults.trust_coefficient
+               : key == "clip"            ? o.sgd.clip == defaults.clip
+                                          : o.sgd.eps == defaults.eps;
+      }));
   return s.Finish();
 }
 
@@ -508,15 +531,25 @@ Status ParseSchedule(Section& top, ScheduleConfig& c) {
   const std::vector<std::string> read = ScheduleKeys(c.type);
   STOKE_RETURN_IF_ERROR(s.RefuseUnread(kScheduleKeys, read,
                                        fmt::format("a {} schedule; it reads warmup_epochs, warmup_start{}{}", c.type,
-                                                   read.empty() ? "" : ", ", fmt::join(read, ", "))));
+                                                   read.empty() ? "" : ", ", fmt::join(read, ", ")),
+                                       [&c, defaults = ScheduleConfig{}](std::string_view key) {
+                                         return key == "step_epochs"  ? c.step_epochs == defaults.step_epochs
+                                                : key == "milestones" ? c.milestones == defaults.milestones
+                                                : key == "gamma"      ? c.gamma == defaults.gamma
+                                                                      : c.min_lr == defaults.min_lr;
+                                       }));
   YAML::Node n;
   if (s.origin() == ConfigOrigin::kWritten && c.type == "multistep" && c.milestones.empty()) {
     return s.Error(s.Has("milestones", &n) ? n : s.node(), s.Path("milestones"),
                    "missing; a multistep schedule needs the epochs at which to multiply the rate by gamma");
   }
-  // Each milestone once: [30, 30] multiplied by gamma twice at epoch 30.
-  if (std::adjacent_find(c.milestones.begin(), c.milestones.end(), std::greater_equal<>()) != c.milestones.end() &&
-      s.Has("milestones", &n)) {
+  // Each milestone once: [30, 30] multiplied by gamma twice at epoch 30 (a stored config is held
+  // to the earlier rule, which allowed that).
+  const bool ordered = s.origin() == ConfigOrigin::kWritten
+                           ? std::adjacent_find(c.milestones.begin(), c.milestones.end(), std::greater_equal<>()) ==
+                                 c.milestones.end()
+                           : std::is_sorted(c.milestones.begin(), c.milestones.end());
+  if (!ordered && s.Has("milestones", &n)) {
     return s.Error(n, s.Path("milestones"), "expected epochs in increasing order, each once");
   }
   return s.Finish();
@@ -640,10 +673,13 @@ Result<TrainConfig> ParseConfigUnguarded(const std::string& yaml, const std::str
                                               "into the first)",
                                               source, second.line + 1));
     }
+    // yaml-cpp's positions count from after a byte-order mark.
+    const size_t bom = yaml.starts_with("\xEF\xBB\xBF") ? 3 : 0;
     for (const YAML::Mark& mark : starts.quoted) {
-      if (mark.pos >= 0 && QuoteNeverCloses(yaml, static_cast<size_t>(mark.pos))) {
+      const size_t at = static_cast<size_t>(mark.pos) + bom;
+      if (mark.pos >= 0 && QuoteNeverCloses(yaml, at)) {
         return InvalidArgumentError(fmt::format("{}:{}: not valid YAML: the string quoted here has no closing {}",
-                                                source, mark.line + 1, yaml[static_cast<size_t>(mark.pos)]));
+                                                source, mark.line + 1, yaml[at]));
       }
     }
     root = YAML::Load(yaml);

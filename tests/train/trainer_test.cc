@@ -315,14 +315,30 @@ TEST(Config, WhatASettingDoesNotReadIsRefused) {
     EXPECT_EQ(printed.find(absent), std::string::npos) << absent << " in\n" << printed;
   }
 
+  // What an earlier stoke printed (run_dir/config.yaml, --print-config) held every key: those at
+  // their defaults are warned of and read.
+  EXPECT_EQ(ErrorOf(base + "data2: 0\n").substr(0, 24), "run.yaml:7: data2: unkno");
+  EXPECT_EQ(ErrorOf("data: {train: t, image_size: 32, shuffle: full, block_size: 64, window_blocks: 8}\nmodel: "
+                    "{preset: lenet, classes: 4}\noptimizer: {type: sgd, trust_coefficient: 0, clip: true, eps: "
+                    "1.0e-08}\nschedule: {type: cosine, step_epochs: 30, milestones: [], gamma: 0.1, min_lr: 0}\n"),
+            "(parsed)");
+  EXPECT_EQ(ErrorOf("data: {train: t, image_size: 32, shuffle: full, block_size: 65}\nmodel: "
+                    "{preset: lenet, classes: 4}\n"),
+            "run.yaml:1: data.block_size: does not apply to shuffle: full; block_size and window_blocks are read by "
+            "shuffle: block");
+
   // A config stored by an earlier stoke held every key; it still reads, as it was meant.
-  const std::string stored = base + "epochs: 4\nschedule: {type: cosine, step_epochs: 30, milestones: [], gamma: 0.1, "
+  const std::string stored = base + "epochs: 4\nschedule: {type: cosine, step_epochs: 30, milestones: [], gamma: 0.5, "
                                     "min_lr: 0.01}\noptimizer: {type: sgd, trust_coefficient: 0, clip: true, eps: "
                                     "1e-8}\n";
   EXPECT_NE(ErrorOf(stored), "(parsed)");
   ASSERT_OK_AND_ASSIGN(TrainConfig old, ParseConfig(stored, "ck (its stored config)", ConfigOrigin::kStored));
   EXPECT_EQ(old.schedule.min_lr, 0.01);
   EXPECT_EQ(old.schedule.type, "cosine");
+  // The earlier rules hold for it: a milestone given twice was allowed.
+  ASSERT_OK(ParseConfig(base + "epochs: 8\nschedule: {type: multistep, milestones: [3, 3]}\n", "ck",
+                        ConfigOrigin::kStored)
+                .status());
 }
 
 // Values checked later, against a dataset or the machine, are named with the line of their key.
@@ -347,6 +363,10 @@ TEST(Config, UnclosedQuotesAndControlCharactersAreRefused) {
             "run.yaml:7: not valid YAML: the string quoted here has no closing \"");
   EXPECT_EQ(ErrorOf(base + "epochs: 5\nrun_dir: 'runs/abc\n"),
             "run.yaml:8: not valid YAML: the string quoted here has no closing '");
+  // After a byte-order mark too (yaml-cpp's positions count from after it).
+  EXPECT_EQ(ErrorOf("\xEF\xBB\xBF" + base + "run_dir: \"runs/abc\nepochs: 5\n"),
+            "run.yaml:7: not valid YAML: the string quoted here has no closing \"");
+  EXPECT_EQ(ErrorOf("\xEF\xBB\xBF" + base + "'run_dir': \"x\"\n"), "(parsed)");
   // Closed quotes with escapes inside them still read.
   EXPECT_EQ(ErrorOf(base + "run_dir: \"runs/a\\\"b\"\nseed: 1\n"), "(parsed)");
   EXPECT_EQ(ErrorOf(base + "run_dir: 'it''s'\nseed: 1\n"), "(parsed)");
