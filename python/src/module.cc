@@ -683,8 +683,10 @@ py::dict Pack(const std::string& source, const std::string& output, const py::di
   r["classes"] = summary.classes;
   r["converted"] = summary.converted;
   r["reencoded"] = summary.reencoded;
+  r["reoriented"] = summary.reoriented;
   r["bad"] = bad;
   r["seconds"] = summary.seconds;
+  r["threads"] = summary.threads;
   return r;
 }
 

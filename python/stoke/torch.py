@@ -331,9 +331,10 @@ class Loader:
     (``with torch.cuda.stream(s)``); ``record_stream`` does not protect these views (torch did not
     allocate them): use another stream only on a ``.clone()``.
 
-    Training (``train=True``): full shuffle, RandomResizedCrop to ``size`` with ``scale`` and a
-    horizontal flip with probability ``flip``. Evaluation: the records in order, the shorter side
-    resized to ``resize`` (default ``size * 256 / 224``), centre crop ``size``.
+    Training (``train=True``): full shuffle, RandomResizedCrop to ``size`` with ``scale`` (default
+    ``(0.08, 1.0)``) and a horizontal flip with probability ``flip`` (default 0.5). Evaluation: the
+    records in order, the shorter side resized to ``resize`` (default ``size * 256 / 224``), centre
+    crop ``size``. An option of the other mode is refused, whatever its value.
     """
 
     def __init__(
@@ -352,12 +353,24 @@ class Loader:
         device: Union[str, "torch.device"] = "cpu",
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
-        scale: Tuple[float, float] = (0.08, 1.0),
-        flip: float = 0.5,
-        resize: int = 0,
+        scale: Optional[Tuple[float, float]] = None,
+        flip: Optional[float] = None,
+        resize: Optional[int] = None,
         normalize: Optional[Tuple[Tuple[float, float, float], Tuple[float, float, float]]] = None,
         dtype: Any = None,
     ) -> None:
+        # An option of the other mode would be ignored without a word: given at all, it is refused.
+        # (None is "not given": scale (0.08, 1.0), flip 0.5, resize size * 256 / 224.)
+        other = ({"resize": resize} if train else {"scale": scale, "flip": flip})
+        given = {k: v for k, v in other.items() if v is not None}
+        if given:
+            named = ", ".join(f"{k}={v}" for k, v in given.items())
+            raise ValueError(f"stoke.torch.Loader: {named}: {'applies' if len(given) == 1 else 'apply'} to "
+                             + ("train=False only (the evaluation resize before the centre crop)" if train else
+                                "train=True only (the random crop and flip); evaluation takes a centre crop"))
+        scale = (0.08, 1.0) if scale is None else scale
+        flip = 0.5 if flip is None else flip
+        resize = 0 if resize is None else resize
         checked = _checked_options(batch_size=batch_size, size=size, seed=seed, threads=threads, ring=ring,
                                    resize=resize, train=train, drop_last=drop_last, on_error=on_error, rank=rank,
                                    world_size=world_size, scale=scale, flip=flip, normalize=normalize,
@@ -366,13 +379,6 @@ class Loader:
                                                          ("batch_size", "size", "seed", "threads", "ring", "resize"))
         train, drop_last, rank, world_size = checked["train"], checked["drop_last"], checked["rank"], checked["world_size"]
         scale, flip, normalize = checked["scale"], checked["flip"], checked["normalize"]
-        # An option of the other mode would be ignored without a word: refused instead.
-        if train and resize != 0:
-            raise ValueError(f"stoke.torch.Loader: resize={resize}: applies to train=False only (the evaluation "
-                             "resize before the centre crop)")
-        if not train and (scale != (0.08, 1.0) or flip != 0.5):
-            raise ValueError(f"stoke.torch.Loader: scale={scale}, flip={flip}: apply to train=True only (the random "
-                             "crop and flip); evaluation takes a centre crop")
         self._device = _device_index(device)
         self._dataset = _stoke.Dataset(path)
         r, w = _rank_and_world(rank, world_size)

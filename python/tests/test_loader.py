@@ -551,8 +551,16 @@ def test_bad_options_name_themselves(data):
     # An option of the other mode was ignored; a number past a float's range was an OverflowError.
     with pytest.raises(ValueError, match="resize=40: applies to train=False only"):
         Loader(data["train"], batch_size=8, size=32, resize=40)
-    with pytest.raises(ValueError, match="apply to train=True only"):
+    with pytest.raises(ValueError, match=r"scale=\(0.5, 0.1\): applies to train=True only"):
         Loader(data["train"], batch_size=8, train=False, scale=(0.5, 0.1))
+    # Given at all, even at the other mode's default value (it was taken for not given), and named
+    # alone (flip=0.5 was named beside a scale given by itself).
+    with pytest.raises(ValueError, match=r"flip=0.5: applies to train=True only"):
+        Loader(data["train"], batch_size=8, train=False, flip=0.5)
+    with pytest.raises(ValueError, match=r"scale=\(0.08, 1.0\), flip=0.3: apply to train=True only"):
+        Loader(data["train"], batch_size=8, train=False, scale=(0.08, 1.0), flip=0.3)
+    with pytest.raises(ValueError, match=r"resize=0: applies to train=False only"):
+        Loader(data["train"], batch_size=8, resize=0)
     for key, value in [("flip", 10**400), ("max_skip_fraction", -10**400), ("scale", (10**400, 1))]:
         with pytest.raises(ValueError, match=key):
             Loader(data["train"], batch_size=8, **{key: value})
@@ -712,6 +720,9 @@ def test_pack_verify_and_progress(data, tmp_path):
                         progress=seen.append)
     assert [s["name"] for s in report["splits"]] == ["train", "val"]
     assert sum(s["records"] for s in report["splits"]) == 120 and report["bad"] == []
+    assert set(report) == {"splits", "inputs", "classes", "converted", "reencoded", "reoriented", "bad", "seconds",
+                           "threads"}  # as docs/PYTHON.md lists them
+    assert report["inputs"] == 120 and report["threads"] >= 1
     assert seen == [120]  # one commit, at the end
     seen.clear()
     stoke.pack(images, str(tmp_path / "c.lmdb"), commit_every=50, index_intervals=2, progress=seen.append)
