@@ -155,8 +155,15 @@ void RemoveStaleAtomicTemporariesOf(const std::filesystem::path& file) {
 Status WriteFileAtomic(const std::filesystem::path& named, std::span<const std::byte> data) {
   STOKE_ASSIGN_OR_RETURN(const std::filesystem::path path, WriteTarget(named));
   const std::filesystem::path tmp = TemporaryFor(path);
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // A fresh file, never one already there under the temporary's name: a link planted there (in a
+  // shared folder) was followed, and the write went into the file it named.
+  ::unlink(tmp.c_str());
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (fd < 0) return ErrnoStatus(errno, path, "create");  // the file asked for, not the temporary one
+  // A file replaced keeps its permission bits (a 0600 file became 0644).
+  if (struct stat before {}; ::stat(path.c_str(), &before) == 0 && S_ISREG(before.st_mode)) {
+    (void)::fchmod(fd, before.st_mode & 07777);
+  }
   size_t put = 0;
   while (put < data.size()) {
     ssize_t n = ::write(fd, data.data() + put, data.size() - put);
@@ -248,7 +255,13 @@ Result<FileLock> FileLock::TryAcquire(const std::filesystem::path& path, const s
 
 FileLock::~FileLock() {
   if (fd_ < 0) return;
-  ::unlink(path_.c_str());  // while still locked: see TryAcquire
+  // While still locked (see TryAcquire), and only the file this lock holds: when it was removed
+  // meanwhile and another process made and locked a new one, unlinking that let a third in.
+  struct stat held {}, named {};
+  if (::fstat(fd_, &held) == 0 && ::stat(path_.c_str(), &named) == 0 && held.st_ino == named.st_ino &&
+      held.st_dev == named.st_dev) {
+    ::unlink(path_.c_str());
+  }
   ::close(fd_);
 }
 

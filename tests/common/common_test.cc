@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iterator>
+#include <optional>
 #include <numeric>
 #include <set>
 #include <string>
@@ -414,6 +416,39 @@ TEST(FileUtil, FileLockIsExclusiveNamesItsOwnerAndGoesAwayOnRelease) {
   ASSERT_OK_AND_ASSIGN(FileLock again, FileLock::TryAcquire(path, "pack: out"));
   auto missing_dir = FileLock::TryAcquire(dir / "no" / "such.lock", "pack: x");
   EXPECT_EQ(missing_dir.status().code(), StatusCode::kNotFound);
+}
+
+// A lock whose file was removed while held (by hand, by a cleaner) no longer unlinks the file by
+// name on release: that file is the lock another holder took since, and removing it let a third in.
+TEST(FileUtil, AReleasedLockRemovesOnlyItsOwnFile) {
+  testing::TempDir dir;
+  const auto path = dir / "x.lock";
+  std::optional<FileLock> a(std::in_place, std::move(FileLock::TryAcquire(path, "train: a")).value());
+  std::filesystem::remove(path);
+  ASSERT_OK_AND_ASSIGN(FileLock b, FileLock::TryAcquire(path, "train: b"));
+  a.reset();
+  EXPECT_TRUE(std::filesystem::exists(path)) << "a's release removed b's lock file";
+  auto c = FileLock::TryAcquire(path, "train: c");
+  EXPECT_EQ(c.status().code(), StatusCode::kUnavailable) << "b still holds it";
+}
+
+// The temporary an atomic write goes through is a new file: a link planted under its name (a
+// shared folder) is not followed, and a file replaced keeps its permission bits.
+TEST(FileUtil, AtomicWriteNeverWritesThroughItsTemporarysNameAndKeepsTheMode) {
+  testing::TempDir dir;
+  const auto out = dir / "out.json";
+  const auto victim = dir / "victim";
+  std::ofstream(victim) << "keep";
+  std::filesystem::create_symlink(victim, AtomicWriteTemporary(out));
+  ASSERT_OK(WriteFileAtomic(out, std::string("PAYLOAD")));
+  std::ifstream v(victim);
+  std::string kept((std::istreambuf_iterator<char>(v)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(kept, "keep");
+  EXPECT_FALSE(std::filesystem::is_symlink(out));
+  std::filesystem::permissions(out, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  ASSERT_OK(WriteFileAtomic(out, std::string("again")));
+  EXPECT_EQ(std::filesystem::status(out).permissions() & std::filesystem::perms::all,
+            std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
 }
 
 // A lock file this process may only read (another user's, left by a killed pack) still locks.
