@@ -7,6 +7,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <thread>
 
 namespace stoke {
@@ -40,6 +41,17 @@ void CgroupDirs(std::string* v1, std::string* v2) {
     }
     if (controllers.empty()) *v2 = "/sys/fs/cgroup" + path;
   }
+}
+
+// The value of `key` in a cgroup's memory.stat ("inactive_file 123"), or 0.
+uint64_t ReadStat(const std::string& path, std::string_view key) {
+  std::ifstream in(path);
+  std::string name;
+  uint64_t value = 0;
+  while (in >> name >> value) {
+    if (name == key) return value;
+  }
+  return 0;
 }
 
 // A v1 "unlimited" limit is a huge page-aligned number.
@@ -91,20 +103,28 @@ uint64_t AvailableMemoryBytes() {
   if (available == 0) available = MachineMemoryBytes();
   std::string v1, v2;
   CgroupDirs(&v1, &v2);
-  uint64_t limit = 0, usage = 0;
+  const uint64_t room = CgroupRoomBytes(v1, v2);
+  if (room != UINT64_MAX) available = available > 0 ? std::min(available, room) : room;
+  return available;
+}
+
+uint64_t CgroupRoomBytes(const std::string& v1, const std::string& v2) {
+  uint64_t limit = 0, usage = 0, cache = 0;
   if (!v1.empty()) {
     limit = ReadNumber(v1 + "/memory.limit_in_bytes");
     usage = ReadNumber(v1 + "/memory.usage_in_bytes");
+    cache = ReadStat(v1 + "/memory.stat", "total_inactive_file");
   }
   if ((limit == 0 || limit >= kUnlimited) && !v2.empty()) {
     limit = ReadNumber(v2 + "/memory.max");
     usage = ReadNumber(v2 + "/memory.current");
+    cache = ReadStat(v2 + "/memory.stat", "inactive_file");
   }
-  if (limit > 0 && limit < kUnlimited) {
-    const uint64_t room = limit > usage ? limit - usage : 0;
-    available = available > 0 ? std::min(available, room) : room;
-  }
-  return available;
+  if (limit == 0 || limit >= kUnlimited) return UINT64_MAX;
+  // Inactive page cache is reclaimed before anything else, as MemAvailable counts it: a dataset
+  // read through the page cache left the room at 0 and refused what would have fit.
+  const uint64_t used = usage > cache ? usage - cache : 0;
+  return limit > used ? limit - used : 0;
 }
 
 int UsableCores() {

@@ -4,13 +4,19 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace stoke {
 
 // Bytes a new allocation (or page cache this process causes) can take without pushing the
-// machine or the process's cgroup into reclaim: min(MemAvailable, cgroup limit - cgroup usage).
-// 0 when nothing can be read.
+// machine or the process's cgroup past what it can reclaim cheaply: min(MemAvailable, the
+// cgroup's room). 0 when nothing can be read.
 uint64_t AvailableMemoryBytes();
+
+// The room a cgroup leaves, from its v1 memory controller folder `v1` or its v2 folder `v2` ("" for
+// none): its limit less its usage, the inactive page cache (memory.stat's inactive_file) not
+// counted as used, as MemAvailable does not count it; UINT64_MAX when it has no limit.
+uint64_t CgroupRoomBytes(const std::string& v1, const std::string& v2);
 
 // The memory limit of the process's cgroup in bytes; 0 when there is none (or it is unlimited).
 uint64_t CgroupMemoryLimitBytes();

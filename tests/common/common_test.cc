@@ -354,6 +354,29 @@ TEST(SysMemory, UsableCoresFollowTheAffinityMask) {
   EXPECT_EQ(inside, 1);
 }
 
+// A cgroup's room leaves its inactive page cache out of what it uses, as MemAvailable does: a
+// dataset read through the page cache had left a 1 GB container "no room".
+TEST(SysMemory, ACgroupsRoomDoesNotCountItsInactivePageCache) {
+  testing::TempDir dir;
+  const auto v1 = dir / "v1", v2 = dir / "v2";
+  std::filesystem::create_directories(v1);
+  std::filesystem::create_directories(v2);
+  std::ofstream(v2 / "memory.max") << "1000000\n";
+  std::ofstream(v2 / "memory.current") << "990000\n";
+  std::ofstream(v2 / "memory.stat") << "anon 100000\nfile 890000\nactive_file 90000\ninactive_file 800000\n";
+  EXPECT_EQ(CgroupRoomBytes("", v2.string()), 1000000u - (990000u - 800000u));
+  std::ofstream(v2 / "memory.max") << "max\n";
+  EXPECT_EQ(CgroupRoomBytes("", v2.string()), UINT64_MAX);
+  std::ofstream(v1 / "memory.limit_in_bytes") << "2000000\n";
+  std::ofstream(v1 / "memory.usage_in_bytes") << "2500000\n";  // over the limit, for all it says
+  std::ofstream(v1 / "memory.stat") << "cache 5\ntotal_inactive_file 100000\n";
+  EXPECT_EQ(CgroupRoomBytes(v1.string(), ""), 0u);
+  std::ofstream(v1 / "memory.usage_in_bytes") << "1500000\n";
+  EXPECT_EQ(CgroupRoomBytes(v1.string(), ""), 2000000u - 1400000u);
+  std::ofstream(v1 / "memory.limit_in_bytes") << "9223372036854771712\n";  // v1's "unlimited"
+  EXPECT_EQ(CgroupRoomBytes(v1.string(), v2.string()), UINT64_MAX);
+}
+
 TEST(SysMemory, AZeroThreadCountMeansEveryUsableCore) {
   EXPECT_EQ(ThreadsOrCores(3), 3);
   EXPECT_EQ(ThreadsOrCores(0), UsableCores());
