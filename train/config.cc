@@ -293,7 +293,6 @@ constexpr double kInf = std::numeric_limits<double>::max();
 // The keys that only some shuffles, schedule types and optimizer types read, and which of them
 // each one reads (ConfigToYaml writes those alone).
 constexpr std::string_view kBlockKeys[] = {"block_size", "window_blocks"};
-const std::vector<std::string> kBlockKeysRead = {"block_size", "window_blocks"};
 constexpr std::string_view kScheduleKeys[] = {"step_epochs", "milestones", "gamma", "min_lr"};
 std::vector<std::string> ScheduleKeys(const std::string& type) {
   if (type == "step") return {"step_epochs", "gamma"};
@@ -324,7 +323,10 @@ Status ParseData(Section& top, DataConfig& d) {
   STOKE_RETURN_IF_ERROR(s.String("shuffle", &d.shuffle, {"full", "block", "sequential"}));
   STOKE_RETURN_IF_ERROR(s.Number("block_size", &d.block_size, 1, 1 << 24));
   STOKE_RETURN_IF_ERROR(s.Number("window_blocks", &d.window_blocks, 1, 1 << 20));
-  STOKE_RETURN_IF_ERROR(s.RefuseUnread(kBlockKeys, d.shuffle == "block" ? kBlockKeysRead : std::vector<std::string>{},
+  const std::vector<std::string> block_keys_read =
+      d.shuffle == "block" ? std::vector<std::string>(std::begin(kBlockKeys), std::end(kBlockKeys))
+                           : std::vector<std::string>{};
+  STOKE_RETURN_IF_ERROR(s.RefuseUnread(kBlockKeys, block_keys_read,
                                        fmt::format("shuffle: {}; block_size and window_blocks are read by shuffle: "
                                                    "block", d.shuffle),
                                        [&d, defaults = DataConfig{}](std::string_view key) {

@@ -675,13 +675,14 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   // The step whose parameters were evaluated last: a run resumed from its final checkpoint has its
   // evaluation in the metrics already.
   int64_t eval_step = kept_metrics.val_at_step ? step : -1;
-  // Whether config.eval evaluates after step `s`: at every every_epochs-th epoch's end, and every
-  // every_steps steps.
-  auto eval_due = [&](int64_t s) {
-    const int64_t epoch = s / steps_per_epoch;
-    return (s % steps_per_epoch == 0 && config.eval.every_epochs > 0 && epoch % config.eval.every_epochs == 0) ||
-           (config.eval.every_steps > 0 && s % config.eval.every_steps == 0);
+  // Whether `s` ends one of every `every_epochs` epochs, or is one of every `every_steps` steps:
+  // when config.eval evaluates and config.checkpoint saves.
+  auto due = [&](int64_t s, int every_epochs, int64_t every_steps) {
+    return (s % steps_per_epoch == 0 && every_epochs > 0 && (s / steps_per_epoch) % every_epochs == 0) ||
+           (every_steps > 0 && s % every_steps == 0);
   };
+  auto eval_due = [&](int64_t s) { return due(s, config.eval.every_epochs, config.eval.every_steps); };
+  auto save_due = [&](int64_t s) { return due(s, config.checkpoint.every_epochs, config.checkpoint.every_steps); };
   auto run_eval = [&]() -> Status {
     if (!val_set) return OkStatus();
     eval_step = step;
@@ -871,8 +872,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
         interval_start = Clock::now();
       }
       if (epoch_end) {
-        const int64_t epoch = step / steps_per_epoch;
-        record({{"type", "epoch"}, {"step", step}, {"epoch", epoch}, {"loss", epoch_stats.loss()},
+        record({{"type", "epoch"}, {"step", step}, {"epoch", step / steps_per_epoch}, {"loss", epoch_stats.loss()},
                 {"top1", epoch_stats.top1_rate()}});
         summary.last_epoch = epoch_stats;
         epoch_stats = {};
@@ -883,10 +883,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
         failure = paused(run_eval);
         if (!failure.ok()) break;
       }
-      const int64_t epoch = step / steps_per_epoch;
-      if (((epoch_end && config.checkpoint.every_epochs > 0 && epoch % config.checkpoint.every_epochs == 0) ||
-           (config.checkpoint.every_steps > 0 && step % config.checkpoint.every_steps == 0)) &&
-          saved_step != step) {
+      if (save_due(step) && saved_step != step) {
         failure = paused(save);
         if (!failure.ok()) break;
       }
