@@ -5,6 +5,8 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
+#include <vector>
 
 namespace stoke {
 
@@ -13,10 +15,27 @@ namespace stoke {
 // cgroup's room). 0 when nothing can be read.
 uint64_t AvailableMemoryBytes();
 
+// The folders of this process's cgroups, each list its own folder first and then every ancestor up
+// to the top its mount shows: a limit set on a parent (a Slurm job's, a systemd slice's) binds
+// too. Found through the mount table (`mountinfo`, as /proc/self/mountinfo reads) and the
+// process's membership (`self_cgroup`, as /proc/self/cgroup reads): a container's mount shows
+// its own cgroup at the mount point, whatever path the membership names. Empty lists when absent.
+struct CgroupFolders {
+  std::vector<std::string> memory_v1;  // v1 memory controller
+  std::vector<std::string> cpu_v1;     // v1 cpu controller
+  std::vector<std::string> v2;         // the unified hierarchy
+};
+CgroupFolders FindCgroupFolders(std::string_view mountinfo, std::string_view self_cgroup);
+
 // The room a cgroup leaves, from its v1 memory controller folder `v1` or its v2 folder `v2` ("" for
 // none): its limit less its usage, the inactive page cache (memory.stat's inactive_file) not
 // counted as used, as MemAvailable does not count it; UINT64_MAX when it has no limit.
 uint64_t CgroupRoomBytes(const std::string& v1, const std::string& v2);
+
+// The CPU time a cgroup folder allows, in cores (its quota over its period: 1.5 for
+// "150000 100000"), from its v1 cpu controller folder `v1` or its v2 folder `v2` ("" for none); 0
+// when it sets no quota.
+double CgroupCpuQuotaCores(const std::string& v1, const std::string& v2);
 
 // The memory limit of the process's cgroup in bytes; 0 when there is none (or it is unlimited).
 uint64_t CgroupMemoryLimitBytes();
@@ -26,9 +45,13 @@ uint64_t CgroupMemoryLimitBytes();
 uint64_t PhysicalMemoryBytes();
 
 // The cores this process may run on: its CPU affinity mask (taskset, a container's cpuset, a
-// launcher's binding of ranks to cores), not every core of the machine; at least 1. What a thread
-// count of 0 ("every core") means.
+// launcher's binding of ranks to cores), not every core of the machine, and no more than its
+// cgroups' CPU quota allows (a container run with --cpus=2, rounded up); at least 1. What a
+// thread count of 0 ("every core") means.
 int UsableCores();
+
+// UsableCores() for a process in `folders`: its affinity mask capped by the lowest quota of them.
+int UsableCoresIn(const CgroupFolders& folders);
 
 // A configured thread count: `threads` when positive, else UsableCores() (0 means "every core").
 int ThreadsOrCores(int threads);

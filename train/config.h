@@ -24,7 +24,7 @@ struct DataConfig {
   std::string train;  // packed training dataset (required)
   std::string val;    // packed validation dataset ("" = no evaluation)
   int batch_size = 128;
-  int threads = 0;     // decoding threads; 0 = every core
+  int threads = 0;     // decoding threads; 0 = every usable core (affinity mask, cgroup CPU quota)
   int ring = 4;        // batch buffers in the prefetch ring
   std::string shuffle = "full";  // full | block | sequential
   // shuffle: block (datasets larger than memory): blocks of consecutive records are read whole,

@@ -377,6 +377,68 @@ TEST(SysMemory, ACgroupsRoomDoesNotCountItsInactivePageCache) {
   EXPECT_EQ(CgroupRoomBytes(v1.string(), v2.string()), UINT64_MAX);
 }
 
+// A cgroup's folders come from the mount table, not a guess at /sys/fs/cgroup/<controller>: a
+// container that sees the host's cgroup names, a v1 mount of two controllers together, a v2
+// hierarchy mounted elsewhere. Each list runs from the process's own folder up to the mount.
+TEST(SysMemory, CgroupFoldersComeFromTheMountTable) {
+  const std::string host_v1 =
+      "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
+      "32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw,relatime shared:9 - cgroup cgroup rw,cpu,cpuacct\n"
+      "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n";
+  CgroupFolders f = FindCgroupFolders(host_v1, "9:name=systemd:/\n4:memory:/jobs/17\n1:cpu,cpuacct:/jobs\n0::/\n");
+  EXPECT_EQ(f.memory_v1,
+            (std::vector<std::string>{"/sys/fs/cgroup/memory/jobs/17", "/sys/fs/cgroup/memory/jobs", "/sys/fs/cgroup/memory"}));
+  EXPECT_EQ(f.cpu_v1, (std::vector<std::string>{"/sys/fs/cgroup/cpu,cpuacct/jobs", "/sys/fs/cgroup/cpu,cpuacct"}));
+  EXPECT_TRUE(f.v2.empty());  // member of v2's root, but nothing mounts it
+  // A container without its own cgroup namespace: the membership names the host's path, the
+  // mount's root is that path, and the container's files are at the mount point.
+  const std::string container =
+      "700 690 0:32 /docker/abc /sys/fs/cgroup/memory ro,nosuid - cgroup cgroup rw,memory\n"
+      "701 690 0:29 /docker/abc /sys/fs/cgroup/cpu ro,nosuid - cgroup cgroup rw,cpu\n";
+  f = FindCgroupFolders(container, "4:memory:/docker/abc\n1:cpu:/docker/abc/inner\n");
+  EXPECT_EQ(f.memory_v1, (std::vector<std::string>{"/sys/fs/cgroup/memory"}));
+  EXPECT_EQ(f.cpu_v1, (std::vector<std::string>{"/sys/fs/cgroup/cpu/inner", "/sys/fs/cgroup/cpu"}));
+  // A path outside the mount's root is what the mount shows: its point.
+  f = FindCgroupFolders(container, "4:memory:/elsewhere\n");
+  EXPECT_EQ(f.memory_v1, (std::vector<std::string>{"/sys/fs/cgroup/memory"}));
+  // v2, mounted with an escaped space in its point.
+  f = FindCgroupFolders("40 1 0:26 / /run/my\\040cgroup rw - cgroup2 cgroup2 rw,nsdelegate\n",
+                        "0::/user.slice/job-3.scope\n");
+  EXPECT_EQ(f.v2, (std::vector<std::string>{"/run/my cgroup/user.slice/job-3.scope", "/run/my cgroup/user.slice",
+                                            "/run/my cgroup"}));
+  EXPECT_TRUE(FindCgroupFolders("", "").v2.empty());
+  EXPECT_TRUE(FindCgroupFolders("garbage\n- -\n", "x\n:::\n").memory_v1.empty());
+}
+
+// "Every core" stays within a CPU quota (a container run with --cpus=1.5 may use 2 threads'
+// worth), set on the process's own cgroup or any ancestor: a loader of threads = 0 had started
+// one thread per core of the machine and spent its quota switching among them.
+TEST(SysMemory, UsableCoresStayWithinTheCgroupsCpuQuota) {
+  testing::TempDir dir;
+  const auto v1 = dir / "v1", v2 = dir / "v2", parent = dir / "v2parent";
+  for (const auto& d : {v1, v2, parent}) std::filesystem::create_directories(d);
+  std::ofstream(v1 / "cpu.cfs_quota_us") << "-1\n";
+  std::ofstream(v1 / "cpu.cfs_period_us") << "100000\n";
+  EXPECT_EQ(CgroupCpuQuotaCores(v1.string(), ""), 0.0);
+  std::ofstream(v1 / "cpu.cfs_quota_us") << "150000\n";
+  EXPECT_DOUBLE_EQ(CgroupCpuQuotaCores(v1.string(), ""), 1.5);
+  std::ofstream(v2 / "cpu.max") << "max 100000\n";
+  EXPECT_EQ(CgroupCpuQuotaCores("", v2.string()), 0.0);
+  std::ofstream(parent / "cpu.max") << "50000 100000\n";
+  EXPECT_DOUBLE_EQ(CgroupCpuQuotaCores("", parent.string()), 0.5);
+  EXPECT_EQ(CgroupCpuQuotaCores("", (dir / "none").string()), 0.0);
+
+  const int affinity = UsableCoresIn(CgroupFolders{});
+  CgroupFolders folders;
+  folders.cpu_v1 = {v1.string()};
+  EXPECT_EQ(UsableCoresIn(folders), std::min(affinity, 2));  // 1.5 rounds up
+  folders.cpu_v1.clear();
+  folders.v2 = {v2.string(), parent.string()};  // unlimited itself, half a core above it
+  EXPECT_EQ(UsableCoresIn(folders), 1);
+  std::ofstream(parent / "cpu.max") << "100000000 100000\n";  // a thousand cores: the mask binds
+  EXPECT_EQ(UsableCoresIn(folders), affinity);
+}
+
 TEST(SysMemory, AZeroThreadCountMeansEveryUsableCore) {
   EXPECT_EQ(ThreadsOrCores(3), 3);
   EXPECT_EQ(ThreadsOrCores(0), UsableCores());
