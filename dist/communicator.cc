@@ -347,6 +347,18 @@ Result<std::unique_ptr<Communicator>> Communicator::Create(CommunicatorOptions o
     }
     impl->exited_cv.notify_all();
   });
+  // MPI_Init waits for every rank of the launch to reach it, with no limit of its own: a rank that
+  // exited before it (a wrapper script's failed step, a crash at start-up) left the others waiting
+  // for good, silently. MPI cannot be aborted before it has started: the process ends, and the
+  // launcher ends the rest.
+  if (future.wait_for(std::chrono::duration<double>(options.timeout_s)) != std::future_status::ready) {
+    std::fprintf(stderr,
+                 "stoke: dist: started by %s as rank %d of %d, MPI_Init has not finished after %.0f s: another rank "
+                 "never reached it (exited or crashed at start-up, or is not stoke); ending this one\n",
+                 launch.launcher.c_str(), launch.rank, launch.size, options.timeout_s);
+    std::fflush(stderr);
+    std::_Exit(1);
+  }
   Started s = future.get();
   if (!s.status.ok()) {
     impl->thread.join();

@@ -1,4 +1,6 @@
-// A rank that finishes while another is stuck must not wait in MPI's shutdown for good: rank 1
+// Two bounds on waiting for a stuck peer (tests/CMakeLists.txt). Started beside `true`, which exits
+// before MPI_Init, Create itself ends the process after 2 s. Otherwise:
+// a rank that finishes while another is stuck must not wait in MPI's shutdown for good: rank 1
 // stays away from MPI (as a hung or stopped process does) while rank 0 destroys its communicator,
 // whose MPI_Finalize would wait for rank 1. After the collective timeout (2 s here) rank 0 ends the
 // world saying why; the test (tests/CMakeLists.txt) expects that message within its time limit.
