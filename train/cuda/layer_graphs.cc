@@ -72,6 +72,10 @@ std::vector<std::pair<std::string, OpSpec>> ModelGraphs(const ModelSpec& model, 
   const cudnnDataType_t t = CudnnType(precision);
   const int64_t c = DeviceInputChannels(model, precision, input_channels);
   std::map<std::string, Dims4> dims{{"input", Dims4{batch, c, image_size, image_size}}};
+  // A convolution's backward-data graph is planned only where its input needs a gradient (not the
+  // network input, nor a layer with nothing learnable upstream of it).
+  const std::vector<bool> needs_grad = LayersNeedingGradient(model);
+  std::map<std::string, bool> grad_of{{"input", false}};
   std::vector<std::pair<std::string, OpSpec>> out;
   for (size_t i = 0; i < model.layers.size(); ++i) {
     const LayerSpec& l = model.layers[i];
@@ -79,13 +83,14 @@ std::vector<std::pair<std::string, OpSpec>> ModelGraphs(const ModelSpec& model, 
     const Dims4 x = dims[l.inputs[0]];
     const Dims4 y{batch, s.c, s.h, s.w};
     dims[l.name] = y;
+    grad_of[l.name] = needs_grad[i];
     auto add = [&](const char* what, OpSpec op) { out.emplace_back(l.name + ": " + what, std::move(op)); };
     switch (l.type) {
       case LayerType::kConv: {
         ConvGraphs g = ConvOps(t, x, y, l);
         add("convolution forward", std::move(g.forward));
         add("convolution backward filter", std::move(g.backward_filter));
-        if (l.inputs[0] != "input") add("convolution backward data", std::move(g.backward_data));
+        if (grad_of.at(l.inputs[0])) add("convolution backward data", std::move(g.backward_data));
         break;
       }
       case LayerType::kBatchNorm: {
