@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include <fmt/format.h>
+
 #include "common/file_util.h"
 #include "common/image.h"
 #include "decode/jpeg_decoder.h"
@@ -24,11 +26,22 @@ const BenchImages& LoadBenchImages() {
         if (e.is_regular_file()) files.push_back(e.path());
       }
       std::sort(files.begin(), files.end());
+      // Only JPEGs that decode: each benchmark counts every image of the set per iteration, so a
+      // damaged file it skipped quickly would have raised its rate.
+      decode::JpegDecoder decoder;
+      Image scratch;
+      size_t left_out = 0;
       for (const auto& f : files) {
         auto bytes = ReadFileBytes(f);
-        if (bytes.ok() && decode::LooksLikeJpeg(*bytes)) b.jpegs.push_back(std::move(bytes).value());
+        if (!bytes.ok() || !decode::LooksLikeJpeg(*bytes)) continue;
+        if (!decoder.Decode(*bytes, &scratch).ok()) {
+          ++left_out;
+          continue;
+        }
+        b.jpegs.push_back(std::move(bytes).value());
       }
       b.source = dir.lexically_normal().string();
+      if (left_out > 0) b.source += fmt::format(" ({} JPEGs that do not decode left out)", left_out);
     }
     if (b.jpegs.empty()) {
       auto enc = decode::JpegEncoder::Create();

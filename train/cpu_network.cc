@@ -1070,6 +1070,7 @@ Result<std::unique_ptr<CpuNetwork>> CpuNetwork::Create(NetworkOptions options) {
         parameter_bytes / (1 << 30), have_bytes / (1 << 30),
         activation_bytes >= parameter_bytes ? "data.batch_size" : "the model's widths"));
   }
+  // 0 (a network made without CreateNetwork): OpenMP's own default.
   if (options.threads > 0) omp_set_num_threads(options.threads);
 
   auto impl = std::make_unique<Impl>();

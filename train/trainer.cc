@@ -6,6 +6,7 @@
 #include <cmath>
 #include <climits>
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <optional>
 #include <set>
@@ -16,6 +17,7 @@
 
 #include "common/file_util.h"
 #include "common/json_util.h"
+#include "common/limits.h"
 #include "common/logging.h"
 #include "common/sys_memory.h"
 #include "dataset/dataset.h"
@@ -47,6 +49,23 @@ bool SelectsCudaBackend(const TrainConfig& c) {
 #endif
 }
 
+int ComputeThreads(const TrainConfig& c, const dist::Communicator* comm) {
+  if (c.compute_threads > 0) return c.compute_threads;
+  const int usable = UsableCores();
+  if (comm && comm->local_size() > 1) {
+    // Ranks sharing a machine share its cores rather than each starting a team of all of them;
+    // ranks the launcher bound to cores of their own (fewer than the machine's) use those.
+    return usable < sysconf(_SC_NPROCESSORS_ONLN) ? usable : std::max(1, usable / comm->local_size());
+  }
+  // OpenMP's own count, when asked for: the first of a list such as "4,2".
+  if (const char* env = std::getenv("OMP_NUM_THREADS"); env != nullptr) {
+    char* end = nullptr;
+    const long n = std::strtol(env, &end, 10);
+    if (end != env && n > 0 && n <= kMaxThreads) return static_cast<int>(n);
+  }
+  return usable;
+}
+
 Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c, const dist::Communicator* comm) {
   const int world = comm ? comm->size() : 1;
   if (c.data.batch_size % world != 0) {
@@ -72,19 +91,13 @@ Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c, const dist:
   o.device_comm = c.dist.device_comm == "nccl"   ? DeviceComm::kNccl
                   : c.dist.device_comm == "host" ? DeviceComm::kHost
                                                  : DeviceComm::kAuto;
-  o.threads = c.compute_threads;
-  if (const int cores = UsableCores(); o.threads > 4 * cores) {
+  if (const int cores = UsableCores(); c.compute_threads > 4 * cores) {
     // Allowed (up to kMaxThreads), but a team this much larger than the machine makes every step
     // many times slower, which looks like a hang.
     STOKE_LOG(WARN, "{}: compute_threads {} on {} cores: every step waits on {} threads taking turns (0 uses "
-              "every core once)", c.Where("compute_threads"), o.threads, cores, o.threads);
+              "every core once)", c.Where("compute_threads"), c.compute_threads, cores, c.compute_threads);
   }
-  if (o.threads == 0 && comm && comm->local_size() > 1) {
-    // Ranks sharing a machine share its cores rather than each starting a team of all of them;
-    // ranks the launcher bound to cores of their own (fewer than the machine's) use those.
-    const int usable = UsableCores();
-    o.threads = usable < sysconf(_SC_NPROCESSORS_ONLN) ? usable : std::max(1, usable / comm->local_size());
-  }
+  o.threads = ComputeThreads(c, comm);
   o.precision = c.data.dtype == "bfloat16" ? Precision::kBFloat16
                 : c.data.dtype == "float16" ? Precision::kFloat16
                                             : Precision::kFloat32;

@@ -73,6 +73,11 @@ Result<TrainSummary> Train(const TrainConfig& config, const TrainRunOptions& run
 // one rank of it: batch_size / world samples, the GPU of its local rank, and (compute_threads 0)
 // its share of the machine's cores.
 Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& config, const dist::Communicator* comm = nullptr);
+// The CPU backend's thread count for `config` on one rank of `comm` (or a single process):
+// compute_threads when set; else, for ranks sharing a machine, their share of its cores (or the
+// cores the launcher bound the rank to); else OMP_NUM_THREADS when set; else UsableCores() (the
+// affinity mask within any cgroup CPU quota, which OpenMP's own default does not heed).
+int ComputeThreads(const TrainConfig& config, const dist::Communicator* comm = nullptr);
 // Sends a loader's batches where `net` computes: for a device backend, to its GPU through the
 // ring's device copies (a lease dropped without Release(stream) returns its slot on the network's
 // stream); host memory otherwise.

@@ -214,6 +214,11 @@ check bench_train_peer_fails 1 "PyTorch peer: FAILED, no ratio .*exit 1\): /bin/
   "$stoke" bench train --config "$cfg" --steps 2 --warmup 1 --repeats 1 --peer --python /bin/false
 check bench_train_peer_missing 1 "the PyTorch peer did not start \(No such file or directory\)" -- \
   "$stoke" bench train --config "$cfg" --steps 2 --warmup 1 --repeats 1 --peer --python "$work/no such/py'thon"
+# A peer that times some other model (here none at all) gives no ratio, whatever rate it reports.
+echo 'print("{\"img_s\": 5}")' >"$work/other_peer.py"
+check bench_train_peer_other_model 1 "PyTorch peer: FAILED, no ratio .*reported 0 parameters at 5 img/s; stoke's model has" -- \
+  "$stoke" bench train --config "$cfg" --steps 2 --warmup 1 --repeats 1 --peer --python python3 \
+  --peer-script "$work/other_peer.py"
 check bench_train 0 "compute only .* img/s" -- \
   "$stoke" bench train --config "$cfg" --steps 2 --warmup 1 --repeats 1
 finish

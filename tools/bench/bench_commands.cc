@@ -20,7 +20,6 @@
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
-#include <oneapi/tbb/info.h>
 #include <turbojpeg.h>
 // clang-format off
 #include <cstdio>
@@ -332,7 +331,7 @@ Result<fs::path> WriteSubsetList(const std::vector<fs::path>& files, int64_t cou
 Result<std::string> BenchPack(const BenchOptions& o) {
   STOKE_RETURN_IF_ERROR(CheckJsonOut(o));  // before the runs, not after them
   STOKE_RETURN_IF_ERROR(CheckData(o));
-  const int n = o.threads > 0 ? o.threads : tbb::info::default_concurrency();
+  const int n = ThreadsOrCores(o.threads);
   const double seconds = SecondsOr(o, 1.0);
   STOKE_ASSIGN_OR_RETURN(auto scratch, MakeScratch(o));
   // With N = 1 the 1-thread rows are the N-thread ones (they were printed twice, and the JSON kept
@@ -448,7 +447,7 @@ Result<std::string> BenchPack(const BenchOptions& o) {
 Result<std::string> BenchRead(const BenchOptions& o) {
   STOKE_RETURN_IF_ERROR(CheckJsonOut(o));  // before the runs, not after them
   STOKE_RETURN_IF_ERROR(CheckData(o));
-  const int n = o.threads > 0 ? o.threads : tbb::info::default_concurrency();
+  const int n = ThreadsOrCores(o.threads);
   const double seconds = SecondsOr(o, 0.5);
   STOKE_ASSIGN_OR_RETURN(auto scratch, MakeScratch(o));
   const fs::path out = scratch->dir / "bench_read.lmdb";

@@ -224,13 +224,28 @@ Result<TrainBenchReport> RunTrainBench(const BenchOptions& o, const TrainBenchOp
       // A peer that fails (no torch, out of memory beside stoke, a crash) costs its own figures
       // only: stoke's, measured already, are still reported, with the peer's error.
       progress.Run("PyTorch, NCHW", r, o.repeats);
-      const int threads = ThreadsOrCores(c.compute_threads);
-      auto nchw = RunPeer(peer_opts, peer_model, threads, false);
+      // The threads stoke's backend runs on (ComputeThreads): the peer was given every usable core
+      // while stoke ran on OMP_NUM_THREADS of them.
+      const int threads = train::ComputeThreads(c, comm.get());
+      // A peer that timed some other model (a script of its own, a torchvision that builds other
+      // layers) gives no ratio: its parameter count must be stoke's, its rate positive.
+      const int64_t params = model_json["params"].get<int64_t>();
+      auto run_peer = [&](bool channels_last) -> Result<PeerRun> {
+        STOKE_ASSIGN_OR_RETURN(PeerRun p, RunPeer(peer_opts, peer_model, threads, channels_last));
+        if (p.params != params || !(p.img_s > 0)) {
+          return UnavailableError(fmt::format(
+              "bench train: the peer ({}) reported {} parameters at {} img/s; stoke's model has {}: it did not time "
+              "the same model",
+              peer_opts.peer_script.string(), p.params, p.img_s, params));
+        }
+        return p;
+      };
+      auto nchw = run_peer(false);
       if (nchw.ok()) {
         peer_info = *nchw;
         torch_nchw.push_back(peer_info.img_s);
         progress.Run("PyTorch, channels-last", r, o.repeats);
-        auto cl = RunPeer(peer_opts, peer_model, threads, true);
+        auto cl = run_peer(true);
         if (cl.ok()) {
           torch_cl.push_back(cl->img_s);
         } else {
@@ -301,7 +316,7 @@ Result<TrainBenchReport> RunTrainBench(const BenchOptions& o, const TrainBenchOp
       "  compute only (one batch repeated)  {:8.1f} img/s  {:6.2f} steps/s   runs: {}\n"
       "  end to end (loader -> backend)     {:8.1f} img/s  {:6.2f} steps/s   data-wait {:.1f}% of step time\n",
       model, c.model.classes, c.data.image_size, c.data.image_size, c.data.batch_size, net->backend(),
-      c.compute_threads, c.data.threads, steps, t.warmup, o.repeats, compute, compute / c.data.batch_size,
+      train::ComputeThreads(c, comm.get()), ThreadsOrCores(c.data.threads), steps, t.warmup, o.repeats, compute, compute / c.data.batch_size,
       fmt::format("{:.0f}", fmt::join(compute_rates, ", ")), end_to_end, end_to_end / c.data.batch_size, 100 * wait);
 #if STOKE_WITH_CUDA
   if (const auto* gpu = dynamic_cast<const train::CudaNetwork*>(net.get()); gpu != nullptr) {
@@ -350,7 +365,8 @@ Result<TrainBenchReport> RunTrainBench(const BenchOptions& o, const TrainBenchOp
   }
   if (!o.json_out.empty()) {
     nlohmann::json j{{"config", t.config.string()}, {"batch", c.data.batch_size}, {"backend", net->backend()},
-                     {"world", world}, {"allreduce_ms_per_step", comm_ms}, {"overlap_fraction", overlap_fraction},
+                     {"world", world}, {"compute_threads", train::ComputeThreads(c, comm.get())},
+                     {"loader_threads", ThreadsOrCores(c.data.threads)}, {"allreduce_ms_per_step", comm_ms}, {"overlap_fraction", overlap_fraction},
                      {"blocked_ms_per_step", blocked_ms},
                      {"compute_img_s", compute}, {"compute_runs", compute_rates}, {"e2e_img_s", end_to_end},
                      {"e2e_runs", e2e_rates}, {"data_wait_fraction", wait}};

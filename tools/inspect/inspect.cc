@@ -8,13 +8,13 @@
 #include <fmt/format.h>
 #include <oneapi/tbb/concurrent_vector.h>
 #include <oneapi/tbb/enumerable_thread_specific.h>
-#include <oneapi/tbb/info.h>
 #include <oneapi/tbb/parallel_pipeline.h>
 #include <oneapi/tbb/task_arena.h>
 
 #include "common/file_util.h"
 #include "common/limits.h"
 #include "common/progress.h"
+#include "common/sys_memory.h"
 #include "common/tsan.h"
 #include "dataset/dataset.h"
 #include "decode/jpeg_decoder.h"
@@ -158,7 +158,7 @@ Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOp
 
   // Verify: every CRC and a strict decode, in parallel; one reader (read transaction) and one
   // decoder per thread.
-  const int threads = options.threads > 0 ? options.threads : tbb::info::default_concurrency();
+  const int threads = ThreadsOrCores(options.threads);
   struct PerThread {
     std::optional<dataset::Reader> reader;
     decode::JpegDecoder decoder;

@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 #include <oneapi/tbb/concurrent_queue.h>
 #include <oneapi/tbb/enumerable_thread_specific.h>
-#include <oneapi/tbb/info.h>
 #include <oneapi/tbb/parallel_pipeline.h>
 #include <oneapi/tbb/task_arena.h>
 
@@ -43,6 +42,7 @@
 #include "common/limits.h"
 #include "common/logging.h"
 #include "common/progress.h"
+#include "common/sys_memory.h"
 #include "common/random.h"
 #include "common/tsan.h"
 #include "common/version.h"
@@ -1590,7 +1590,7 @@ Result<PackSummary> Pack(const PackOptions& options) {
   PackSummary summary;
   summary.inputs = static_cast<int64_t>(set.inputs.size());
   summary.classes = static_cast<int64_t>(set.classes.size());
-  summary.threads = o.threads > 0 ? o.threads : tbb::info::default_concurrency();
+  summary.threads = ThreadsOrCores(o.threads);
   Status failure;
   int64_t records = 0;
   // Every split is packed before any is published: a pack stopped part-way leaves every old
