@@ -40,6 +40,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: all epochs)")
     args = p.parse_args()
+    for flag, value, least in (("--epochs", args.epochs, 1), ("--max-steps", args.max_steps, 0)):
+        if value < least:
+            p.error(f"{flag} must be at least {least}, not {value}")
 
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
@@ -49,6 +52,15 @@ def main() -> None:
     loader = Loader(args.train, batch_size=args.batch_size, size=args.size, threads=args.threads, seed=1,
                     device=device, normalize=(MEAN, STD), dtype=input_dtype)
     classes = len(loader.dataset.classes)
+    # The validation set opened now, not after training: a wrong path, or a set of other classes
+    # (whose top-1 would mean nothing), is found before the first step.
+    val = None
+    if args.val:
+        val = Loader(args.val, batch_size=args.batch_size, size=args.size, train=False, threads=args.threads,
+                     device=device, normalize=(MEAN, STD), dtype=input_dtype)
+        if list(val.dataset.classes) != list(loader.dataset.classes):
+            raise SystemExit(f"--val {args.val}: its classes ({len(val.dataset.classes)}) are not those of "
+                             f"{args.train} ({classes}); give a validation split of the same dataset")
     model = torchvision.models.resnet18(num_classes=classes).to(device, memory_format=torch.channels_last)
     lr = args.lr * args.batch_size / 256
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-5)
@@ -85,17 +97,18 @@ def main() -> None:
         if args.max_steps and step >= args.max_steps:
             break
 
-    if args.val:
+    if val is not None:
         model.eval()
         correct = total = 0
         with torch.no_grad(), torch.autocast(device.type, dtype=amp_dtype, enabled=on_gpu):
-            for batch in Loader(args.val, batch_size=args.batch_size, size=args.size, train=False,
-                                threads=args.threads, device=device, normalize=(MEAN, STD), dtype=input_dtype):
+            for batch in val:
                 x, y = prepare(batch)
                 correct += (model(x).argmax(1) == y).sum().item()
                 total += y.numel()
         print(f"validation: top-1 {100 * correct / total:.2f}% on {total} images")
     loader.close()
+    if val is not None:
+        val.close()
 
 
 if __name__ == "__main__":

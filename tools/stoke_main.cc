@@ -308,7 +308,7 @@ int Run(int argc, char** argv) {
   bench_train->add_option("--peer-script", peer_script, "The peer (default: bench/peers/torch_train.py of the source tree)")
       ->check(kFileName);
   bench_train->add_option("--threads", bench.threads, "Compute and loader threads (0 or unset: the config's)")
-      ->check(kThreads);
+      ->check(NumberAtLeast(0, true) & NumberAtMost(stoke::kMaxThreads, " (0 = the config's)"));
   bench_train->add_option("--repeats", bench.repeats, "Timed runs (median reported)")->check(kBenchRepeats);
   bench_train->add_option("--timeline", train_bench.timeline,
                           "After the runs, time N more end-to-end steps and their batches' copies on the GPU's clock "

@@ -713,6 +713,21 @@ def test_the_torchvision_example_trains(data):
     assert "epoch 0: loss" in run.stdout and "validation: top-1" in run.stdout
 
 
+def test_the_torchvision_example_refuses_bad_flags_before_training(data, tmp_path):
+    """A wrong --val is found before the first step (it was opened after training), and --epochs 0 or
+    a negative --max-steps are refused (a traceback from OneCycleLR; one step and exit 0)."""
+    pytest.importorskip("torchvision", reason="torchvision is not installed")
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "train_torchvision.py")
+    base = [sys.executable, example, data["train"], "--size", "32", "--batch-size", "16", "--threads", "2",
+            "--device", "cpu"]
+    for extra, rc, said in ((["--epochs", "0"], 2, "--epochs must be at least 1, not 0"),
+                            (["--max-steps", "-1"], 2, "--max-steps must be at least 0, not -1"),
+                            (["--val", str(tmp_path / "none.lmdb")], 1, "none.lmdb")):
+        run = subprocess.run(base + extra, capture_output=True, text=True, timeout=300)
+        assert run.returncode == rc and said in run.stderr, (extra, run.returncode, run.stderr)
+        assert "epoch 0" not in run.stdout, extra
+
+
 def test_pack_verify_and_progress(data, tmp_path):
     images = os.path.join(os.path.dirname(data["train"]), "images")
     seen = []

@@ -219,6 +219,8 @@ echo 'print("{\"img_s\": 5}")' >"$work/other_peer.py"
 check bench_train_peer_other_model 1 "PyTorch peer: FAILED, no ratio .*reported 0 parameters at 5 img/s; stoke's model has" -- \
   "$stoke" bench train --config "$cfg" --steps 2 --warmup 1 --repeats 1 --peer --python python3 \
   --peer-script "$work/other_peer.py"
+check bench_train_threads_bound 105 "--threads: must be at most 4096 \(0 = the config's\), not 100000" -- \
+  "$stoke" bench train --config "$cfg" --threads 100000
 check bench_train 0 "compute only .* img/s" -- \
   "$stoke" bench train --config "$cfg" --steps 2 --warmup 1 --repeats 1
 finish
