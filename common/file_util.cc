@@ -234,6 +234,14 @@ Result<FileLock> FileLock::TryAcquire(const std::filesystem::path& path, const s
       const ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
       std::string owner = n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
       while (!owner.empty() && (owner.back() == '\n' || owner.back() == ' ')) owner.pop_back();
+      if (owner == std::to_string(::getpid())) {
+        // Waiting for it would wait for ourselves: a second job into the same output started by this
+        // program (from a progress callback of the first, or another thread).
+        return UnavailableError(fmt::format(
+            "{}: this process (pid {}) already holds {}: another job of it is writing there (started from a "
+            "progress callback or another thread?); wait for that one to return",
+            what, owner, path.string()));
+      }
       return UnavailableError(fmt::format("{}: another process{} holds {} (wait for it to finish, or stop it)",
                                                  what, owner.empty() ? "" : " (pid " + owner + ")", path.string()));
     }

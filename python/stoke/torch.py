@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 import torch.utils.dlpack
+import torch.utils.data
 
 from . import _stoke
 
@@ -53,6 +54,9 @@ def _rank_and_world(rank: Optional[int], world_size: Optional[int]) -> Tuple[int
             given = f"world_size={world_size} was passed" if world_size is not None else f"WORLD_SIZE={w} is set"
             raise ValueError(f"stoke.torch.Loader: {given} but no rank; pass rank=, set RANK (as torchrun "
                              "does) or initialise torch.distributed")
+        if world_size is None and "WORLD_SIZE" not in os.environ and rank is None and r > 0:
+            raise ValueError(f"stoke.torch.Loader: RANK={r} is set but WORLD_SIZE is not; set WORLD_SIZE (as "
+                             "torchrun does), pass world_size=, or initialise torch.distributed")
     chosen_rank, chosen_world = (r if rank is None else rank), (w if world_size is None else world_size)
     if (rank is None) != (world_size is None) and not 0 <= chosen_rank < chosen_world:
         # One from the caller, the other from torch.distributed or the environment: a mix that can
@@ -382,6 +386,7 @@ class Loader:
         self._device = _device_index(device)
         self._dataset = _stoke.Dataset(path)
         r, w = _rank_and_world(rank, world_size)
+        self._sharded_by_caller = rank is not None and world_size is not None
         if not 0 <= r < w:
             raise ValueError(f"stoke.torch.Loader: rank {r} is not in [0, world_size {w})")
         o = _stoke.EpochOptions()
@@ -489,6 +494,14 @@ class Loader:
             current.counts = False
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
+        worker = torch.utils.data.get_worker_info()
+        if worker is not None and not self._sharded_by_caller:
+            # Each worker would run the whole epoch: every sample num_workers times, silently.
+            raise RuntimeError(
+                f"stoke.torch.Loader: iterated in DataLoader worker {worker.id} of {worker.num_workers}; a Loader is "
+                "the whole input pipeline (its own decoding threads), and each worker would hand out the whole epoch: "
+                "iterate the Loader itself, without a DataLoader around it (or pass rank= and world_size= to shard it "
+                "among the workers yourself)")
         wanted = (self._next_epoch, self._start_batch)
         previous = self._current()
         if previous is not None:

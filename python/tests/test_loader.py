@@ -152,6 +152,39 @@ def test_rank_and_world_from_the_environment_are_checked(data, monkeypatch):
         Loader(data["train"], batch_size=8)
     assert Loader(data["train"], batch_size=8, rank=1).world_size == 4
     assert Loader(data["train"], batch_size=8, world_size=1).world_size == 1  # explicit: one process
+    # RANK alone: the message named a world of 1 nobody set, not the missing variable.
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ValueError, match="RANK=1 is set but WORLD_SIZE is not"):
+        Loader(data["train"], batch_size=8)
+    monkeypatch.setenv("RANK", "0")
+    assert Loader(data["train"], batch_size=8).world_size == 1  # rank 0 of one: what a single run is
+
+
+class _AroundALoader(torch.utils.data.IterableDataset):
+    def __init__(self, path, **kw):
+        self.path, self.kw = path, kw
+
+    def __iter__(self):
+        for batch in Loader(self.path, batch_size=4, size=32, train=False, threads=1, **self.kw):
+            yield from batch["labels"].tolist()
+
+
+def test_a_loader_in_dataloader_workers_is_refused_not_repeated(data):
+    """Under DataLoader(num_workers=2) each worker ran the whole epoch: every sample twice, silently."""
+    import torch.utils.data as tud
+    with pytest.raises(RuntimeError, match="iterated in DataLoader worker .* of 2; a Loader is the whole input"):
+        list(tud.DataLoader(_AroundALoader(data["train"]), batch_size=None, num_workers=2))
+    # Sharded by the caller among the workers: each worker its own share, every sample once.
+    class Sharded(_AroundALoader):
+        def __iter__(self):
+            info = tud.get_worker_info()
+            self.kw = {"rank": info.id, "world_size": info.num_workers}
+            return super().__iter__()
+    labels = list(tud.DataLoader(Sharded(data["train"]), batch_size=None, num_workers=2))
+    whole = list(_AroundALoader(data["train"]))  # in this process: not a worker
+    assert len(whole) == len(Loader(data["train"], batch_size=4, size=32, train=False).dataset)
+    assert sorted(labels) == sorted(whole)  # evaluation shards are exact: each sample on one worker
 
 
 def test_state_dict_resumes_exactly(data):

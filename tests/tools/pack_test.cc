@@ -1324,6 +1324,19 @@ TEST(Pack, OversizedFilesAreSkipped) {
 
 // ---- inspect ----
 
+// Names from the dataset print as one line each, control bytes escaped: a class folder named with a
+// newline split the "per class" line, and an escape sequence in a name reached the terminal.
+TEST(Inspect, ControlBytesInNamesAreEscapedInTheText) {
+  TempDir dir;
+  testing::MakeImageTree(dir / "src", {"a\nb", "red\x1b[31m"}, 2);
+  ASSERT_OK(Pack(Options(dir / "src", dir / "out")).status());
+  ASSERT_OK_AND_ASSIGN(auto report, inspect::Inspect(dir / "out", {.progress = false}));
+  const std::string text = inspect::FormatReport(report);
+  EXPECT_NE(text.find("per class      a\\x0ab:2 red\\x1b[31m:2\n"), std::string::npos) << text;
+  EXPECT_EQ(text.find('\x1b'), std::string::npos) << text;
+  EXPECT_EQ(inspect::ReportJson(report)["class_names"][0], "a\nb");  // the JSON keeps them as they are
+}
+
 TEST(Inspect, SummaryVerifyAndExtract) {
   TempDir dir;
   auto files = testing::MakeImageTree(dir / "src", kClasses, 5);

@@ -69,6 +69,23 @@ Status VerifyRecord(const dataset::RecordView& r, decode::JpegDecoder& decoder, 
   return OkStatus();
 }
 
+// Text from the dataset (class names, source paths) as one line a terminal shows as written:
+// control bytes as \xNN. A name holding a newline split the "per class" line, and an escape
+// sequence in a stored path reached the terminal.
+std::string Shown(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (const char ch : text) {
+    const auto b = static_cast<unsigned char>(ch);
+    if (b < 0x20 || b == 0x7f) {
+      out += fmt::format("\\x{:02x}", b);
+    } else {
+      out += ch;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 Result<InspectReport> Inspect(const std::filesystem::path& path, const InspectOptions& options) {
@@ -290,8 +307,8 @@ std::string FormatReport(const InspectReport& report, size_t max_classes) {
     return it != p.end() && it->is_string() ? it->get<std::string>() : std::string("?");
   };
   if (p.contains("tool")) {
-    out += fmt::format("packed         {} by {} {} from {} (split {})\n", text("created"),
-                       text("tool"), text("tool_version"), text("source"), text("split"));
+    out += fmt::format("packed         {} by {} {} from {} (split {})\n", Shown(text("created")),
+                       Shown(text("tool")), Shown(text("tool_version")), Shown(text("source")), Shown(text("split")));
     if (p.contains("options")) {
       out += fmt::format("options        {}\n",
                          p["options"].dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
@@ -304,7 +321,7 @@ std::string FormatReport(const InspectReport& report, size_t max_classes) {
   const auto counts = s["class_counts"].get<std::vector<int64_t>>();
   out += "per class     ";
   for (size_t i = 0; i < names.size() && i < max_classes; ++i) {
-    out += fmt::format(" {}:{}", names[i], counts[i]);
+    out += fmt::format(" {}:{}", Shown(names[i]), counts[i]);
   }
   if (names.size() > max_classes) out += fmt::format(" ... ({} more)", names.size() - max_classes);
   out += "\n";
@@ -315,10 +332,10 @@ std::string FormatReport(const InspectReport& report, size_t max_classes) {
     out += fmt::format("unreadable     {} records (run --verify for a full check)\n",
                        report.bad.size());
   }
-  for (const auto& p : report.manifest_problems) out += fmt::format("manifest       {}\n", p);
+  for (const auto& p : report.manifest_problems) out += fmt::format("manifest       {}\n", Shown(p));
   for (const auto& b : report.bad) {
     out += fmt::format("  bad record {}{}: {}\n", b.index,
-                       b.source_path.empty() ? "" : " (" + b.source_path + ")", b.reason);
+                       b.source_path.empty() ? "" : " (" + Shown(b.source_path) + ")", Shown(b.reason));
   }
   return out;
 }
