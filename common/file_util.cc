@@ -292,22 +292,21 @@ Status CheckFileWritable(std::string_view flag, const std::filesystem::path& pat
 
 Result<std::vector<std::filesystem::path>> MakeFolders(const std::filesystem::path& dir) {
   namespace fs = std::filesystem;
-  std::vector<fs::path> missing;  // innermost first
   std::error_code ec;
-  fs::path p = dir.lexically_normal();
-  if (p.filename().empty() && p != p.root_path()) p = p.parent_path();  // "a/b/"
-  for (; !p.empty() && !fs::exists(fs::symlink_status(p, ec)); p = p.parent_path()) {
-    missing.push_back(p);
-    if (p == p.parent_path()) break;  // (a root that is not there)
-  }
+  // Each folder of the path as written, outermost first, as `mkdir -p` walks it: "a/new/../b"
+  // makes a/new, then a/b (a path normalised first made only a/b, and then a/new/.. did not exist).
   std::vector<fs::path> made;
-  for (auto it = missing.rbegin(); it != missing.rend(); ++it) {
-    const bool created = fs::create_directory(*it, ec);
+  fs::path p;
+  for (const fs::path& part : dir) {
+    p /= part;
+    if (part.empty() || part == "." || part == ".." || p == p.root_path()) continue;
+    if (fs::exists(fs::symlink_status(p, ec))) continue;
+    const bool created = fs::create_directory(p, ec);
     if (ec) {
       RemoveEmptyFolders(made);
-      return IoError(fmt::format("cannot make {}: {}", it->string(), ec.message()));
+      return IoError(fmt::format("cannot make {}: {}", p.string(), ec.message()));
     }
-    if (created) made.push_back(*it);  // (not one another process made meanwhile)
+    if (created) made.push_back(p.lexically_normal());  // (not one another process made meanwhile)
   }
   if (!fs::is_directory(dir, ec)) {
     RemoveEmptyFolders(made);

@@ -282,6 +282,14 @@ TEST(FileUtil, MakeFoldersReturnsWhatItMadeAndRemoveEmptyFoldersKeepsWhatWasWrit
   ASSERT_OK(under_new.status());
   RemoveEmptyFolders(*under_new);
   EXPECT_FALSE(std::filesystem::exists(dir / "new"));
+  // A path through a folder it makes and back out, as `mkdir -p` takes it (it was refused).
+  ASSERT_OK_AND_ASSIGN(auto through, MakeFolders(dir / "x" / "new" / ".." / "b" / "."));
+  EXPECT_EQ(through, (std::vector<std::filesystem::path>{(dir / "x").lexically_normal(),
+                                                         (dir / "x" / "new").lexically_normal(),
+                                                         (dir / "x" / "b").lexically_normal()}));
+  EXPECT_TRUE(std::filesystem::is_directory(dir / "x" / "b"));
+  RemoveEmptyFolders(through);
+  EXPECT_FALSE(std::filesystem::exists(dir / "x"));
 }
 
 // An empty TMPDIR is an unset one (std::filesystem::temp_directory_path refused it, and predict
