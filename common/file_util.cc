@@ -10,7 +10,10 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <string_view>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -215,6 +218,32 @@ std::string HumanBytes(double bytes) {
   return u == 0 ? fmt::format("{:.0f} {}", bytes, units[u]) : fmt::format("{:.1f} {}", bytes, units[u]);
 }
 
+namespace {
+// The lock files this process holds, by device and inode, with the pid that took each (a child
+// made by fork() inherits the list, not the locks' ownership): a lock refused because this process
+// holds it says so. (The pid written in the file cannot tell: a process in another container on a
+// shared folder, or on another host, may have this one's pid.) Never destroyed: a thread still
+// packing while the process exits releases its lock after the static destructors ran.
+std::mutex held_mu;
+std::map<std::pair<dev_t, ino_t>, pid_t>& HeldLocks() {
+  static auto* held = new std::map<std::pair<dev_t, ino_t>, pid_t>;
+  return *held;
+}
+void HoldHere(const struct stat& st, bool held) {
+  std::lock_guard lock(held_mu);
+  if (held) {
+    HeldLocks()[{st.st_dev, st.st_ino}] = ::getpid();
+  } else {
+    HeldLocks().erase({st.st_dev, st.st_ino});
+  }
+}
+bool HeldHere(const struct stat& st) {
+  std::lock_guard lock(held_mu);
+  const auto it = HeldLocks().find({st.st_dev, st.st_ino});
+  return it != HeldLocks().end() && it->second == ::getpid();
+}
+}  // namespace
+
 Result<FileLock> FileLock::TryAcquire(const std::filesystem::path& path, const std::string& what) {
   // The owner removes the file on release while still holding the lock, so a process that opened
   // the old file and then got its lock holds a lock on a name nobody sees: it checks that the
@@ -234,13 +263,14 @@ Result<FileLock> FileLock::TryAcquire(const std::filesystem::path& path, const s
       const ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
       std::string owner = n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
       while (!owner.empty() && (owner.back() == '\n' || owner.back() == ' ')) owner.pop_back();
-      if (owner == std::to_string(::getpid())) {
+      struct stat busy {};
+      if (::fstat(fd, &busy) == 0 && HeldHere(busy)) {
         // Waiting for it would wait for ourselves: a second job into the same output started by this
         // program (from a progress callback of the first, or another thread).
         return UnavailableError(fmt::format(
             "{}: this process (pid {}) already holds {}: another job of it is writing there (started from a "
             "progress callback or another thread?); wait for that one to return",
-            what, owner, path.string()));
+            what, ::getpid(), path.string()));
       }
       return UnavailableError(fmt::format("{}: another process{} holds {} (wait for it to finish, or stop it)",
                                                  what, owner.empty() ? "" : " (pid " + owner + ")", path.string()));
@@ -256,6 +286,7 @@ Result<FileLock> FileLock::TryAcquire(const std::filesystem::path& path, const s
       return ErrnoStatus(errno, path, "write lock file");
     }
     closer.fd = -1;
+    HoldHere(locked, true);
     return FileLock(path, fd);
   }
   return UnavailableError(fmt::format("{}: {} keeps being replaced by other processes", what, path.string()));
@@ -266,10 +297,11 @@ FileLock::~FileLock() {
   // While still locked (see TryAcquire), and only the file this lock holds: when it was removed
   // meanwhile and another process made and locked a new one, unlinking that let a third in.
   struct stat held {}, named {};
-  if (::fstat(fd_, &held) == 0 && ::stat(path_.c_str(), &named) == 0 && held.st_ino == named.st_ino &&
-      held.st_dev == named.st_dev) {
+  const bool known = ::fstat(fd_, &held) == 0;
+  if (known && ::stat(path_.c_str(), &named) == 0 && held.st_ino == named.st_ino && held.st_dev == named.st_dev) {
     ::unlink(path_.c_str());
   }
+  if (known) HoldHere(held, false);
   ::close(fd_);
 }
 
@@ -306,7 +338,8 @@ Result<std::vector<std::filesystem::path>> MakeFolders(const std::filesystem::pa
       RemoveEmptyFolders(made);
       return IoError(fmt::format("cannot make {}: {}", p.string(), ec.message()));
     }
-    if (created) made.push_back(p.lexically_normal());  // (not one another process made meanwhile)
+    // As walked ("a/new/../b"): removed the way it was made, through whatever links it passed.
+    if (created) made.push_back(p);  // (not one another process made meanwhile)
   }
   if (!fs::is_directory(dir, ec)) {
     RemoveEmptyFolders(made);

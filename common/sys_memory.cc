@@ -65,7 +65,9 @@ std::string Unescape(const std::string& field) {
 std::vector<std::string> FolderAndAncestors(const std::string& root, const std::string& point,
                                             const std::string& path) {
   std::string rel;
-  if (root == "/") {
+  if (path.find("/..") != std::string::npos) {
+    // A cgroup above the namespace's root ("/../x"): outside what the mount shows.
+  } else if (root == "/") {
     rel = path;
   } else if (path == root || path.rfind(root + "/", 0) == 0) {
     rel = path.substr(root.size());
@@ -130,7 +132,8 @@ CgroupFolders FindCgroupFolders(std::string_view mountinfo, std::string_view sel
     }
   }
   // Mount lines are "ID PARENT MAJ:MIN ROOT POINT OPTIONS [TAGS...] - TYPE SOURCE SUPEROPTIONS";
-  // a v1 mount names its controllers among its super options.
+  // a v1 mount names its controllers among its super options. A later mount of a controller
+  // covers an earlier one (a container's over a host's): the last one is what is seen.
   CgroupFolders found;
   for (const std::string& line : Split(mountinfo, '\n')) {
     std::vector<std::string> fields;
@@ -141,14 +144,14 @@ CgroupFolders FindCgroupFolders(std::string_view mountinfo, std::string_view sel
     if (fields.size() < 5 || dash == fields.end() || fields.end() - dash < 2) continue;
     const std::string& type = dash[1];
     const std::string root = Unescape(fields[3]), point = Unescape(fields[4]);
-    if (type == "cgroup2" && v2_member && found.v2.empty()) {
+    if (type == "cgroup2" && v2_member) {
       found.v2 = FolderAndAncestors(root, point, v2_path);
     } else if (type == "cgroup" && fields.end() - dash >= 4) {
       for (const std::string& option : Split(dash[3], ',')) {
-        if (option == "memory" && memory_member && found.memory_v1.empty()) {
+        if (option == "memory" && memory_member) {
           found.memory_v1 = FolderAndAncestors(root, point, memory_path);
         }
-        if (option == "cpu" && cpu_member && found.cpu_v1.empty()) {
+        if (option == "cpu" && cpu_member) {
           found.cpu_v1 = FolderAndAncestors(root, point, cpu_path);
         }
       }
@@ -238,24 +241,35 @@ double CgroupCpuQuotaCores(const std::string& v1, const std::string& v2) {
   return quota > 0 && period > 0 ? static_cast<double>(quota) / static_cast<double>(period) : 0.0;
 }
 
-int UsableCores() { return UsableCoresIn(OwnCgroupFolders()); }
-
-int UsableCoresIn(const CgroupFolders& folders) {
+int AffinityCores() {
   cpu_set_t set;
   CPU_ZERO(&set);
-  int cores = sched_getaffinity(0, sizeof set, &set) == 0
-                  ? CPU_COUNT(&set)
-                  : static_cast<int>(std::thread::hardware_concurrency());
+  const int cores = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set)
+                                                               : static_cast<int>(std::thread::hardware_concurrency());
+  return std::max(1, cores);
+}
+
+double CpuQuotaCoresIn(const CgroupFolders& folders) {
   double quota = 0;
   const auto take = [&](double q) {
     if (q > 0 && (quota == 0 || q < quota)) quota = q;
   };
   for (const std::string& f : folders.cpu_v1) take(CgroupCpuQuotaCores(f, ""));
   for (const std::string& f : folders.v2) take(CgroupCpuQuotaCores("", f));
+  return quota;
+}
+
+double CpuQuotaCores() { return CpuQuotaCoresIn(OwnCgroupFolders()); }
+
+int CoresWithinQuota(int cores, double quota) {
   // A quota of 1.5 cores keeps two threads busy part of the time: rounded up, as a runtime does.
-  if (quota > 0) cores = std::min(cores > 0 ? cores : INT_MAX, static_cast<int>(std::ceil(quota - 1e-9)));
+  if (quota > 0) cores = std::min(cores, static_cast<int>(std::ceil(quota - 1e-9)));
   return std::max(1, cores);
 }
+
+int UsableCores() { return UsableCoresIn(OwnCgroupFolders()); }
+
+int UsableCoresIn(const CgroupFolders& folders) { return CoresWithinQuota(AffinityCores(), CpuQuotaCoresIn(folders)); }
 
 int ThreadsOrCores(int threads) { return threads > 0 ? threads : UsableCores(); }
 

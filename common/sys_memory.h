@@ -53,6 +53,14 @@ int UsableCores();
 // UsableCores() for a process in `folders`: its affinity mask capped by the lowest quota of them.
 int UsableCoresIn(const CgroupFolders& folders);
 
+// The parts of UsableCores(): the cores of the affinity mask (at least 1); the lowest CPU quota
+// of the process's cgroups in cores (0: none), of `folders`' for CpuQuotaCoresIn; and `cores`
+// capped by a quota (rounded up; at least 1). Processes sharing a cgroup share its quota.
+int AffinityCores();
+double CpuQuotaCores();
+double CpuQuotaCoresIn(const CgroupFolders& folders);
+int CoresWithinQuota(int cores, double quota);
+
 // A configured thread count: `threads` when positive, else UsableCores() (0 means "every core").
 int ThreadsOrCores(int threads);
 

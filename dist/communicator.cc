@@ -351,11 +351,14 @@ Result<std::unique_ptr<Communicator>> Communicator::Create(CommunicatorOptions o
   // exited before it (a wrapper script's failed step, a crash at start-up) left the others waiting
   // for good, silently. MPI cannot be aborted before it has started: the process ends, and the
   // launcher ends the rest.
-  if (future.wait_for(std::chrono::duration<double>(options.timeout_s)) != std::future_status::ready) {
+  const int init_env = EnvInt("STOKE_DIST_INIT_TIMEOUT_S");
+  const double init_s = init_env > 0 ? init_env : options.init_timeout_s;
+  if (future.wait_for(std::chrono::duration<double>(init_s)) != std::future_status::ready) {
     std::fprintf(stderr,
                  "stoke: dist: started by %s as rank %d of %d, MPI_Init has not finished after %.0f s: another rank "
-                 "never reached it (exited or crashed at start-up, or is not stoke); ending this one\n",
-                 launch.launcher.c_str(), launch.rank, launch.size, options.timeout_s);
+                 "never reached it (exited or crashed at start-up, or is not stoke); ending this one (a launch "
+                 "whose processes start further apart: set STOKE_DIST_INIT_TIMEOUT_S)\n",
+                 launch.launcher.c_str(), launch.rank, launch.size, init_s);
     std::fflush(stderr);
     std::_Exit(1);
   }

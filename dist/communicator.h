@@ -79,6 +79,10 @@ class Work {
 struct CommunicatorOptions {
   // A collective that has not finished after this long means a rank is gone or stuck.
   double timeout_s = 300;
+  // MPI_Init not finished after this long means a rank of the launch never reached it (exited or
+  // crashed at start-up): the process ends, saying so. STOKE_DIST_INIT_TIMEOUT_S (whole seconds,
+  // > 0) sets it instead, for launches whose processes start minutes apart.
+  double init_timeout_s = 600;
 };
 
 class Communicator {

@@ -51,19 +51,23 @@ bool SelectsCudaBackend(const TrainConfig& c) {
 
 int ComputeThreads(const TrainConfig& c, const dist::Communicator* comm) {
   if (c.compute_threads > 0) return c.compute_threads;
-  const int usable = UsableCores();
   if (comm && comm->local_size() > 1) {
     // Ranks sharing a machine share its cores rather than each starting a team of all of them;
-    // ranks the launcher bound to cores of their own (fewer than the machine's) use those.
-    return usable < sysconf(_SC_NPROCESSORS_ONLN) ? usable : std::max(1, usable / comm->local_size());
+    // ranks the launcher bound to cores of their own (fewer than the machine's) use those. A
+    // cgroup's CPU quota is the whole container's: the ranks in it share it too.
+    const int local = comm->local_size(), affinity = AffinityCores();
+    const int share = affinity < sysconf(_SC_NPROCESSORS_ONLN) ? affinity : std::max(1, affinity / local);
+    return CoresWithinQuota(share, CpuQuotaCores() / local);
   }
-  // OpenMP's own count, when asked for: the first of a list such as "4,2".
+  // OpenMP's own count, when asked for, as libgomp reads it: a whole number, or the first of a
+  // list such as "4,2" ("4abc" it ignores, and so does this).
   if (const char* env = std::getenv("OMP_NUM_THREADS"); env != nullptr) {
     char* end = nullptr;
     const long n = std::strtol(env, &end, 10);
-    if (end != env && n > 0 && n <= kMaxThreads) return static_cast<int>(n);
+    while (end != env && (*end == ' ' || *end == '\t')) ++end;
+    if (end != env && (*end == '\0' || *end == ',') && n > 0 && n <= kMaxThreads) return static_cast<int>(n);
   }
-  return usable;
+  return UsableCores();
 }
 
 Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c, const dist::Communicator* comm) {

@@ -495,13 +495,13 @@ class Loader:
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         worker = torch.utils.data.get_worker_info()
-        if worker is not None and not self._sharded_by_caller:
+        if worker is not None and worker.num_workers > 1 and not self._sharded_by_caller:
             # Each worker would run the whole epoch: every sample num_workers times, silently.
             raise RuntimeError(
                 f"stoke.torch.Loader: iterated in DataLoader worker {worker.id} of {worker.num_workers}; a Loader is "
                 "the whole input pipeline (its own decoding threads), and each worker would hand out the whole epoch: "
                 "iterate the Loader itself, without a DataLoader around it (or pass rank= and world_size= to shard it "
-                "among the workers yourself)")
+                "among the workers yourself, or rank=0, world_size=1 for a whole epoch in each)")
         wanted = (self._next_epoch, self._start_batch)
         previous = self._current()
         if previous is not None:

@@ -1,5 +1,5 @@
-// Two bounds on waiting for a stuck peer (tests/CMakeLists.txt). Started beside `true`, which exits
-// before MPI_Init, Create itself ends the process after 2 s. Otherwise:
+// Two bounds on waiting for a stuck peer (tests/CMakeLists.txt). Started beside a program that never
+// calls MPI_Init, with STOKE_DIST_INIT_TIMEOUT_S=2, Create itself ends the process after 2 s. Otherwise:
 // a rank that finishes while another is stuck must not wait in MPI's shutdown for good: rank 1
 // stays away from MPI (as a hung or stopped process does) while rank 0 destroys its communicator,
 // whose MPI_Finalize would wait for rank 1. After the collective timeout (2 s here) rank 0 ends the

@@ -1328,11 +1328,12 @@ TEST(Pack, OversizedFilesAreSkipped) {
 // newline split the "per class" line, and an escape sequence in a name reached the terminal.
 TEST(Inspect, ControlBytesInNamesAreEscapedInTheText) {
   TempDir dir;
-  testing::MakeImageTree(dir / "src", {"a\nb", "red\x1b[31m"}, 2);
+  testing::MakeImageTree(dir / "src", {"a\nb", "red\x1b[31m", "csi\xc2\x9b" "1m \xc3\xa9t\xc3\xa9"}, 2);
   ASSERT_OK(Pack(Options(dir / "src", dir / "out")).status());
   ASSERT_OK_AND_ASSIGN(auto report, inspect::Inspect(dir / "out", {.progress = false}));
   const std::string text = inspect::FormatReport(report);
-  EXPECT_NE(text.find("per class      a\\x0ab:2 red\\x1b[31m:2\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("per class      a\\x0ab:2 csi\\u009b1m \xc3\xa9t\xc3\xa9:2 red\\x1b[31m:2\n"), std::string::npos)
+      << text;  // (UTF-8 text as it is)
   EXPECT_EQ(text.find('\x1b'), std::string::npos) << text;
   EXPECT_EQ(inspect::ReportJson(report)["class_names"][0], "a\nb");  // the JSON keeps them as they are
 }

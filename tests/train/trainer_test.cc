@@ -17,6 +17,7 @@
 #include "tools/pack/packer.h"
 #include "tools/synth/synth.h"
 #include "tests/prefetch/loader_test_util.h"
+#include "common/sys_memory.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/schedule.h"
@@ -90,6 +91,29 @@ TEST(Plot, ValuesThatAreNullAreNotDrawnAsZero) {
     return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   };
   EXPECT_EQ(text("with.svg"), text("without.svg"));
+}
+
+// The CPU backend's threads: compute_threads, else OMP_NUM_THREADS as libgomp reads it, else the
+// usable cores (OpenMP's own default ignores a cgroup's CPU quota; bench train gave its PyTorch
+// peer every core while stoke ran on OMP_NUM_THREADS of them).
+TEST(Trainer, ComputeThreadsAreResolvedOnce) {
+  const char* was = std::getenv("OMP_NUM_THREADS");
+  const std::string saved = was != nullptr ? was : "";
+  TrainConfig c;
+  c.compute_threads = 3;
+  ::setenv("OMP_NUM_THREADS", "5", 1);
+  EXPECT_EQ(ComputeThreads(c), 3);
+  c.compute_threads = 0;
+  EXPECT_EQ(ComputeThreads(c), 5);
+  ::setenv("OMP_NUM_THREADS", "4,2", 1);
+  EXPECT_EQ(ComputeThreads(c), 4);
+  for (const char* ignored : {"4abc", "0", "", "x", "-2"}) {
+    ::setenv("OMP_NUM_THREADS", ignored, 1);
+    EXPECT_EQ(ComputeThreads(c), UsableCores()) << ignored;
+  }
+  ::unsetenv("OMP_NUM_THREADS");
+  EXPECT_EQ(ComputeThreads(c), UsableCores());
+  if (was != nullptr) ::setenv("OMP_NUM_THREADS", saved.c_str(), 1);
 }
 
 TEST(Config, DefaultsAndRoundTrip) {

@@ -310,13 +310,15 @@ Result<TrainBenchReport> RunTrainBench(const BenchOptions& o, const TrainBenchOp
   if (rank != 0) return TrainBenchReport{};  // rank 0 reports
   const double compute = Median(compute_rates), end_to_end = Median(e2e_rates), wait = Median(waits);
   const std::string model = c.model.preset.empty() ? fmt::format("{}-layer list", c.model.layers.size()) : c.model.preset;
+  const bool on_host = net->stream() == nullptr;  // compute threads are the CPU backend's
   std::string out = fmt::format(
-      "train bench: {} ({} classes) at {}x{}, batch {}, backend {}, compute threads {}, loader threads {}\n"
+      "train bench: {} ({} classes) at {}x{}, batch {}, backend {}{}, loader threads {}\n"
       "  {} timed steps per run after {} warm-up, median of {} runs\n"
       "  compute only (one batch repeated)  {:8.1f} img/s  {:6.2f} steps/s   runs: {}\n"
       "  end to end (loader -> backend)     {:8.1f} img/s  {:6.2f} steps/s   data-wait {:.1f}% of step time\n",
       model, c.model.classes, c.data.image_size, c.data.image_size, c.data.batch_size, net->backend(),
-      train::ComputeThreads(c, comm.get()), ThreadsOrCores(c.data.threads), steps, t.warmup, o.repeats, compute, compute / c.data.batch_size,
+      on_host ? fmt::format(", compute threads {}", train::ComputeThreads(c, comm.get())) : std::string(),
+      ThreadsOrCores(c.data.threads), steps, t.warmup, o.repeats, compute, compute / c.data.batch_size,
       fmt::format("{:.0f}", fmt::join(compute_rates, ", ")), end_to_end, end_to_end / c.data.batch_size, 100 * wait);
 #if STOKE_WITH_CUDA
   if (const auto* gpu = dynamic_cast<const train::CudaNetwork*>(net.get()); gpu != nullptr) {
@@ -365,11 +367,12 @@ Result<TrainBenchReport> RunTrainBench(const BenchOptions& o, const TrainBenchOp
   }
   if (!o.json_out.empty()) {
     nlohmann::json j{{"config", t.config.string()}, {"batch", c.data.batch_size}, {"backend", net->backend()},
-                     {"world", world}, {"compute_threads", train::ComputeThreads(c, comm.get())},
-                     {"loader_threads", ThreadsOrCores(c.data.threads)}, {"allreduce_ms_per_step", comm_ms}, {"overlap_fraction", overlap_fraction},
+                     {"world", world}, {"loader_threads", ThreadsOrCores(c.data.threads)},
+                     {"allreduce_ms_per_step", comm_ms}, {"overlap_fraction", overlap_fraction},
                      {"blocked_ms_per_step", blocked_ms},
                      {"compute_img_s", compute}, {"compute_runs", compute_rates}, {"e2e_img_s", end_to_end},
                      {"e2e_runs", e2e_rates}, {"data_wait_fraction", wait}};
+    if (on_host) j["compute_threads"] = train::ComputeThreads(c, comm.get());
     if (!peer_error.empty()) j["peer_error"] = peer_error;
     if (!timeline_error.empty()) j["timeline_error"] = timeline_error;
     if (!timeline.empty()) {

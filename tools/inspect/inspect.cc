@@ -70,17 +70,22 @@ Status VerifyRecord(const dataset::RecordView& r, decode::JpegDecoder& decoder, 
 }
 
 // Text from the dataset (class names, source paths) as one line a terminal shows as written:
-// control bytes as \xNN. A name holding a newline split the "per class" line, and an escape
+// control characters as \xNN (C1 ones, U+0080 to U+009F, as \u00NN: U+009B starts an escape
+// sequence in some terminals). A name holding a newline split the "per class" line, and an escape
 // sequence in a stored path reached the terminal.
 std::string Shown(std::string_view text) {
   std::string out;
   out.reserve(text.size());
-  for (const char ch : text) {
-    const auto b = static_cast<unsigned char>(ch);
+  for (size_t i = 0; i < text.size(); ++i) {
+    const auto b = static_cast<unsigned char>(text[i]);
+    const auto next = i + 1 < text.size() ? static_cast<unsigned char>(text[i + 1]) : 0;
     if (b < 0x20 || b == 0x7f) {
       out += fmt::format("\\x{:02x}", b);
+    } else if (b == 0xc2 && next >= 0x80 && next <= 0x9f) {
+      out += fmt::format("\\u{:04x}", next);
+      ++i;
     } else {
-      out += ch;
+      out += text[i];
     }
   }
   return out;
@@ -284,7 +289,7 @@ std::string FormatReport(const InspectReport& report, size_t max_classes) {
                        st["mean"].get<double>(), st["max"].get<double>());
   };
   std::string out;
-  out += fmt::format("dataset        {}\n", s["path"].get<std::string>());
+  out += fmt::format("dataset        {}\n", Shown(s["path"].get<std::string>()));
   out += fmt::format("format         v{}\n", s["format_version"].get<int>());
   out += fmt::format("records        {}\n", s["records"].get<int64_t>());
   out += fmt::format("classes        {}\n", s["classes"].get<int64_t>());
