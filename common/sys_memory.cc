@@ -271,6 +271,13 @@ int UsableCores() { return UsableCoresIn(OwnCgroupFolders()); }
 
 int UsableCoresIn(const CgroupFolders& folders) { return CoresWithinQuota(AffinityCores(), CpuQuotaCoresIn(folders)); }
 
+int CoreShare(int processes) {
+  if (processes <= 1) return UsableCores();
+  const int affinity = AffinityCores();
+  const int share = affinity < ::sysconf(_SC_NPROCESSORS_ONLN) ? affinity : std::max(1, affinity / processes);
+  return CoresWithinQuota(share, CpuQuotaCores() / processes);
+}
+
 int ThreadsOrCores(int threads) { return threads > 0 ? threads : UsableCores(); }
 
 }  // namespace stoke

@@ -61,6 +61,12 @@ double CpuQuotaCores();
 double CpuQuotaCoresIn(const CgroupFolders& folders);
 int CoresWithinQuota(int cores, double quota);
 
+// One process's share of the cores when `processes` processes (ranks of a job) share this machine:
+// rather than each starting a team of all of them, they divide them; a process the launcher bound
+// to cores of its own (fewer than the machine's) uses those. A cgroup's CPU quota is the whole
+// container's: the processes in it share it too. UsableCores() for 1 process; at least 1.
+int CoreShare(int processes);
+
 // A configured thread count: `threads` when positive, else UsableCores() (0 means "every core").
 int ThreadsOrCores(int threads);
 

@@ -36,7 +36,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--size", type=int, default=224, help="training crop side")
     p.add_argument("--lr", type=float, default=0.1, help="peak learning rate at batch 256 (scaled linearly)")
-    p.add_argument("--threads", type=int, default=0, help="loader threads (0: every core)")
+    p.add_argument("--threads", type=int, default=0, help="loader threads (0: this process's share of the cores)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: all epochs)")
     args = p.parse_args()

@@ -51,14 +51,8 @@ bool SelectsCudaBackend(const TrainConfig& c) {
 
 int ComputeThreads(const TrainConfig& c, const dist::Communicator* comm) {
   if (c.compute_threads > 0) return c.compute_threads;
-  if (comm && comm->local_size() > 1) {
-    // Ranks sharing a machine share its cores rather than each starting a team of all of them;
-    // ranks the launcher bound to cores of their own (fewer than the machine's) use those. A
-    // cgroup's CPU quota is the whole container's: the ranks in it share it too.
-    const int local = comm->local_size(), affinity = AffinityCores();
-    const int share = affinity < sysconf(_SC_NPROCESSORS_ONLN) ? affinity : std::max(1, affinity / local);
-    return CoresWithinQuota(share, CpuQuotaCores() / local);
-  }
+  // Ranks sharing a machine share its cores.
+  if (comm && comm->local_size() > 1) return CoreShare(comm->local_size());
   // OpenMP's own count, when asked for, as libgomp reads it: a whole number, or the first of a
   // list such as "4,2" ("4abc" it ignores, and so does this).
   if (const char* env = std::getenv("OMP_NUM_THREADS"); env != nullptr) {
@@ -68,6 +62,11 @@ int ComputeThreads(const TrainConfig& c, const dist::Communicator* comm) {
     if (end != env && (*end == '\0' || *end == ',') && n > 0 && n <= kMaxThreads) return static_cast<int>(n);
   }
   return UsableCores();
+}
+
+int LoaderThreads(const TrainConfig& c, const dist::Communicator* comm) {
+  if (c.data.threads > 0) return c.data.threads;
+  return CoreShare(comm ? comm->local_size() : 1);
 }
 
 Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& c, const dist::Communicator* comm) {
@@ -646,6 +645,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
     int64_t bad = 0;  // this rank's distinct bad records
     Status local = [&]() -> Status {
       prefetch::LoaderOptions o = ValLoaderOptions(config, rank, world);
+      o.threads = LoaderThreads(config, comm);
       // A rank's share is 1 / world of the set: its own budget may take the whole set's bad
       // records; the set's budget is held below, over every rank.
       o.skip_budget_samples = val_set->size();
@@ -753,6 +753,7 @@ Result<TrainSummary> TrainUnguarded(const TrainConfig& config, const TrainRunOpt
   // ---- the loop
   if (step < summary.total_steps) {
     prefetch::LoaderOptions lo = TrainLoaderOptions(config, rank, world);
+    lo.threads = LoaderThreads(config, comm);
     // A rank's share of the epoch is 1 / world of it: its own budget may take the whole run's bad
     // records (they may all fall on it); the run's budget is held at the log lines, over every rank.
     lo.skip_budget_samples = steps_per_epoch * config.data.batch_size;

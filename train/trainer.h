@@ -78,6 +78,10 @@ Result<std::unique_ptr<Network>> CreateNetwork(const TrainConfig& config, const 
 // cores the launcher bound the rank to); else OMP_NUM_THREADS when set; else UsableCores() (the
 // affinity mask within any cgroup CPU quota, which OpenMP's own default does not heed).
 int ComputeThreads(const TrainConfig& config, const dist::Communicator* comm = nullptr);
+// The train and validation loaders' decoding threads for `config` on one rank of `comm`:
+// data.threads when set; else, for ranks sharing a machine, their share of its cores (as for
+// ComputeThreads); else UsableCores().
+int LoaderThreads(const TrainConfig& config, const dist::Communicator* comm = nullptr);
 // Sends a loader's batches where `net` computes: for a device backend, to its GPU through the
 // ring's device copies (a lease dropped without Release(stream) returns its slot on the network's
 // stream); host memory otherwise.

@@ -33,6 +33,7 @@
 #include "augment/transform.h"
 #include "common/limits.h"
 #include "common/status.h"
+#include "common/sys_memory.h"
 #include "dataset/dataset.h"
 #include "dataset/sampler.h"
 #include "prefetch/batch_memory.h"
@@ -875,6 +876,8 @@ PYBIND11_MODULE(_stoke, m) {
 
   m.def("_normalize_on_device", &NormalizeOnDevice, py::arg("images"), py::arg("count"), py::arg("pixels"),
         py::arg("mean"), py::arg("std"), py::arg("dtype"), py::arg("out"), py::arg("stream"));
+  m.def("_core_share", &stoke::CoreShare, py::arg("processes"),
+        "one process's share of the usable cores when `processes` of a job share this machine");
   m.def("_cuda", [] {
     const stoke::prefetch::CudaProbe p = stoke::prefetch::ProbeCuda();
     return py::make_tuple(p.built, p.devices, p.reason);

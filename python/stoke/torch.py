@@ -94,6 +94,19 @@ def _device_index(device: Union[str, "torch.device"]) -> int:
 
 
 _MAX_RANKS = 2**31  # ranks and world sizes are C ints
+
+
+def _local_processes() -> int:
+    """The processes of this job on this machine, as its launcher says (1 without one)."""
+    for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        text = os.environ.get(name)
+        if text is None:
+            continue
+        if re.fullmatch(r"[0-9]{1,10}", text) is None or not 1 <= int(text) < _MAX_RANKS:
+            raise ValueError(f"stoke.torch.Loader: the environment variable {name}={text!r} is not a number of "
+                             f"processes in [1, {_MAX_RANKS}); pass threads= or unset it")
+        return int(text)
+    return 1
 _MAX_EPOCH = 2**62  # epochs are numbered in int64, with room to count past the last
 
 
@@ -391,7 +404,10 @@ class Loader:
             raise ValueError(f"stoke.torch.Loader: rank {r} is not in [0, world_size {w})")
         o = _stoke.EpochOptions()
         o.batch_size, o.train, o.size, o.seed = batch_size, train, size, seed
-        o.threads, o.ring, o.drop_last, o.on_error = threads, ring, drop_last, on_error
+        # threads=0: the usable cores, shared among the processes of this machine (torchrun's
+        # LOCAL_WORLD_SIZE, mpirun's OMPI_COMM_WORLD_LOCAL_SIZE), as stoke train's ranks share them.
+        o.threads = threads if threads != 0 else _stoke._core_share(_local_processes())
+        o.ring, o.drop_last, o.on_error = ring, drop_last, on_error
         o.rank, o.world_size = r, w
         o.scale_min, o.scale_max = scale
         o.flip, o.resize = flip, resize
@@ -467,6 +483,11 @@ class Loader:
     @property
     def world_size(self) -> int:
         return self._options.world_size
+
+    @property
+    def threads(self) -> int:
+        """The decoding threads: ``threads`` as passed, else this process's share of the usable cores."""
+        return self._options.threads
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (the same on every rank)."""

@@ -161,6 +161,30 @@ def test_rank_and_world_from_the_environment_are_checked(data, monkeypatch):
     assert Loader(data["train"], batch_size=8).world_size == 1  # rank 0 of one: what a single run is
 
 
+def test_processes_sharing_a_machine_share_its_cores(data, monkeypatch):
+    """threads=0 under torchrun (LOCAL_WORLD_SIZE) is this process's share of the cores: each of a
+    machine's ranks started a decoding thread per core."""
+    for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    alone = Loader(data["train"], batch_size=8, size=32)
+    assert alone.threads == _stoke._core_share(1) >= 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    shared = Loader(data["train"], batch_size=8, size=32)
+    assert shared.threads == _stoke._core_share(2)
+    if alone.threads >= 2 and len(os.sched_getaffinity(0)) == os.cpu_count():
+        assert shared.threads < alone.threads
+    assert Loader(data["train"], batch_size=8, size=32, threads=3).threads == 3
+    with pytest.raises(ValueError, match="threads=-1"):
+        Loader(data["train"], batch_size=8, size=32, threads=-1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE='two'"):
+        Loader(data["train"], batch_size=8, size=32)
+    assert Loader(data["train"], batch_size=8, size=32, threads=1).threads == 1  # not read when passed
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2")
+    assert Loader(data["train"], batch_size=8, size=32).threads == shared.threads
+
+
 class _AroundALoader(torch.utils.data.IterableDataset):
     def __init__(self, path, **kw):
         self.path, self.kw = path, kw

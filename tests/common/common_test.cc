@@ -456,6 +456,39 @@ TEST(SysMemory, AZeroThreadCountMeansEveryUsableCore) {
   EXPECT_EQ(ThreadsOrCores(-1), UsableCores());
 }
 
+// Processes sharing a machine (ranks of one job) divide its cores; one the launcher bound to cores
+// of its own, fewer than the machine's, keeps them.
+TEST(SysMemory, ProcessesSharingAMachineShareItsCores) {
+  EXPECT_EQ(CoreShare(1), UsableCores());
+  EXPECT_EQ(CoreShare(0), UsableCores());
+  const long online = ::sysconf(_SC_NPROCESSORS_ONLN);
+  const bool whole_machine = AffinityCores() == online && CpuQuotaCores() == 0;
+  for (int n = 2; n <= 5; ++n) {
+    EXPECT_GE(CoreShare(n), 1) << n;
+    EXPECT_LE(CoreShare(n), UsableCores()) << n;
+    if (whole_machine) {
+      EXPECT_EQ(CoreShare(n), std::max<int>(1, static_cast<int>(online) / n)) << n;
+    }
+  }
+  if (!whole_machine || online < 3) GTEST_SKIP() << "a binding to 2 of 3 or more cores is checked on a machine of them";
+  cpu_set_t all;
+  CPU_ZERO(&all);
+  ASSERT_EQ(sched_getaffinity(0, sizeof all, &all), 0);
+  int bound = -1;
+  std::thread([&] {
+    cpu_set_t two;
+    CPU_ZERO(&two);
+    for (int cpu = 0, taken = 0; taken < 2; ++cpu) {
+      if (!CPU_ISSET(cpu, &all)) continue;
+      CPU_SET(cpu, &two);
+      ++taken;
+    }
+    ASSERT_EQ(sched_setaffinity(0, sizeof two, &two), 0);
+    bound = CoreShare(static_cast<int>(online));  // one process per core, this one bound to two
+  }).join();
+  EXPECT_EQ(bound, 2);
+}
+
 TEST(FileUtil, PathWithinComparesAPathItCannotResolveAsWritten) {
   testing::TempDir dir;
   std::filesystem::create_directories(dir / "src" / "a");

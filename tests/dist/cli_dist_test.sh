@@ -86,6 +86,12 @@ check bench_json_checked_on_rank0_only 0 "^train bench: " -- \
   timeout 120 "${mpi[@]}" -np 1 "$stoke" bench train --config "$work/two.yaml" --seconds 0.2 --repeats 1 \
   --json "$work/bench0.json" : -np 1 "$stoke" bench train --config "$work/two.yaml" --seconds 0.2 --repeats 1 \
   --json /nonexistent/bench1.json
+# Two ranks on one machine with threads left at 0 share its cores among their loaders as among
+# their compute teams (each loader took every core).
+config cores 1
+sed -i 's/threads: 1, //; /^compute_threads: 1$/d' "$work/cores.yaml"
+check bench_ranks_share_the_machines_cores 0 "compute threads ([0-9]+), loader threads \1$" -- \
+  timeout 120 "${mpi[@]}" -np 2 "$stoke" bench train --config "$work/cores.yaml" --seconds 0.2 --repeats 1
 # The same config on other data: a rank whose copy holds other records is refused before training.
 config elsewhere 1
 sed -i "s|train: $work/train.lmdb|train: $work/train_val.lmdb|" "$work/elsewhere.yaml"

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <random>
 
+#include "common/sys_memory.h"
 #include "tests/dist/dist_test_env.h"
 #include "tests/testing/test_util.h"
 #include "tests/train/train_test_util.h"
@@ -504,6 +505,19 @@ TEST(DataParallel, GatherBytesHandsEveryRankEveryRanksBytesInOrder) {
   for (size_t i = 0; i < all.size(); ++i) EXPECT_EQ(all[i], std::byte(i / mine.size() + 1)) << i;
   std::vector<std::byte> short_by_one(all.size() - 1);
   EXPECT_EQ(dp.GatherBytes(mine, short_by_one).code(), StatusCode::kInvalidArgument);
+}
+
+// Ranks sharing a machine with threads left at 0 divide its cores for their loaders as for their
+// compute teams (each rank's loader started a thread per core: two ranks on two cores ran four
+// decoding threads); data.threads, when set, is taken as written.
+TEST(DataParallel, RanksSharingAMachineShareItsCoresAmongTheirLoaders) {
+  dist::Communicator& comm = *World();
+  TrainConfig c;
+  EXPECT_EQ(LoaderThreads(c, &comm), ComputeThreads(c, &comm));
+  EXPECT_EQ(LoaderThreads(c), UsableCores());
+  EXPECT_EQ(LoaderThreads(c, &comm), CoreShare(comm.local_size())) << comm.local_size() << " ranks here";
+  c.data.threads = 3;
+  EXPECT_EQ(LoaderThreads(c, &comm), 3);
 }
 
 TEST(DataParallelDevice, EachRankFindsItsGpu) {

@@ -170,6 +170,7 @@ Result<TrainBenchReport> RunTrainBench(const BenchOptions& o, const TrainBenchOp
     }
   } remove_temporary{t.peer && t.model_json.empty() ? peer_model : std::filesystem::path()};
   prefetch::LoaderOptions lo = train::TrainLoaderOptions(c, rank, world);
+  lo.threads = train::LoaderThreads(c, comm.get());
   lo.epochs = 0;  // endless
   train::FeedNetwork(*net, lo);
   auto loader_or = prefetch::Loader::Create(*db, lo);
@@ -318,7 +319,7 @@ Result<TrainBenchReport> RunTrainBench(const BenchOptions& o, const TrainBenchOp
       "  end to end (loader -> backend)     {:8.1f} img/s  {:6.2f} steps/s   data-wait {:.1f}% of step time\n",
       model, c.model.classes, c.data.image_size, c.data.image_size, c.data.batch_size, net->backend(),
       on_host ? fmt::format(", compute threads {}", train::ComputeThreads(c, comm.get())) : std::string(),
-      ThreadsOrCores(c.data.threads), steps, t.warmup, o.repeats, compute, compute / c.data.batch_size,
+      lo.threads, steps, t.warmup, o.repeats, compute, compute / c.data.batch_size,
       fmt::format("{:.0f}", fmt::join(compute_rates, ", ")), end_to_end, end_to_end / c.data.batch_size, 100 * wait);
 #if STOKE_WITH_CUDA
   if (const auto* gpu = dynamic_cast<const train::CudaNetwork*>(net.get()); gpu != nullptr) {
@@ -367,7 +368,7 @@ Result<TrainBenchReport> RunTrainBench(const BenchOptions& o, const TrainBenchOp
   }
   if (!o.json_out.empty()) {
     nlohmann::json j{{"config", t.config.string()}, {"batch", c.data.batch_size}, {"backend", net->backend()},
-                     {"world", world}, {"loader_threads", ThreadsOrCores(c.data.threads)},
+                     {"world", world}, {"loader_threads", lo.threads},
                      {"allreduce_ms_per_step", comm_ms}, {"overlap_fraction", overlap_fraction},
                      {"blocked_ms_per_step", blocked_ms},
                      {"compute_img_s", compute}, {"compute_runs", compute_rates}, {"e2e_img_s", end_to_end},
